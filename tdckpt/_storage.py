@@ -1,0 +1,272 @@
+"""Storage: one read-only interface over a directory prefix and a ``.tdz`` archive.
+
+Everything above this layer names files by *relative POSIX paths* inside the prefix
+(``"nested/a%20b.memmap"``; ``""`` is the prefix itself). This layer is the only one that
+touches the file system for reading, and it guarantees:
+
+* no name ever resolves outside the prefix: empty, ``.``, ``..`` and absolute components
+  are refused, and a symlink is followed only when its target stays inside the prefix and
+  is not the directory that holds it or one of its ancestors (no cycles);
+* nothing is ever written: files are mapped, never grown, never created.
+
+``open_storage(path)`` picks the implementation. Archives live in ``_archive.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .errors import CheckpointNotFoundError, MetadataError, UnsafePathError
+
+__all__ = [
+    "MAX_JSON_BYTES",
+    "DirectoryStorage",
+    "Listing",
+    "Storage",
+    "check_component",
+    "join",
+    "open_storage",
+    "parse_json",
+]
+
+#: meta.json files larger than this are refused (a bounded header, as safetensors does).
+MAX_JSON_BYTES = 256 * 1024 * 1024
+
+MapMode = Literal["r", "r+"] | None
+
+
+def check_component(name: str, *, where: str) -> None:
+    """Refuse a path component that does not name a child of its directory."""
+    if name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise UnsafePathError(
+            f"{where}: the entry name {name!r} does not name a file inside the checkpoint "
+            "(empty, '.', '..', or containing '/' or NUL). tdckpt never follows such names; "
+            "the checkpoint is damaged or hostile.",
+            path=where,
+            name=name,
+        )
+
+
+def join(base: str, name: str) -> str:
+    """Join a relative path and one component."""
+    return f"{base}/{name}" if base else name
+
+
+@dataclass
+class Listing:
+    """What one directory of the prefix holds.
+
+    ``files`` maps file names to sizes in bytes, ``dirs`` lists sub-directory names,
+    ``unsafe`` maps names that must not be followed (symlinks out of the prefix, special
+    files) to the reason.
+    """
+
+    files: dict[str, int] = field(default_factory=dict)
+    dirs: set[str] = field(default_factory=set)
+    unsafe: dict[str, str] = field(default_factory=dict)
+
+
+def parse_json(data: bytes, *, where: str) -> Any:
+    """Parse JSON bytes; every failure (bad UTF-8, syntax, depth, huge ints) -> MetadataError."""
+    try:
+        return json.loads(data)
+    except RecursionError as exc:
+        raise MetadataError(
+            f"{where}: the JSON is nested too deeply to be checkpoint metadata. "
+            "The file is damaged or hostile; restore it from a backup.",
+            path=where,
+        ) from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MetadataError(
+            f"{where}: not valid JSON ({exc}). Expected a JSON object written by "
+            "tensordict. The file is truncated or damaged; restore it from a backup.",
+            path=where,
+        ) from exc
+
+
+class Storage(ABC):
+    """Read-only access to the entries of one checkpoint prefix."""
+
+    #: "directory" or "archive"
+    kind: str
+    #: the path the user gave, for messages
+    location: str
+
+    @abstractmethod
+    def listdir(self, rel: str) -> Listing:
+        """List the directory ``rel`` (``""`` is the prefix)."""
+
+    @abstractmethod
+    def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+        """Read a whole (small) file; refuse files larger than ``max_bytes``."""
+
+    @abstractmethod
+    def map(self, rel: str, dtype: torch.dtype, numel: int, *, mode: MapMode) -> torch.Tensor:
+        """Map the first ``numel`` elements of ``rel`` as a 1-D tensor, without copying.
+
+        The caller has checked the file is large enough; this never grows a file.
+        """
+
+    def physical_path(self, rel: str) -> Path | None:
+        """The real file behind ``rel`` when there is one (directories), else None."""
+        return None
+
+    def display(self, rel: str) -> str:
+        """``rel`` as a user-readable location."""
+        return str(Path(self.location) / rel) if rel else str(self.location)
+
+    def read_json(self, rel: str) -> Any:
+        """Read and parse a JSON file (bounded size and depth)."""
+        return parse_json(self.read_bytes(rel), where=self.display(rel))
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (archives unmap their file)."""
+
+    def __enter__(self) -> Storage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DirectoryStorage(Storage):
+    """A checkpoint saved as a directory tree."""
+
+    kind = "directory"
+
+    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+        self.location = os.fspath(prefix)
+        self.root = Path(prefix)
+        self._real_root = os.path.realpath(self.root)
+
+    # -- path resolution -------------------------------------------------------------
+    def _resolve(self, rel: str) -> Path:
+        parts = rel.split("/") if rel else []
+        for part in parts:
+            check_component(part, where=self.display(rel))
+        return self.root.joinpath(*parts)
+
+    def _check_link(self, path: Path, rel: str) -> str | None:
+        """Why the symlink ``path`` must not be followed, or None if it is safe."""
+        target = os.path.realpath(path)
+        root = self._real_root
+        if target != root and not target.startswith(root + os.sep):
+            return f"a symlink to {target}, outside the checkpoint"
+        holder = os.path.realpath(path.parent)
+        if holder == target or holder.startswith(target + os.sep):
+            return "a symlink to its own directory or an ancestor (a cycle)"
+        return None
+
+    def listdir(self, rel: str) -> Listing:
+        path = self._resolve(rel)
+        listing = Listing()
+        try:
+            it = os.scandir(path)
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{self.display(rel)}: no such directory.", path=self.display(rel)
+            ) from exc
+        except NotADirectoryError as exc:
+            raise MetadataError(
+                f"{self.display(rel)}: expected a directory, found a file.",
+                path=self.display(rel),
+            ) from exc
+        with it:
+            for entry in it:
+                name = entry.name
+                try:
+                    if entry.is_symlink():
+                        reason = self._check_link(Path(entry.path), join(rel, name))
+                        if reason is not None:
+                            listing.unsafe[name] = reason
+                            continue
+                    st = entry.stat()  # follows a (safe) symlink
+                except OSError as exc:
+                    listing.unsafe[name] = f"unreadable ({exc.strerror})"
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    listing.dirs.add(name)
+                elif stat.S_ISREG(st.st_mode):
+                    listing.files[name] = st.st_size
+                else:
+                    listing.unsafe[name] = "not a regular file or directory"
+        return listing
+
+    def _open_checked(self, rel: str) -> Path:
+        path = self._resolve(rel)
+        if path.is_symlink():
+            reason = self._check_link(path, rel)
+            if reason is not None:
+                raise UnsafePathError(
+                    f"{self.display(rel)}: {reason}; tdckpt never follows it. Replace the "
+                    "link with the real file.",
+                    path=self.display(rel),
+                )
+        return path
+
+    def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+        path = self._open_checked(rel)
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size > max_bytes:
+                    raise MetadataError(
+                        f"{self.display(rel)}: {size} bytes, more than the {max_bytes} bytes "
+                        "tdckpt reads for a metadata file. The file is damaged or hostile.",
+                        path=self.display(rel),
+                    )
+                return fh.read(max_bytes + 1)
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{self.display(rel)}: no such file.", path=self.display(rel)
+            ) from exc
+        except IsADirectoryError as exc:
+            raise MetadataError(
+                f"{self.display(rel)}: expected a file, found a directory.",
+                path=self.display(rel),
+            ) from exc
+
+    def map(self, rel: str, dtype: torch.dtype, numel: int, *, mode: MapMode) -> torch.Tensor:
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        path = self._open_checked(rel)
+        shared = _writable(path) if mode is None else mode == "r+"
+        if mode == "r+" and not _writable(path):
+            raise PermissionError(
+                errno.EACCES,
+                f"{self.display(rel)}: mode='r+' needs a writable file; use mode='r' or "
+                "mode=None",
+            )
+        return torch.from_file(str(path), shared=shared, size=numel, dtype=dtype)
+
+    def physical_path(self, rel: str) -> Path | None:
+        return self._open_checked(rel)
+
+
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK)
+
+
+def open_storage(prefix: str | os.PathLike[str]) -> Storage:
+    """Open a checkpoint prefix: a directory, or a ``.tdz`` zip archive."""
+    path = Path(prefix)
+    if path.is_dir():
+        return DirectoryStorage(path)
+    if path.is_file():
+        from ._archive import ArchiveStorage
+
+        return ArchiveStorage(path)
+    raise CheckpointNotFoundError(
+        f"{path}: no checkpoint here (neither a directory nor a .tdz archive). Check the "
+        "path; a checkpoint is the directory that holds meta.json, or a .tdz file.",
+        path=str(path),
+    )

@@ -1,0 +1,257 @@
+"""Versioned metadata schemas: the tensordict on-disk format and tdckpt's manifest.
+
+Two documents are described here, each a frozen pydantic model:
+
+* the ``meta.json`` of each level of a checkpoint in the **current tensordict format**
+  (``"_format_version": 1``, written by tensordict 0.15.3 - generation G8 in
+  format-notes.md). Older generations are migrated to this form before validation
+  (``migrations/``), so only the current form is modelled.
+* tdckpt's own per-checkpoint **manifest** (``tdckpt.manifest.json`` at the root of a
+  prefix), which records what no tensordict file does: the key encoding, the pickle
+  inventory, the writer versions, the size and checksum of every file, the user's metadata.
+
+The JSON Schema of every model is exported to ``schemas/`` (``python -m tdckpt.schema``);
+a test regenerates them and fails when they drift.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "MANIFEST_SCHEMA_VERSION",
+    "SCHEMA_MODELS",
+    "ChildEntry",
+    "FileRecord",
+    "LazyStackMeta",
+    "LeafEntry",
+    "Manifest",
+    "NonTensorDataMeta",
+    "NonTensorStackMeta",
+    "PickleRecord",
+    "TensorClassMeta",
+    "TensorDictMeta",
+    "WriterVersions",
+    "export_schemas",
+]
+
+#: The tensordict format version this tdckpt reads and writes (tensordict 0.15.3).
+FORMAT_VERSION = 1
+#: The version of tdckpt's manifest schema.
+MANIFEST_SCHEMA_VERSION = 1
+#: The manifest's file name at the root of a prefix (tensordict ignores unlisted files).
+MANIFEST_NAME = "tdckpt.manifest.json"
+
+#: Upper bound for one dimension: shapes are int64 in torch.
+_MAX_DIM = 2**62
+Dim = Annotated[int, Field(ge=0, le=_MAX_DIM)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+# -- tensordict meta.json, format v1 ---------------------------------------------------------
+
+
+class LeafEntry(_Model):
+    """A dense or strided-nested tensor leaf: ``<key>.memmap`` (+ ``<key>.shape.memmap``)."""
+
+    device: str | None = None
+    shape: list[Dim] = Field(max_length=64)
+    dtype: str
+    is_nested: bool = False
+
+
+class ChildEntry(_Model):
+    """A nested collection, stored in the sub-directory named after its key."""
+
+    type: str
+
+
+Entry = LeafEntry | ChildEntry
+
+
+def _split_entries(raw: Any, fields: set[str]) -> Any:
+    """Move dict-valued items that are not format fields into ``entries``.
+
+    tensordict mixes the keys of a level with its format fields in one JSON object. Every
+    dict value is a key's entry (a key named ``_names`` or ``_format_version`` keeps its
+    dict entry, and the file then reads as version 0, as tensordict does).
+    """
+    if not isinstance(raw, dict):
+        return raw
+    out: dict[str, Any] = {}
+    entries: dict[str, Any] = {}
+    for name, value in raw.items():
+        if isinstance(value, dict) and not (name in fields and name in _DICT_FIELDS):
+            entries[name] = value
+        else:
+            out[name] = value
+    out["entries"] = entries
+    return out
+
+
+_DICT_FIELDS = {"_metadata", "index", "custom_op_kwargs", "inv_op_kwargs"}
+
+
+class TensorDictMeta(_Model):
+    """``meta.json`` of a TensorDict level (also the ``_tensordict/`` of a tensorclass)."""
+
+    shape: list[Dim] = Field(max_length=64, description="the batch size")
+    device: str | None = None
+    type_: str = Field(alias="_type")
+    format_version: Literal[1] = Field(alias="_format_version")
+    class_: str = Field(alias="_class")
+    names: list[str | None] | None = Field(default=None, alias="_names")
+    entries: dict[str, Entry] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split(cls, raw: Any) -> Any:
+        return _split_entries(raw, {"shape", "device", "_type", "_format_version", "_class"})
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _none_device(cls, value: Any) -> Any:
+        return None if value == "None" else value
+
+
+class LazyStackMeta(_Model):
+    """``meta.json`` of a LazyStackedTensorDict; members live in ``0/``, ``1/``, ..."""
+
+    type_: str = Field(alias="_type")
+    format_version: Literal[1] = Field(alias="_format_version")
+    class_: str = Field(alias="_class")
+    stack_dim: int = Field(ge=0, le=64)
+    stack_dim_name: str | None = None
+
+
+class NonTensorDataMeta(_Model):
+    """``meta.json`` of a NonTensorData / MetaData value (no format version at this level).
+
+    ``data`` is absent when the value was pickled into ``other.pickle``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="allow", populate_by_name=True)
+
+    type_: str = Field(alias="_type")
+    data: Any = None
+    metadata: Any = Field(default=None, alias="_metadata")
+    is_non_tensor: bool = Field(default=True, alias="_is_non_tensor")
+
+
+class NonTensorStackMeta(_Model):
+    """``meta.json`` of a NonTensorStack: the nested list inline, or ``"pickle.pkl"``."""
+
+    type_: str = Field(alias="_type")
+    format_version: Literal[1] = Field(alias="_format_version")
+    class_: str = Field(alias="_class")
+    stack_dim: int = Field(ge=0, le=64)
+    stack_dim_name: str | None = None
+    device: str | None = None
+    data: list[Any] | Literal["pickle.pkl"]
+
+
+class TensorClassMeta(_Model):
+    """``meta.json`` of a tensorclass: ``_type`` plus JSON-able non-tensor fields.
+
+    Tensor fields live in ``_tensordict/``; pickled fields in ``other.pickle``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="allow", populate_by_name=True)
+
+    type_: str = Field(alias="_type")
+
+
+# -- tdckpt manifest ----------------------------------------------------------------------
+
+
+class FileRecord(_Model):
+    """One file of the checkpoint, as written."""
+
+    path: str = Field(description="POSIX path relative to the prefix")
+    size: int = Field(ge=0)
+    checksum: str = Field(description="'<algorithm>:<hex digest>'", pattern=r"^[a-z0-9_]+:[0-9a-f]+$")
+    key: list[str] | None = Field(default=None, description="the nested key it stores, if a leaf")
+
+
+class PickleRecord(_Model):
+    """A non-tensor value stored as a pickle."""
+
+    key: list[str]
+    file: str
+    kind: Literal["other.pickle", "pickle.pkl"]
+
+
+class WriterVersions(_Model):
+    """Versions of the software that wrote the checkpoint."""
+
+    tdckpt: str
+    tensordict: str | None = None
+    torch: str
+    python: str
+
+
+class Manifest(_Model):
+    """``tdckpt.manifest.json``: what tdckpt wrote or established about a prefix."""
+
+    schema_version: int = Field(ge=1, description="version of this manifest schema")
+    format_version: int = Field(ge=0, description="tensordict format version of the data")
+    created: str = Field(description="UTC ISO-8601 time of writing")
+    writer: WriterVersions
+    key_encoding: Literal["robust", "legacy"]
+    step: int | None = None
+    root_type: str = Field(description="the saved class, e.g. 'tensordict:TensorDict'")
+    pickles: list[PickleRecord] = Field(default_factory=list)
+    files: list[FileRecord] = Field(default_factory=list)
+    user_metadata: dict[str, Any] = Field(default_factory=dict)
+    migrated_from: str | None = Field(
+        default=None, description="the generation the checkpoint had before an upgrade"
+    )
+    migrations: list[str] = Field(default_factory=list, description="upgrade steps applied")
+
+
+#: name -> model of every exported JSON Schema (``schemas/<name>.v<N>.json``).
+SCHEMA_MODELS: dict[str, tuple[type[BaseModel], int]] = {
+    "tensordict-meta": (TensorDictMeta, FORMAT_VERSION),
+    "lazystack-meta": (LazyStackMeta, FORMAT_VERSION),
+    "nontensordata-meta": (NonTensorDataMeta, FORMAT_VERSION),
+    "nontensorstack-meta": (NonTensorStackMeta, FORMAT_VERSION),
+    "tensorclass-meta": (TensorClassMeta, FORMAT_VERSION),
+    "manifest": (Manifest, MANIFEST_SCHEMA_VERSION),
+}
+
+
+def schema_documents() -> dict[str, str]:
+    """File name -> JSON text of every schema, exactly as ``schemas/`` must hold them."""
+    docs = {}
+    for name, (model, version) in SCHEMA_MODELS.items():
+        schema = model.model_json_schema(by_alias=True)
+        schema["$id"] = f"https://tdckpt.invalid/schemas/{name}.v{version}.json"
+        docs[f"{name}.v{version}.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    return docs
+
+
+def export_schemas(directory: str | Path) -> list[Path]:
+    """Write every JSON Schema into ``directory``; return the paths written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fname, text in schema_documents().items():
+        path = directory / fname
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m tdckpt.schema [DIR]`
+    for p in export_schemas(sys.argv[1] if len(sys.argv) > 1 else "schemas"):
+        print(p)
