@@ -179,7 +179,12 @@ class FileRecord(_Model):
 
     path: str = Field(description="POSIX path relative to the prefix")
     size: int = Field(ge=0)
-    checksum: str = Field(description="'<algorithm>:<hex digest>'", pattern=r"^[a-z0-9_]+:[0-9a-f]+$")
+    checksum: str | None = Field(
+        default=None,
+        description="'<algorithm>:<hex digest>'; None when not computed (an in-place upgrade "
+        "links data files without reading them)",
+        pattern=r"^[a-z0-9_]+:[0-9a-f]+$",
+    )
     key: list[str] | None = Field(default=None, description="the nested key it stores, if a leaf")
 
 

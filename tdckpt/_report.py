@@ -1,0 +1,133 @@
+"""Problems and the reports that carry them (validation, inspection)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = ["Inspection", "NodeInfo", "Problem", "ValidationReport"]
+
+Severity = Literal["error", "warning", "info"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with (or worth knowing about) a checkpoint.
+
+    Attributes:
+        code: a stable identifier, e.g. ``"short-file"``, ``"missing-child"``.
+        severity: ``"error"`` makes the checkpoint unrestorable; ``"warning"`` and
+            ``"info"`` do not.
+        path: the file or directory concerned, relative to the prefix (``""`` = root).
+        key: the nested key concerned, as a tuple of strings (empty when none).
+        message: what was found, what was expected, what to do.
+    """
+
+    code: str
+    severity: Severity
+    path: str
+    key: tuple[str, ...]
+    message: str
+
+    def __str__(self) -> str:
+        where = self.path or "."
+        key = f" [{'.'.join(self.key)}]" if self.key else ""
+        return f"{self.severity}: {where}{key}: {self.message}"
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["key"] = list(self.key)
+        return data
+
+
+@dataclass
+class ValidationReport:
+    """Every problem found in a checkpoint, all at once."""
+
+    prefix: str
+    problems: list[Problem] = field(default_factory=list)
+    generation: str | None = None
+    key_encoding: str | None = None
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "warning"]
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing prevents a faithful restore."""
+        return not self.errors
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prefix": self.prefix,
+            "ok": self.ok,
+            "generation": self.generation,
+            "key_encoding": self.key_encoding,
+            "problems": [p.to_json() for p in self.problems],
+        }
+
+
+@dataclass
+class NodeInfo:
+    """One entry of an inspected checkpoint tree."""
+
+    key: tuple[str, ...]
+    kind: str  # "tensordict" | "lazy-stack" | "tensorclass" | "leaf" | "non-tensor" | ...
+    path: str
+    class_name: str | None = None
+    dtype: str | None = None
+    shape: list[int] | None = None
+    batch_size: list[int] | None = None
+    nbytes: int = 0
+    pickled: bool = False
+    children: list[NodeInfo] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if k != "children"}
+        data["key"] = list(self.key)
+        data["children"] = [c.to_json() for c in self.children]
+        return data
+
+
+@dataclass
+class Inspection:
+    """What a checkpoint is, read from its metadata only (no leaf byte is read)."""
+
+    prefix: str
+    storage: str  # "directory" | "archive"
+    generation: str
+    format_version: int
+    key_encoding: str
+    root: NodeInfo
+    total_bytes: int
+    leaf_count: int
+    pickles: list[tuple[str, ...]]
+    migrations: list[str]
+    lost: list[str]
+    manifest: dict[str, Any] | None
+    problems: list[Problem]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prefix": self.prefix,
+            "storage": self.storage,
+            "generation": self.generation,
+            "format_version": self.format_version,
+            "key_encoding": self.key_encoding,
+            "total_bytes": self.total_bytes,
+            "leaf_count": self.leaf_count,
+            "pickles": [list(k) for k in self.pickles],
+            "migrations": self.migrations,
+            "lost": self.lost,
+            "manifest": self.manifest,
+            "problems": [p.to_json() for p in self.problems],
+            "tree": self.root.to_json(),
+        }
