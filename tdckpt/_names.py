@@ -1,0 +1,324 @@
+"""Key-name normalization: find each key's file, whatever convention named it.
+
+After the migration chain, every collection directory has current-form metadata, but its
+files still carry the names the writer gave them: percent-encoded ("robust"), raw
+("legacy"), or raw directories with encoded leaves (tensordict 0.13). This stage maps
+every key to its file or directory and renames the entries of the virtual tree to the
+robust names the current format uses, so later stages only ever compute
+``encode_key(key)``.
+
+The convention is decided once per directory - separately for leaf files and for child
+directories - never per key: a per-key probe reads the wrong file when both ``a b.memmap``
+and ``a%20b.memmap`` exist (format-notes.md §2.3). ``robust_key``:
+
+* ``True``: tensordict's rule - the robust name, else the raw name of a *safe* legacy key;
+* ``False``: raw names only (a key with ``/`` names a chain of directories);
+* ``None``: decide per directory. The hint a migration set from the writer's generation
+  wins; otherwise the convention under which every key finds its file. When both do and
+  they disagree the directory is ambiguous, and it is refused.
+
+A key whose raw name would leave the directory (``..``, ``.``, empty or absolute
+components) is never followed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ._keys import LEAF_SUFFIX, NESTED_SHAPE_SUFFIX, encode_key, is_safe_legacy_key, legacy_components
+from ._report import Problem
+from ._storage import Storage, join
+from ._tree import VDir, VFile
+
+__all__ = ["SIDECARS", "NamesResult", "normalize_names", "key_entries"]
+
+#: Files that belong to a level itself, never to a key.
+SIDECARS = frozenset(
+    {"meta.json", "other.pickle", "pickle.pkl", "json_types.json", "tdckpt.manifest.json"}
+)
+#: meta.json fields whose value is a dict but that are not keys.
+_DICT_FIELDS = frozenset({"_metadata", "index", "custom_op_kwargs", "inv_op_kwargs"})
+
+ROBUST = "robust"
+LEGACY = "legacy"
+
+
+@dataclass
+class NamesResult:
+    """The tree with robust names, what went wrong, and the convention found."""
+
+    tree: VDir
+    problems: list[Problem] = field(default_factory=list)
+    encoding: str = ROBUST  # "robust" | "legacy" | "mixed"
+    decisions: dict[str, str] = field(default_factory=dict)  # dir path -> "robust"/"legacy"
+
+
+def is_keyed_level(meta: dict[str, object] | None) -> bool:
+    """Whether a meta.json describes a level whose dict entries are keys (a TensorDict)."""
+    if not meta or "shape" not in meta:
+        return False
+    type_ = str(meta.get("_type", ""))
+    return "NonTensor" not in type_ and "MetaData" not in type_
+
+
+def key_entries(meta: dict[str, object]) -> tuple[list[str], list[str]]:
+    """Split the keys of a TensorDict level into (leaf keys, child keys), in file order."""
+    leaves: list[str] = []
+    children: list[str] = []
+    for key, value in meta.items():
+        if not isinstance(value, dict) or key in _DICT_FIELDS:
+            continue
+        if "type" in value and "dtype" not in value:
+            children.append(key)
+        else:
+            leaves.append(key)
+    return leaves, children
+
+
+def normalize_names(tree: VDir, *, robust_key: bool | None, storage: Storage) -> NamesResult:
+    """Rename every key-named entry of ``tree`` to its robust name (in memory)."""
+    result = NamesResult(tree=tree)
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if is_keyed_level(node.meta):
+            _normalize_dir(node, robust_key, result)
+        stack.extend(node.dirs.values())
+    used = set(result.decisions.values())
+    result.encoding = used.pop() if len(used) == 1 else (ROBUST if not used else "mixed")
+    return result
+
+
+# -- one directory -------------------------------------------------------------------------
+
+
+def _legacy_file(node: VDir, key: str, suffix: str) -> VFile | None:
+    # The raw file name is the key plus its suffix: "..", "." and "" are ordinary file
+    # names once suffixed ("...memmap"); only a "/" can lead out of the directory.
+    parts = legacy_components(key + suffix)
+    if parts is None:
+        return None
+    cur = node
+    for part in parts[:-1]:
+        nxt = cur.dirs.get(part)
+        if nxt is None:
+            return None
+        cur = nxt
+    return cur.files.get(parts[-1])
+
+
+def _legacy_dir(node: VDir, key: str) -> VDir | None:
+    parts = legacy_components(key)
+    if parts is None:
+        return None
+    cur: VDir | None = node
+    for part in parts:
+        cur = cur.dirs.get(part) if cur is not None else None
+    return cur
+
+
+def _robust_file(node: VDir, key: str, suffix: str) -> VFile | None:
+    found = node.files.get(encode_key(key) + suffix)
+    if found is None and key in ("", ".", ".."):
+        # tensordict 0.13 percent-encoded leaf names but did not yet special-case the
+        # empty and dot keys: "" was ".memmap" and ".." was "...memmap".
+        found = node.files.get(key + suffix)
+    return found
+
+
+def _choose(
+    node: VDir,
+    keys: list[str],
+    find_robust: object,
+    find_legacy: object,
+    needs_file: dict[str, bool],
+    *,
+    robust_key: bool | None,
+    hint: str | None,
+    is_collection: bool,
+    result: NamesResult,
+    what: str,
+    lost: list[str],
+) -> dict[str, tuple[str, object]]:
+    """Pick each key's entry under one convention; return key -> (convention, entry)."""
+    robust = {k: find_robust(k) for k in keys}  # type: ignore[operator]
+    legacy = {k: find_legacy(k) for k in keys}  # type: ignore[operator]
+    picked: dict[str, tuple[str, object]] = {}
+    if robust_key is True:
+        for k in keys:
+            if robust[k] is not None:
+                picked[k] = (ROBUST, robust[k])
+            elif encode_key(k) != k and is_safe_legacy_key(k, is_collection=is_collection) and (
+                legacy[k] is not None
+            ):
+                picked[k] = (LEGACY, legacy[k])
+        return picked
+    if robust_key is False:
+        conv = LEGACY
+    elif hint in (ROBUST, LEGACY):
+        conv = hint
+    else:
+        distinct = [k for k in keys if encode_key(k) != k and needs_file[k]]
+        r_ok = all(robust[k] is not None for k in distinct)
+        l_ok = all(legacy[k] is not None for k in distinct)
+        if distinct and r_ok and l_ok:
+            both = [k for k in distinct if robust[k] is not legacy[k]]
+            result.problems.append(
+                Problem(
+                    "ambiguous-key-encoding",
+                    "error",
+                    node.source,
+                    (),
+                    f"the {what} of this directory can be read under both key encodings "
+                    f"(e.g. key {both[0]!r} has both {encode_key(both[0])!r} and the raw name "
+                    "on disk), so which file holds which key is unknown. Pass "
+                    "robust_key=True for files written by tensordict >= 0.13 defaults, or "
+                    "robust_key=False for files written with raw (legacy) names.",
+                )
+            )
+            return {}
+        if r_ok or not distinct:
+            conv = ROBUST
+        elif l_ok:
+            conv = LEGACY
+        else:
+            r_n = sum(robust[k] is not None for k in distinct)
+            l_n = sum(legacy[k] is not None for k in distinct)
+            conv = ROBUST if r_n >= l_n else LEGACY
+        if distinct:
+            result.decisions[f"{node.source}:{what}"] = conv
+    if robust_key is False or hint in (ROBUST, LEGACY):
+        if any(encode_key(k) != k for k in keys):
+            result.decisions[f"{node.source}:{what}"] = conv
+    table = robust if conv == ROBUST else legacy
+    for k in keys:
+        unsafe = legacy_components(k + ("" if is_collection else LEAF_SUFFIX)) is None
+        if conv == LEGACY and unsafe and needs_file[k]:
+            lost.append(k)
+            result.problems.append(
+                Problem(
+                    "lost-key",
+                    "warning",
+                    node.source,
+                    (k,),
+                    f"under raw (legacy) names the key {k!r} names a path outside this "
+                    "directory or the directory itself: tdckpt never follows it. The writer "
+                    "could not store it inside the checkpoint, so its content is lost and "
+                    "the key is left out.",
+                )
+            )
+            continue
+        if table[k] is not None:
+            picked[k] = (conv, table[k])
+    return picked
+
+
+def _normalize_dir(node: VDir, robust_key: bool | None, result: NamesResult) -> None:
+    meta = node.meta
+    assert meta is not None
+    leaves, children = key_entries(meta)
+
+    def needs(k: str) -> bool:
+        entry = meta[k]
+        assert isinstance(entry, dict)
+        shape = entry.get("shape")
+        if entry.get("is_nested"):
+            return True
+        if not isinstance(shape, list):
+            return True
+        n = 1
+        for d in shape:
+            n *= d if isinstance(d, int) else 1
+        return n != 0
+
+    leaf_needs = {k: needs(k) for k in leaves}
+    lost: list[str] = []
+    picked_leaves = _choose(
+        node,
+        leaves,
+        lambda k: _robust_file(node, k, LEAF_SUFFIX),
+        lambda k: _legacy_file(node, k, LEAF_SUFFIX),
+        leaf_needs,
+        robust_key=robust_key,
+        hint=node.leaf_encoding,
+        is_collection=False,
+        result=result,
+        what="leaf files",
+        lost=lost,
+    )
+    picked_dirs = _choose(
+        node,
+        children,
+        lambda k: node.dirs.get(encode_key(k)),
+        lambda k: _legacy_dir(node, k),
+        dict.fromkeys(children, True),
+        robust_key=robust_key,
+        hint=node.dir_encoding,
+        is_collection=True,
+        result=result,
+        what="child directories",
+        lost=lost,
+    )
+    for k in lost:
+        del meta[k]
+
+    claimed_files: set[int] = set()
+    claimed_dirs: set[int] = set()
+    new_files: dict[str, VFile] = {}
+    new_dirs: dict[str, VDir] = {}
+    for k, (conv, vfile) in picked_leaves.items():
+        assert isinstance(vfile, VFile)
+        new_files[encode_key(k) + LEAF_SUFFIX] = vfile
+        claimed_files.add(id(vfile))
+        entry = meta[k]
+        if isinstance(entry, dict) and entry.get("is_nested"):
+            finder = _robust_file if conv == ROBUST else _legacy_file
+            shape_file = finder(node, k, NESTED_SHAPE_SUFFIX)
+            if shape_file is not None:
+                new_files[encode_key(k) + NESTED_SHAPE_SUFFIX] = shape_file
+                claimed_files.add(id(shape_file))
+    for k, (_conv, vdir) in picked_dirs.items():
+        assert isinstance(vdir, VDir)
+        new_dirs[encode_key(k)] = vdir
+        claimed_dirs.add(id(vdir))
+
+    # What no key claimed: sidecars stay; other files and metadata-less directories
+    # are strays (left behind by tensordict's own quirks, or foreign).
+    for name, vfile in node.files.items():
+        if id(vfile) in claimed_files:
+            continue
+        if name in SIDECARS or name.endswith(".meta.pt"):
+            new_files.setdefault(name, vfile)
+            continue
+        result.problems.append(
+            Problem(
+                "stray-file",
+                "warning",
+                join(node.source, name),
+                (),
+                "no key of this directory's meta.json names this file; it is ignored "
+                "(tensordict leaves such files behind when a key is renamed or lost).",
+            )
+        )
+    for name, vdir in node.dirs.items():
+        if id(vdir) in claimed_dirs or _holds_claimed(vdir, claimed_dirs):
+            continue
+        if name in ("_tensordict", "_source"):
+            new_dirs.setdefault(name, vdir)
+            continue
+        result.problems.append(
+            Problem(
+                "stray-directory",
+                "warning",
+                vdir.source,
+                (),
+                "no key of the parent meta.json names this directory; it is ignored.",
+            )
+        )
+    node.files = new_files
+    node.dirs = new_dirs
+
+
+def _holds_claimed(vdir: VDir, claimed: set[int]) -> bool:
+    """Whether a legacy chain directory (``a`` of key ``a/b``) leads to a claimed one."""
+    return any(id(sub) in claimed or _holds_claimed(sub, claimed) for sub in vdir.dirs.values())
