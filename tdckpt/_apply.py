@@ -1,0 +1,295 @@
+"""The apply stage: swap planned values into an existing target, all or nothing.
+
+``restore_into_target`` first *prepares*: it walks the target beside the validated
+checkpoint, decides for every level which object is reused and which value is new, builds
+and maps every new value, and checks that the target can hold them (kinds, batch sizes,
+tensorclass identity, lazy-stack member counts). The target is untouched so far.
+
+Then it *commits*: a list of plain assignments (a level's item dict, its memmap prefix,
+a tensorclass's non-tensor fields), followed by the lock and memmap state. A snapshot of
+everything it assigns is kept, and restored if anything fails while committing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._nodes import LazyStackNode, LeafNode, Node, NonTensorNode, TensorClassNode, TensorDictNode
+from ._pipeline import OpenedCheckpoint
+from ._plan import Mapper, has_tensordict, non_tensor_value, tensorclass_fields
+from ._storage import MapMode
+from .errors import RestoreError
+
+__all__ = ["restore_into_target"]
+
+
+@dataclass
+class _Plan:
+    """What the commit assigns."""
+
+    items: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)  # (level, new items)
+    prefixes: list[tuple[Any, Path | None]] = field(default_factory=list)
+    fields: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)  # (tensorclass/NTD, fields)
+    levels: list[Any] = field(default_factory=list)  # every TensorDict level touched
+
+
+def _is_td(obj: Any) -> bool:
+    if not has_tensordict():
+        return False
+    from tensordict import TensorDictBase
+
+    return isinstance(obj, TensorDictBase)
+
+
+def _is_lazy_stack(obj: Any) -> bool:
+    if not has_tensordict():
+        return False
+    from tensordict import LazyStackedTensorDict
+
+    return isinstance(obj, LazyStackedTensorDict)
+
+
+def _is_tensorclass(obj: Any) -> bool:
+    if not has_tensordict():
+        return False
+    from tensordict import is_tensorclass
+
+    return is_tensorclass(obj)
+
+
+def _is_non_tensor_data(obj: Any) -> bool:
+    if not has_tensordict():
+        return False
+    from tensordict.tensorclass import NonTensorDataBase
+
+    return isinstance(obj, NonTensorDataBase) and not _is_lazy_stack(obj)
+
+
+def _value_batch(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            return (value.size(0),)
+        return tuple(value.shape)
+    if _is_td(value) or _is_tensorclass(value):
+        return tuple(value.batch_size)
+    return None
+
+
+def _kind(obj: Any) -> str:
+    return type(obj).__name__
+
+
+class _Preparer:
+    def __init__(self, opened: OpenedCheckpoint, mapper: Mapper, builder: Any, unpickle: bool) -> None:
+        self.opened = opened
+        self.mapper = mapper
+        self.builder = builder
+        self.unpickle = unpickle
+        self.plan = _Plan()
+
+    def where(self, node: Node) -> str:
+        return self.opened.storage.display(node.path)
+
+    def into(self, target: Any, node: Node) -> None:
+        if isinstance(node, TensorClassNode):
+            if not _is_tensorclass(target) or _is_non_tensor_data(target):
+                raise RestoreError(
+                    f"{self.where(node)}: the checkpoint holds a tensorclass {node.type_str}, the "
+                    f"target is a {_kind(target)}. Restore into an instance of that class, or use "
+                    "tdckpt.load_memmap to get a new object.",
+                    key=node.key,
+                )
+            if str(type(target)) != node.type_str:
+                raise RestoreError(
+                    f"{self.where(node)}: the checkpoint holds {node.type_str}, the target is "
+                    f"{type(target)}. Restore into an instance of the saved class.",
+                    key=node.key,
+                )
+            fields = tensorclass_fields(node, self.opened.storage, self.unpickle)
+            self.plan.fields.append((target, fields))
+            self.into(target._tensordict, node.inner)
+            return
+        if isinstance(node, LazyStackNode):
+            if not _is_lazy_stack(target):
+                raise RestoreError(
+                    f"{self.where(node)}: the checkpoint holds a lazy stack of "
+                    f"{len(node.members)} tensordicts, the target is a {_kind(target)}. "
+                    "tensordict would silently leave the target empty; use tdckpt.load_memmap "
+                    "to get a new LazyStackedTensorDict.",
+                    key=node.key,
+                )
+            members = target.tensordicts
+            if len(members) != len(node.members):
+                raise RestoreError(
+                    f"{self.where(node)}: cannot load {len(node.members)} stacked tensordicts "
+                    f"into a stack of {len(members)}.",
+                    key=node.key,
+                )
+            if target.stack_dim != node.stack_dim:
+                raise RestoreError(
+                    f"{self.where(node)}: saved stack_dim {node.stack_dim}, target stack_dim "
+                    f"{target.stack_dim}.",
+                    key=node.key,
+                )
+            for member, sub in zip(members, node.members, strict=True):
+                self.into(member, sub)
+            return
+        if isinstance(node, TensorDictNode):
+            if isinstance(target, dict):
+                self._into_dict(target, node)
+                return
+            if not _is_td(target) or _is_lazy_stack(target):
+                raise RestoreError(
+                    f"{self.where(node)}: the checkpoint holds a TensorDict, the target is a "
+                    f"{_kind(target)}.",
+                    key=node.key,
+                )
+            self._into_td(target, node)
+            return
+        raise RestoreError(f"{self.where(node)}: cannot restore a {type(node).__name__} in place.", key=node.key)
+
+    def _into_dict(self, target: dict[str, Any], node: TensorDictNode) -> None:
+        new: dict[str, Any] = {}
+        for key, sub in node.entries.items():
+            existing = target.get(key)
+            if isinstance(sub, TensorDictNode) and isinstance(existing, dict):
+                self._into_dict(existing, sub)
+                new[key] = existing
+            else:
+                new[key] = self.builder.build(sub, node.batch_size)
+        self.plan.items.append((target, new))
+
+    def _into_td(self, target: Any, node: TensorDictNode) -> None:
+        if target.is_locked and not target.is_memmap():
+            raise RestoreError(
+                f"{self.where(node)}: the target tensordict is locked (and not memory-mapped), "
+                "so it cannot take new values. Call `td.unlock_()` first.",
+                key=node.key,
+            )
+        batch = tuple(target.batch_size)
+        new: dict[str, Any] = {}
+        for key, sub in node.entries.items():
+            existing = target._tensordict.get(key)
+            reuse = (
+                existing is not None
+                and (
+                    (isinstance(sub, TensorDictNode) and _is_td(existing) and not _is_lazy_stack(existing) and not _is_non_tensor_data(existing))
+                    or (isinstance(sub, TensorClassNode) and _is_tensorclass(existing) and str(type(existing)) == sub.type_str)
+                    or (isinstance(sub, LazyStackNode) and _is_lazy_stack(existing) and len(existing.tensordicts) == len(sub.members) and not _is_non_tensor_data(existing))
+                )
+            )
+            if reuse:
+                self.into(existing, sub)
+                value = existing
+            elif isinstance(sub, NonTensorNode) and _is_non_tensor_data(existing) and type(existing).__name__ == sub.class_name:
+                value_, fields = non_tensor_value(sub, self.opened.storage, self.unpickle)
+                self.plan.fields.append((existing, {"data": value_, **fields}))
+                value = existing
+            else:
+                value = self.builder.build(sub, node.batch_size)
+            vb = _value_batch(value) if not isinstance(sub, NonTensorNode) else tuple(sub.batch_size)
+            if vb is not None and vb[: len(batch)] != batch:
+                what = "leaf" if isinstance(sub, LeafNode) else "entry"
+                raise RestoreError(
+                    f"{self.where(sub)}: the saved {what} {'.'.join(sub.key)!r} has shape "
+                    f"{list(vb)}, which the target's batch size {list(batch)} cannot hold. "
+                    "Restore into a tensordict with a matching batch size, or use "
+                    "tdckpt.load_memmap.",
+                    key=sub.key,
+                    expected=list(batch),
+                    found=list(vb),
+                )
+            new[key] = value
+        self.plan.items.append((target, new))
+        self.plan.prefixes.append((target, self.mapper.dir_path(node.path)))
+        self.plan.levels.append(target)
+
+
+def _all_td_levels(target: Any) -> list[Any]:
+    """Every TensorDict level under target (for the lock/memmap state)."""
+    out = []
+    stack = [target]
+    while stack:
+        cur = stack.pop()
+        if _is_tensorclass(cur) and not _is_non_tensor_data(cur):
+            cur = cur._tensordict
+        if _is_lazy_stack(cur):
+            stack.extend(cur.tensordicts)
+            continue
+        if not _is_td(cur) or _is_non_tensor_data(cur):
+            continue
+        out.append(cur)
+        stack.extend(v for v in cur._tensordict.values() if _is_td(v) or _is_tensorclass(v))
+    return out
+
+
+def restore_into_target(
+    target: Any,
+    opened: OpenedCheckpoint,
+    *,
+    mode: MapMode,
+    unpickle: bool,
+    builder_factory: Callable[..., Any],
+) -> None:
+    """Prepare everything, then commit the swap into ``target`` (or change nothing)."""
+    root = opened.root
+    assert root is not None
+    device = None
+    inner = target._tensordict if _is_tensorclass(target) else target
+    if _is_td(inner) and inner.device is not None:
+        device = inner.device
+    mapper = Mapper(opened.storage, mode, device)
+    builder = builder_factory(opened, mapper, unpickle)
+    prep = _Preparer(opened, mapper, builder, unpickle)
+    prep.into(target, root)
+    plan = prep.plan
+
+    # Snapshot of everything the commit touches, to put back on failure.
+    root_td = inner if _is_td(inner) else None
+    was_memmap = bool(root_td is not None and not _is_lazy_stack(root_td) and root_td.is_memmap())
+    was_locked = bool(root_td is not None and root_td.is_locked)
+    levels = _all_td_levels(target) if root_td is not None else []
+    snapshot_items = [(obj, dict(obj._tensordict) if _is_td(obj) else dict(obj)) for obj, _ in plan.items]
+    snapshot_flags = [(lvl, lvl._memmap_prefix, getattr(lvl, "_is_memmap", False)) for lvl in levels]
+    snapshot_fields = [(obj, dict(obj._non_tensordict)) for obj, _ in plan.fields]
+    try:
+        if was_memmap:
+            root_td.unlock_()
+        for obj, new in plan.items:
+            store = obj._tensordict if _is_td(obj) else obj
+            store.clear()
+            store.update(new)
+        for obj, fields in plan.fields:
+            obj._non_tensordict.clear()
+            obj._non_tensordict.update(fields)
+        for lvl, prefix in plan.prefixes:
+            lvl._memmap_prefix = prefix
+        if was_memmap:
+            if mapper.records_prefix:
+                for lvl in _all_td_levels(target):
+                    lvl._is_memmap = True
+                    lvl._is_shared = False
+                root_td.lock_()
+            else:
+                for lvl in _all_td_levels(target):
+                    lvl._is_memmap = False
+                    lvl._memmap_prefix = None
+    except BaseException:
+        for obj, items in snapshot_items:
+            store = obj._tensordict if _is_td(obj) else obj
+            store.clear()
+            store.update(items)
+        for obj, fields in snapshot_fields:
+            obj._non_tensordict.clear()
+            obj._non_tensordict.update(fields)
+        for lvl, prefix, is_memmap in snapshot_flags:
+            lvl._memmap_prefix = prefix
+            lvl._is_memmap = is_memmap
+        if was_locked and root_td is not None and not root_td.is_locked:
+            root_td.lock_()
+        raise

@@ -1,0 +1,145 @@
+"""The validated checkpoint: a typed tree of what each level holds.
+
+Validation (``_validate.py``) turns the current-form virtual tree into these nodes, and
+the planner and the restore engine consume them. Nodes carry no tensor data: leaves
+point at their files, non-tensor values are either inline JSON data or a pickle file
+that has not been read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+from ._tree import VFile
+
+__all__ = [
+    "DTYPES",
+    "LazyStackNode",
+    "LeafNode",
+    "Node",
+    "NonTensorNode",
+    "NonTensorStackNode",
+    "TensorClassNode",
+    "TensorDictNode",
+]
+
+
+def _dtype_table() -> dict[str, torch.dtype]:
+    table = {}
+    for name in dir(torch):
+        value = getattr(torch, name)
+        if not isinstance(value, torch.dtype) or value.is_complex is None:
+            continue
+        text = str(value)
+        # Quantized dtypes cannot be mapped from a file; the sub-byte int1..int7 /
+        # uint1..uint7 are placeholders without a storage layout of their own.
+        short = text.removeprefix("torch.")
+        if short.startswith(("qint", "quint")) or short[:-1] in ("int", "uint") and short[-1] in "1234567":
+            continue
+        table[text] = value
+    return table
+
+
+#: dtype string as written in meta.json -> torch dtype (float8 and uint16-64 included:
+#: tensordict writes them; 0.15.3's own reader cannot read float8 back, tdckpt can).
+DTYPES: dict[str, torch.dtype] = _dtype_table()
+
+
+@dataclass
+class LeafNode:
+    """A tensor leaf. ``shape`` is the tensor's shape (for a nested tensor: its size table's)."""
+
+    key: tuple[str, ...]
+    path: str  # the data file, relative to the prefix (for messages)
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: str | None
+    is_nested: bool
+    file: VFile | None  # None: a zero-element leaf that has no file
+    shape_file: VFile | None = None
+    numel: int = 0  # elements of the data file to map
+    sizes: torch.Tensor | None = None  # nested: the per-element size table (read at validation)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass
+class TensorDictNode:
+    key: tuple[str, ...]
+    path: str
+    class_id: str
+    batch_size: tuple[int, ...]
+    device: str | None
+    names: list[str | None] | None
+    entries: dict[str, Node] = field(default_factory=dict)
+
+
+@dataclass
+class LazyStackNode:
+    key: tuple[str, ...]
+    path: str
+    class_id: str
+    stack_dim: int
+    stack_dim_name: str | None
+    members: list[Node] = field(default_factory=list)
+
+
+@dataclass
+class NonTensorNode:
+    """A NonTensorData / MetaData value: inline JSON ``data``, or pickled in ``pickle``."""
+
+    key: tuple[str, ...]
+    path: str
+    class_name: str  # "NonTensorData" | "MetaData"
+    batch_size: tuple[int, ...]
+    device: str | None
+    data: Any = None
+    has_data: bool = False
+    metadata: Any = None
+    pickle: VFile | None = None
+    json_types: dict[str, str] | None = None  # from json_types.json, when it matches
+
+
+@dataclass
+class NonTensorStackNode:
+    key: tuple[str, ...]
+    path: str
+    stack_dim: int
+    device: str | None
+    data: list[Any] | None = None
+    pickle: VFile | None = None
+
+
+@dataclass
+class TensorClassNode:
+    key: tuple[str, ...]
+    path: str
+    type_str: str  # "<class 'module.Name'>"
+    fields: dict[str, Any]
+    inner: TensorDictNode
+    pickle: VFile | None = None
+
+
+Node = Union[TensorDictNode, LazyStackNode, NonTensorNode, NonTensorStackNode, TensorClassNode, LeafNode]
+
+
+def pickled_nodes(node: Node) -> list[Node]:
+    """Every node of the tree whose value needs unpickling, in tree order."""
+    out: list[Node] = []
+    stack: list[Node] = [node]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, (NonTensorNode, NonTensorStackNode, TensorClassNode)) and cur.pickle:
+            out.append(cur)
+        if isinstance(cur, TensorDictNode):
+            stack.extend(reversed(list(cur.entries.values())))
+        elif isinstance(cur, LazyStackNode):
+            stack.extend(reversed(cur.members))
+        elif isinstance(cur, TensorClassNode):
+            stack.append(cur.inner)
+    return out

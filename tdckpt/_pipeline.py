@@ -1,0 +1,126 @@
+"""The read path, one direction: storage -> metadata -> detect -> migrate -> names -> validate.
+
+``open_checkpoint`` runs every stage that can fail before anything is restored and returns
+an :class:`OpenedCheckpoint`: the storage (kept open for mapping), the validated node
+tree, every problem, and what the checkpoint is (generation, key encoding, migrations
+applied, content the writer lost). ``validate``, ``inspect`` and the restore engine all
+start here, so they agree on what a checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import schema
+from ._names import normalize_names
+from ._nodes import Node
+from ._report import Problem
+from ._storage import Storage, open_storage
+from ._tree import VDir, read_tree
+from ._validate import build_nodes
+from .errors import TdckptError
+
+__all__ = ["OpenedCheckpoint", "open_checkpoint", "read_manifest"]
+
+
+@dataclass
+class OpenedCheckpoint:
+    """A checkpoint read, migrated in memory and validated (no leaf byte read)."""
+
+    prefix: str
+    storage: Storage
+    tree: VDir
+    root: Node | None
+    generation: str
+    key_encoding: str
+    migrations: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    manifest: dict[str, Any] | None = None
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+def read_manifest(storage: Storage, tree: VDir) -> tuple[dict[str, Any] | None, list[Problem]]:
+    """tdckpt's manifest at the prefix root, validated, when there is one."""
+    vfile = tree.files.get(schema.MANIFEST_NAME)
+    if vfile is None or vfile.source is None:
+        return None, []
+    try:
+        raw = storage.read_json(vfile.source)
+        model = schema.Manifest.model_validate(raw)
+    except TdckptError as exc:
+        return None, [Problem("bad-manifest", "error", vfile.source, (), str(exc))]
+    except Exception as exc:  # pydantic.ValidationError
+        return None, [
+            Problem(
+                "bad-manifest",
+                "error",
+                vfile.source,
+                (),
+                f"does not fit the tdckpt manifest schema ({exc}). The file is damaged; "
+                "`tdckpt verify` can say more.",
+            )
+        ]
+    if model.schema_version > schema.MANIFEST_SCHEMA_VERSION:
+        return None, [
+            Problem(
+                "unsupported-format",
+                "error",
+                vfile.source,
+                (),
+                f"manifest schema version {model.schema_version}, newer than the "
+                f"{schema.MANIFEST_SCHEMA_VERSION} this tdckpt reads: upgrade tdckpt.",
+            )
+        ]
+    return model.model_dump(mode="json"), []
+
+
+def open_checkpoint(prefix: str | os.PathLike[str], *, robust_key: bool | None) -> OpenedCheckpoint:
+    """Run storage -> ... -> validate on ``prefix``; raise only if it is not a checkpoint."""
+    from ._detect import detect_tree
+    from ._migrate import migrate_tree
+
+    storage = open_storage(prefix)
+    try:
+        tree = read_tree(storage)
+        manifest, problems = read_manifest(storage, tree)
+        generation = detect_tree(tree)
+        migrated = migrate_tree(tree, storage=storage)
+        problems += migrated.problems
+        names = normalize_names(migrated.tree, robust_key=robust_key, storage=storage)
+        problems += names.problems
+        root, more = build_nodes(names.tree, storage)
+        problems += more
+    except BaseException:
+        storage.close()
+        raise
+    return OpenedCheckpoint(
+        prefix=os.fspath(prefix),
+        storage=storage,
+        tree=names.tree,
+        root=root,
+        generation=generation,
+        key_encoding=names.encoding,
+        migrations=list(migrated.applied),
+        lost=list(migrated.lost) + [p.message for p in problems if p.code == "lost-key"],
+        problems=_dedupe(problems),
+        manifest=manifest,
+    )
+
+
+def _dedupe(problems: list[Problem]) -> list[Problem]:
+    seen: set[Problem] = set()
+    out = []
+    for p in problems:
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    return out

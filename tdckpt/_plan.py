@@ -1,0 +1,216 @@
+"""The plan stage: validated nodes -> ready values (mapped tensors, non-tensor values).
+
+Everything that reads bytes happens here, before the target is touched: leaves are mapped
+(zero-copy; never read, never grown), pickles are loaded (only after the pickle policy
+allowed them), and values are converted to the objects the target will hold.
+The planner never writes.
+
+Two back-ends build collections: tensordict's own classes when tensordict is installed,
+plain nested ``dict`` objects otherwise (``_backend.py`` decides).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._nodes import (
+    LazyStackNode,
+    LeafNode,
+    Node,
+    NonTensorNode,
+    NonTensorStackNode,
+    TensorClassNode,
+    TensorDictNode,
+)
+from ._storage import MapMode, Storage
+from .errors import RestoreError, TdckptError
+
+__all__ = ["Mapper", "has_tensordict", "load_pickled"]
+
+_MAX_PICKLE_BYTES = 1024 * 1024 * 1024
+
+
+def has_tensordict() -> bool:
+    """Whether tensordict is importable (then targets and results are real TensorDicts)."""
+    try:
+        import tensordict  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def load_pickled(storage: Storage, rel: str) -> Any:
+    """Unpickle one sidecar. Only called once the pickle policy allowed it."""
+    raw = storage.read_bytes(rel, max_bytes=_MAX_PICKLE_BYTES)
+    try:
+        return pickle.loads(raw)  # noqa: S301 - allowed by the caller's allow_pickle
+    except Exception as exc:
+        raise RestoreError(
+            f"{storage.display(rel)}: the pickled value cannot be loaded ({type(exc).__name__}: "
+            f"{exc}). Import the module that defines its class before restoring, or restore "
+            "with the code that saved it.",
+            path=storage.display(rel),
+        ) from exc
+
+
+@dataclass
+class Mapper:
+    """Maps leaves of one opened checkpoint."""
+
+    storage: Storage
+    mode: MapMode
+    device: torch.device | None = None
+
+    @property
+    def records_prefix(self) -> bool:
+        """Whether loaded levels remember their directory (tensordict: not for archives / "r")."""
+        return self.storage.kind == "directory" and self.mode != "r"
+
+    def dir_path(self, rel: str) -> Path | None:
+        if not self.records_prefix:
+            return None
+        return self.storage.physical_path(rel)
+
+    def leaf(self, node: LeafNode) -> torch.Tensor:
+        if node.file is None:
+            tensor = torch.empty(node.shape, dtype=node.dtype)
+        else:
+            src = node.file
+            if src.data is not None:  # content produced by a migration
+                flat = torch.frombuffer(bytearray(src.data[: node.nbytes]), dtype=node.dtype) if node.nbytes else torch.empty(0, dtype=node.dtype)
+            else:
+                assert src.source is not None
+                try:
+                    flat = self.storage.map(src.source, node.dtype, node.numel, mode=self.mode)
+                except (OSError, RuntimeError) as exc:
+                    if isinstance(exc, TdckptError):
+                        raise
+                    raise RestoreError(
+                        f"{self.storage.display(src.source)}: cannot map {node.dtype} x "
+                        f"{node.numel} ({exc}).",
+                        path=self.storage.display(src.source),
+                        key=node.key,
+                    ) from exc
+            if node.is_nested:
+                assert node.sizes is not None
+                tensor = _nested_from_buffer(flat, node.sizes)
+            else:
+                tensor = flat.view(node.shape)
+            tensor = self._wrap(tensor, node)
+        if self.device is not None and self.device.type not in ("cpu", "meta") and tensor.device != self.device:
+            tensor = tensor.to(self.device)
+        return tensor
+
+    def _wrap(self, tensor: torch.Tensor, node: LeafNode) -> torch.Tensor:
+        """Directory leaves become tensordict MemoryMappedTensors, as tensordict returns them."""
+        if self.storage.kind != "directory" or not has_tensordict() or node.file is None:
+            return tensor
+        from tensordict.memmap import MemoryMappedTensor
+
+        out = MemoryMappedTensor(tensor)
+        path = self.storage.physical_path(node.file.source or "")
+        out.filename = str(path)
+        out._handler = None
+        out._mode = self.mode
+        out._index = None
+        out._index_chain = ()
+        out._parent_shape = node.sizes if node.is_nested else torch.Size(node.shape)
+        return out
+
+
+def _nested_from_buffer(flat: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    offsets_strides = torch._nested_compute_contiguous_strides_offsets(sizes)
+    return torch._nested_view_from_buffer(flat, sizes, *offsets_strides)
+
+
+def non_tensor_value(node: NonTensorNode, storage: Storage, unpickle: bool) -> tuple[Any, dict[str, Any]]:
+    """The value of a NonTensorData node and its extra fields (``_metadata`` ...)."""
+    fields: dict[str, Any] = {"_metadata": node.metadata}
+    value = node.data
+    if node.pickle is not None and unpickle:
+        assert node.pickle.source is not None
+        loaded = load_pickled(storage, node.pickle.source)
+        if isinstance(loaded, dict):
+            fields.update(loaded)
+            value = fields.pop("data", value)
+    elif node.json_types:
+        value = _apply_json_type(value, node.json_types.get("data"))
+    return value, fields
+
+
+_JSON_TYPES = {"dict": dict, "list": list, "tuple": tuple}
+
+
+def _apply_json_type(value: Any, name: str | None) -> Any:
+    if name is None:
+        return value
+    if name == "OrderedDict":
+        import collections
+
+        return collections.OrderedDict(value)
+    cls = _JSON_TYPES.get(name)
+    return cls(value) if cls is not None else value
+
+
+def nt_stack_value(node: NonTensorStackNode, storage: Storage, unpickle: bool) -> list[Any]:
+    if node.pickle is not None and unpickle:
+        assert node.pickle.source is not None
+        data = load_pickled(storage, node.pickle.source)
+        if not isinstance(data, list):
+            raise RestoreError(
+                f"{storage.display(node.pickle.source)}: expected a pickled list for a "
+                f"NonTensorStack, found {type(data).__name__}.",
+                path=storage.display(node.pickle.source),
+            )
+        return data
+    return list(node.data or [])
+
+
+def tensorclass_fields(node: TensorClassNode, storage: Storage, unpickle: bool) -> dict[str, Any]:
+    fields = dict(node.fields)
+    if node.pickle is not None and unpickle:
+        assert node.pickle.source is not None
+        loaded = load_pickled(storage, node.pickle.source)
+        if isinstance(loaded, dict):
+            fields.update(loaded)
+    return fields
+
+
+def resolve_tensorclass(type_str: str, where: str) -> type:
+    """Find an already-imported tensorclass by its saved ``<class 'mod.Name'>`` string.
+
+    Like tensordict, tdckpt never imports a module named by a checkpoint (that would run
+    code chosen by whoever wrote the file): the class must be imported already.
+    """
+    import sys
+
+    name = type_str.removeprefix("<class '").removesuffix("'>")
+    module_name, _, qualname = name.rpartition(".")
+    try:
+        from tensordict import base as td_base
+
+        for cls in getattr(td_base, "_ACCEPTED_CLASSES", ()):
+            if str(cls) == type_str:
+                return cls
+    except ImportError:  # pragma: no cover - only called with tensordict
+        pass
+    module = sys.modules.get(module_name)
+    cls = getattr(module, qualname, None) if module is not None and "<locals>" not in qualname else None
+    if isinstance(cls, type):
+        return cls
+    raise RestoreError(
+        f"{where}: the saved tensorclass {name} is not imported. Import the module that "
+        f"defines it (`import {module_name}`) before restoring; tdckpt never imports modules "
+        "named by a checkpoint.",
+        path=where,
+        class_name=name,
+    )
+
+
+_ = (io, LazyStackNode, Node, TensorDictNode)  # re-exported types used by _restore

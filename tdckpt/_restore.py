@@ -1,0 +1,278 @@
+"""The restore engine: ``load_memmap`` (a new object) and ``load_memmap_`` (in place).
+
+Everything that can fail runs first: read, migrate in memory, validate, apply the pickle
+policy, map every leaf, unpickle, build every new object, and check that the target can
+hold the result. Only then are references swapped into the target - plain dict and
+attribute assignments that cannot fail halfway. Should anything fail anyway, the target
+is put back exactly as it was (keys, values, batch size, lock and memmap state).
+
+A restore never writes to the checkpoint: no meta.json is re-serialised to record the
+memmap state (tensordict's ``memmap_()`` does that), no file is grown. Writes reach the
+files only through tensors the caller writes into, with ``mode="r+"`` (or ``None`` on a
+writable file, as tensordict does).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._nodes import (
+    LazyStackNode,
+    LeafNode,
+    Node,
+    NonTensorNode,
+    NonTensorStackNode,
+    TensorClassNode,
+    TensorDictNode,
+    pickled_nodes,
+)
+from ._pipeline import OpenedCheckpoint, open_checkpoint
+from ._plan import (
+    Mapper,
+    has_tensordict,
+    non_tensor_value,
+    nt_stack_value,
+    resolve_tensorclass,
+    tensorclass_fields,
+)
+from ._policy import check_allow_pickle, resolve_pickle_policy, user_stacklevel
+from ._report import ValidationReport
+from .errors import RestoreError, ValidationError
+from .warnings import TdckptWarning
+
+__all__ = ["load_memmap", "load_memmap_", "open_for_restore"]
+
+_MODES = (None, "r", "r+")
+
+
+def _check_args(robust_key: object, allow_pickle: object, mode: object) -> None:
+    if robust_key is not None and not isinstance(robust_key, bool):
+        raise TypeError(f"robust_key must be True, False or None, got {robust_key!r}.")
+    check_allow_pickle(allow_pickle)
+    if mode not in _MODES:
+        raise ValueError(f"mode must be 'r', 'r+' or None, got {mode!r}.")
+
+
+def _format_errors(opened: OpenedCheckpoint) -> str:
+    errs = opened.errors
+    shown = "\n".join(f"  - {p}" for p in errs[:20])
+    more = f"\n  ... and {len(errs) - 20} more" if len(errs) > 20 else ""
+    return (
+        f"{opened.prefix}: cannot restore, the checkpoint has {len(errs)} problem(s); nothing "
+        f"was changed:\n{shown}{more}\nRun `tdckpt validate {opened.prefix}` for the full report."
+    )
+
+
+@contextmanager
+def open_for_restore(
+    prefix: str | os.PathLike[str], *, robust_key: bool | None, allow_pickle: bool | None
+) -> Iterator[tuple[OpenedCheckpoint, bool]]:
+    """Open and validate ``prefix``, apply the pickle policy; yield (opened, may_unpickle)."""
+    opened = open_checkpoint(prefix, robust_key=robust_key)
+    try:
+        if opened.errors or opened.root is None:
+            report = ValidationReport(
+                prefix=opened.prefix,
+                problems=opened.problems,
+                generation=opened.generation,
+                key_encoding=opened.key_encoding,
+            )
+            raise ValidationError(_format_errors(opened), report=report, prefix=opened.prefix)
+        pickled = [(n.key, n.pickle.source or n.path) for n in pickled_nodes(opened.root) if n.pickle]  # type: ignore[union-attr]
+        resolve_pickle_policy(allow_pickle, pickled, prefix=opened.prefix)
+        if opened.lost:
+            warnings.warn(
+                TdckptWarning(
+                    f"{opened.prefix}: restored what the checkpoint holds, but the tensordict "
+                    "release that wrote it had already lost some content: "
+                    + "; ".join(opened.lost[:10])
+                    + (f"; and {len(opened.lost) - 10} more" if len(opened.lost) > 10 else "")
+                ),
+                stacklevel=user_stacklevel(),
+            )
+        yield opened, bool(pickled)
+    finally:
+        opened.close()
+
+
+# -- building new objects ------------------------------------------------------------------
+
+
+class _Builder:
+    """Builds fresh objects (tensordict classes, or plain dicts without tensordict)."""
+
+    def __init__(self, opened: OpenedCheckpoint, mapper: Mapper, unpickle: bool) -> None:
+        self.opened = opened
+        self.mapper = mapper
+        self.unpickle = unpickle
+        self.td = has_tensordict()
+
+    def _device(self, saved: str | None) -> torch.device | None:
+        if self.mapper.device is not None:
+            return self.mapper.device
+        if saved is None:
+            return None
+        try:
+            return torch.device(saved)
+        except RuntimeError as exc:
+            raise RestoreError(f"{self.opened.prefix}: unknown device {saved!r} in metadata.") from exc
+
+    def build(self, node: Node, batch: tuple[int, ...] = ()) -> Any:
+        if isinstance(node, LeafNode):
+            return self.mapper.leaf(node)
+        if isinstance(node, TensorDictNode):
+            return self.tensordict(node)
+        if isinstance(node, LazyStackNode):
+            members = [self.build(m) for m in node.members]
+            if not self.td:
+                return members
+            from tensordict import LazyStackedTensorDict
+
+            if not members:
+                raise RestoreError(f"{self.opened.storage.display(node.path)}: a lazy stack with no members cannot be rebuilt.")
+            result = LazyStackedTensorDict(*members, stack_dim=node.stack_dim)
+            if node.stack_dim_name is not None:
+                result._td_dim_name = node.stack_dim_name
+            return result
+        if isinstance(node, NonTensorNode):
+            value, fields = non_tensor_value(node, self.opened.storage, self.unpickle)
+            if not self.td:
+                return value
+            return self._non_tensor(node, value, fields)
+        if isinstance(node, NonTensorStackNode):
+            data = nt_stack_value(node, self.opened.storage, self.unpickle)
+            if not self.td:
+                return data
+            from tensordict import NonTensorStack
+
+            return NonTensorStack._from_list(data, device=self._device(node.device))
+        if isinstance(node, TensorClassNode):
+            inner = self.tensordict(node.inner)
+            fields = tensorclass_fields(node, self.opened.storage, self.unpickle)
+            if not self.td:
+                return {**inner, **fields}
+            cls = resolve_tensorclass(node.type_str, self.opened.storage.display(node.path))
+            return cls._from_tensordict(inner, fields)
+        raise AssertionError(type(node))  # pragma: no cover
+
+    def _non_tensor(self, node: NonTensorNode, value: Any, fields: dict[str, Any]) -> Any:
+        from tensordict import TensorDict
+        from tensordict.tensorclass import MetaData, NonTensorData
+
+        cls = MetaData if node.class_name == "MetaData" else NonTensorData
+        td = TensorDict(batch_size=node.batch_size, device=self._device(node.device))
+        non_td = {"data": value, **fields}
+        non_td.setdefault("_is_non_tensor", True)
+        return cls._from_tensordict(td, non_td)
+
+    def tensordict(self, node: TensorDictNode) -> Any:
+        entries = {k: self.build(v, node.batch_size) for k, v in node.entries.items()}
+        if not self.td:
+            return entries
+        from tensordict import TensorDict
+
+        td = TensorDict(batch_size=node.batch_size, device=self._device(node.device))
+        if node.names is not None:
+            td._set_names(node.names)
+        td._tensordict.update(entries)
+        td._memmap_prefix = self.mapper.dir_path(node.path)
+        return td
+
+
+# -- public API ----------------------------------------------------------------------------
+
+
+def load_memmap(
+    prefix: str | os.PathLike[str],
+    *,
+    robust_key: bool | None = True,
+    allow_pickle: bool | None = None,
+    mode: str | None = None,
+    device: torch.device | str | None = None,
+) -> Any:
+    """Load a saved tensordict of any tensordict release into a new object.
+
+    Args:
+        prefix: the checkpoint directory, or its ``.tdz`` archive.
+        robust_key: the key encoding: True (percent-encoded names, with tensordict's
+            fallback to safe raw names), False (raw names), None (decide per directory
+            from what is on disk; refuse ambiguity).
+        allow_pickle: True loads pickled non-tensor data, False refuses it, None (the
+            default) loads it with a FutureWarning until tensordict 0.16.
+        mode: ``"r"`` maps files copy-on-write, ``"r+"`` shared and writable, None as
+            tensordict (shared when the file is writable).
+        device: move leaves there (``"cpu"`` keeps them memory-mapped).
+
+    Returns:
+        The saved object - TensorDict, LazyStackedTensorDict, tensorclass instance - with
+        tensordict installed; nested dicts and lists of tensors and values without it.
+
+    Raises:
+        tdckpt.errors.ValidationError: the checkpoint has problems (all listed).
+        tdckpt.errors.PickleNotAllowedError: pickled data under allow_pickle=False.
+
+    Example:
+        >>> import tdckpt, tempfile, torch
+        >>> from tensordict import TensorDict
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = TensorDict(a=torch.arange(3)).memmap(d)
+        ...     tdckpt.load_memmap(d)["a"].tolist()
+        [0, 1, 2]
+    """
+    _check_args(robust_key, allow_pickle, mode)
+    dev = torch.device(device) if device is not None else None
+    with open_for_restore(prefix, robust_key=robust_key, allow_pickle=allow_pickle) as (opened, unpickle):
+        assert opened.root is not None
+        builder = _Builder(opened, Mapper(opened.storage, mode, dev), unpickle)  # type: ignore[arg-type]
+        return builder.build(opened.root)
+
+
+def load_memmap_(
+    target: Any,
+    prefix: str | os.PathLike[str],
+    robust_key: bool | None = True,
+    *,
+    allow_pickle: bool | None = None,
+    mode: str | None = None,
+) -> Any:
+    """Load a saved tensordict into ``target`` in place, all or nothing, and return it.
+
+    The semantics of tensordict's ``TensorDictBase.load_memmap_``, made safe: the target
+    and its nested tensordicts are reused (the same Python objects), every leaf is
+    replaced by the loaded tensor (its old storage is not written to), keys absent from
+    the checkpoint are removed at every level. A memory-mapped target ends memory-mapped
+    on the loaded directory and locked; after an archive or ``mode="r"`` it ends unlocked
+    and no longer memory-mapped. On any error the target is unchanged, and the checkpoint
+    is never written to.
+
+    ``target`` is a TensorDict (any nesting), a tensorclass instance, a
+    LazyStackedTensorDict with the saved member count, or a plain nested ``dict``.
+    Other arguments as :func:`load_memmap`.
+
+    Example:
+        >>> import tdckpt, tempfile, torch
+        >>> from tensordict import TensorDict
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = TensorDict(a=torch.ones(3)).memmap(d)
+        ...     td = TensorDict(a=torch.zeros(3), stale=torch.zeros(3))
+        ...     out = tdckpt.load_memmap_(td, d)
+        ...     (out is td, sorted(td.keys()), td["a"].tolist())
+        (True, ['a'], [1.0, 1.0, 1.0])
+    """
+    _check_args(robust_key, allow_pickle, mode)
+    with open_for_restore(prefix, robust_key=robust_key, allow_pickle=allow_pickle) as (opened, unpickle):
+        assert opened.root is not None
+        from ._apply import restore_into_target
+
+        restore_into_target(target, opened, mode=mode, unpickle=unpickle, builder_factory=_Builder)
+    return target
+
+
+_ = (Callable, Path)

@@ -1,0 +1,413 @@
+"""Validation: the current-form virtual tree -> typed nodes, and every problem at once.
+
+Each level's ``meta.json`` is checked against its pydantic model (``schema.py``), then
+cross-checked against what is on disk: every leaf file exists and is large enough, dtypes
+are known, shapes are sane and start with their level's batch size, listed children
+exist, no two keys share a file, lazy-stack members agree. Nothing here raises for a bad
+checkpoint: problems are collected, so ``validate`` can show them all and the restore
+engine can refuse before touching anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+import pydantic
+import torch
+
+from . import schema
+from ._keys import LEAF_SUFFIX, NESTED_SHAPE_SUFFIX, encode_key
+from ._nodes import (
+    DTYPES,
+    LazyStackNode,
+    LeafNode,
+    Node,
+    NonTensorNode,
+    NonTensorStackNode,
+    TensorClassNode,
+    TensorDictNode,
+)
+from ._report import Problem
+from ._storage import Storage, join
+from ._tree import VDir, VFile
+from .errors import TdckptError
+
+__all__ = ["MAX_BYTES", "build_nodes", "class_kind"]
+
+#: No single leaf may claim more than this (it bounds shape arithmetic on hostile input).
+MAX_BYTES = 2**62
+
+_TD_CLASSES = {"TensorDict", "PersistentTensorDict", "TensorDictParams", "TypedTensorDict"}
+
+
+def class_kind(meta: dict[str, Any]) -> str:
+    """What kind of level a meta.json describes, from ``_class`` then ``_type``."""
+    class_id = meta.get("_class")
+    type_str = str(meta.get("_type", ""))
+    name = class_id.rpartition(":")[2] if isinstance(class_id, str) else ""
+    if not name:
+        name = type_str.removeprefix("<class '").removesuffix("'>").rpartition(".")[2]
+    if name == "LazyStackedTensorDict":
+        return "lazy-stack"
+    if name == "NonTensorStack":
+        return "non-tensor-stack"
+    if name in ("NonTensorData", "MetaData"):
+        return "non-tensor"
+    if name == "_SubTensorDict":
+        return "sub-tensordict"
+    if name.startswith("_") and name.endswith("TensorDict") and "custom_op" in meta:
+        return "lazy-view"
+    if "shape" in meta:
+        return "tensordict"
+    return "tensorclass"
+
+
+class _Ctx:
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.problems: list[Problem] = []
+        self.claimed: dict[int, tuple[str, ...]] = {}
+
+    def add(self, code: str, path: str, key: tuple[str, ...], message: str, sev: str = "error") -> None:
+        self.problems.append(Problem(code, sev, path, key, message))  # type: ignore[arg-type]
+
+
+def build_nodes(tree: VDir, storage: Storage) -> tuple[Node | None, list[Problem]]:
+    """Validate ``tree`` and return its typed root node (None if unusable) and problems."""
+    ctx = _Ctx(storage)
+    for vdir in tree.walk():
+        ctx.problems.extend(vdir.problems)
+    node = _build(tree, (), ctx, parent_batch=None)
+    return node, ctx.problems
+
+
+def _schema_problems(ctx: _Ctx, exc: pydantic.ValidationError, path: str, key: tuple[str, ...]) -> None:
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        if loc[:1] == ["entries"] and len(loc) >= 2:
+            where = f"entry {loc[1]!r}" + (f" field {'.'.join(loc[3:])!r}" if len(loc) > 3 else "")
+        else:
+            where = f"field {'.'.join(loc)!r}" if loc else "the document"
+        ctx.add(
+            "schema",
+            join(path, "meta.json"),
+            key,
+            f"{where}: {err['msg']} (found {err.get('input')!r:.80}). The metadata does not fit "
+            "the tensordict format; the file is damaged or was edited.",
+        )
+
+
+def _build(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, parent_batch: tuple[int, ...] | None) -> Node | None:
+    meta = vdir.meta
+    if meta is None:
+        if not any(p.path.startswith(vdir.source) and p.severity == "error" for p in vdir.problems):
+            ctx.add(
+                "missing-meta",
+                join(vdir.source, "meta.json"),
+                key,
+                "missing: every saved collection has a meta.json. The checkpoint is "
+                "incomplete; restore this directory from a backup.",
+            )
+        return None
+    fv = meta.get("_format_version")
+    if isinstance(fv, int) and not isinstance(fv, bool) and fv > schema.FORMAT_VERSION:
+        ctx.add(
+            "unsupported-format",
+            join(vdir.source, "meta.json"),
+            key,
+            f"written in tensordict format version {fv}; this tdckpt reads up to "
+            f"{schema.FORMAT_VERSION}. Upgrade tdckpt (pip install -U tdckpt).",
+        )
+        return None
+    kind = class_kind(meta)
+    if kind == "tensordict":
+        return _build_td(vdir, key, ctx)
+    if kind == "lazy-stack":
+        return _build_stack(vdir, key, ctx)
+    if kind == "non-tensor":
+        return _build_non_tensor(vdir, key, ctx, parent_batch or ())
+    if kind == "non-tensor-stack":
+        return _build_nt_stack(vdir, key, ctx)
+    if kind == "tensorclass":
+        return _build_tensorclass(vdir, key, ctx)
+    ctx.add(
+        "unsupported-class",
+        join(vdir.source, "meta.json"),
+        key,
+        f"a saved {meta.get('_class') or meta.get('_type')} ({kind}); tdckpt restores "
+        "TensorDicts, lazy stacks, tensorclasses and non-tensor data. Materialize it before "
+        "saving (e.g. `td.to_tensordict()`).",
+    )
+    return None
+
+
+def _build_td(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> TensorDictNode | None:
+    try:
+        model = schema.TensorDictMeta.model_validate(vdir.meta)
+    except pydantic.ValidationError as exc:
+        _schema_problems(ctx, exc, vdir.source, key)
+        return None
+    batch = tuple(model.shape)
+    node = TensorDictNode(
+        key=key,
+        path=vdir.source,
+        class_id=model.class_,
+        batch_size=batch,
+        device=model.device,
+        names=model.names,
+    )
+    if model.names is not None and len(model.names) != len(batch):
+        ctx.add(
+            "bad-names",
+            join(vdir.source, "meta.json"),
+            key,
+            f"{len(model.names)} dimension names for a batch size of {len(batch)} dims.",
+        )
+    for name, entry in model.entries.items():
+        sub = (*key, name)
+        if isinstance(entry, schema.LeafEntry):
+            leaf = _build_leaf(vdir, sub, name, entry, batch, ctx)
+            if leaf is not None:
+                node.entries[name] = leaf
+            continue
+        child = vdir.dirs.get(encode_key(name))
+        if child is None:
+            ctx.add(
+                "missing-child",
+                join(vdir.source, encode_key(name)),
+                sub,
+                f"meta.json lists a nested {entry.type} under this key, but its directory is "
+                "missing. The checkpoint is incomplete; tensordict would silently drop the key.",
+            )
+            continue
+        built = _build(child, sub, ctx, parent_batch=batch)
+        if built is None:
+            continue
+        _check_batch_prefix(built, batch, ctx)
+        node.entries[name] = built
+    return node
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def _build_leaf(
+    vdir: VDir, key: tuple[str, ...], name: str, entry: schema.LeafEntry, batch: tuple[int, ...], ctx: _Ctx
+) -> LeafNode | None:
+    fname = encode_key(name) + LEAF_SUFFIX
+    path = join(vdir.source, fname)
+    dtype = DTYPES.get(entry.dtype)
+    if dtype is None:
+        ctx.add(
+            "unknown-dtype",
+            join(vdir.source, "meta.json"),
+            key,
+            f"dtype {entry.dtype!r} is not a torch dtype this tdckpt can map. Expected one of "
+            "torch.float32, torch.int64, ... The metadata is damaged, or was written by a newer "
+            "torch: upgrade torch.",
+        )
+        return None
+    shape = tuple(entry.shape)
+    numel = _numel(shape)
+    if numel * max(dtype.itemsize, 1) > MAX_BYTES:
+        ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"shape {list(shape)} overflows: {numel} elements of {dtype} cannot exist on disk.")
+        return None
+    vfile = vdir.files.get(fname)
+    leaf = LeafNode(key=key, path=path, dtype=dtype, shape=shape, device=entry.device, is_nested=entry.is_nested, file=vfile)
+    if entry.is_nested:
+        if len(shape) != 2:
+            ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"a nested tensor's entry records its size table's shape [elements, ndim]; found {list(shape)}.")
+            return None
+        leaf.shape_file = vdir.files.get(encode_key(name) + NESTED_SHAPE_SUFFIX)
+        if leaf.shape_file is None:
+            ctx.add("missing-file", join(vdir.source, encode_key(name) + NESTED_SHAPE_SUFFIX), key, "the size table of a nested tensor is missing; the leaf cannot be rebuilt.")
+            return None
+        if leaf.shape_file.size < numel * 8:
+            ctx.add("short-file", leaf.shape_file.source or path, key, f"{leaf.shape_file.size} bytes, but the size table {list(shape)} of int64 needs {numel * 8}.")
+            return None
+        sizes = _read_sizes(ctx.storage, leaf.shape_file, shape)
+        if sizes is None or (sizes < 0).any():
+            ctx.add("bad-shape", leaf.shape_file.source or path, key, "the nested tensor's size table holds negative sizes.")
+            return None
+        leaf.sizes = sizes
+        leaf.numel = int(sizes.prod(-1).sum()) if sizes.numel() else 0
+        if batch and shape[0] != batch[0]:
+            ctx.add("batch-mismatch", path, key, f"a nested tensor of {shape[0]} elements in a level of batch size {list(batch)}.")
+    else:
+        leaf.numel = numel
+        if tuple(shape[: len(batch)]) != batch:
+            ctx.add(
+                "batch-mismatch",
+                join(vdir.source, "meta.json"),
+                key,
+                f"shape {list(shape)} does not start with the batch size {list(batch)} of its "
+                "level. The metadata is damaged or was edited.",
+            )
+    need = leaf.numel * dtype.itemsize
+    if vfile is None:
+        if need:
+            ctx.add(
+                "missing-file",
+                path,
+                key,
+                f"the data file is missing ({need} bytes of {entry.dtype} {list(shape)} expected). "
+                "tensordict would silently drop this key; restore the file from a backup.",
+            )
+            return None
+    elif vfile.size < need:
+        ctx.add(
+            "short-file",
+            path,
+            key,
+            f"{vfile.size} bytes, but {entry.dtype} {list(shape)} needs {need}. The file is "
+            "truncated (tensordict would grow it with zeros and load garbage); restore it from "
+            "a backup.",
+        )
+        return None
+    if vfile is not None:
+        other = ctx.claimed.setdefault(id(vfile), key)
+        if other != key:
+            ctx.add(
+                "name-collision",
+                path,
+                key,
+                f"keys {'.'.join(other)!r} and {'.'.join(key)!r} resolve to the same file, so one "
+                "of them would read the other's data. Load with an explicit robust_key.",
+            )
+            return None
+    return leaf
+
+
+def _read_sizes(storage: Storage, vfile: VFile, shape: tuple[int, ...]) -> torch.Tensor | None:
+    if vfile.data is not None:
+        raw = vfile.data
+    else:
+        assert vfile.source is not None
+        try:
+            raw = storage.read_bytes(vfile.source, max_bytes=max(_numel(shape) * 8, 1) + vfile.size)
+        except TdckptError:
+            return None
+    n = _numel(shape)
+    return torch.frombuffer(bytearray(raw[: n * 8]), dtype=torch.int64).reshape(shape).clone() if n else torch.zeros(shape, dtype=torch.int64)
+
+
+def _check_batch_prefix(node: Node, batch: tuple[int, ...], ctx: _Ctx) -> None:
+    child_batch: tuple[int, ...] | None = None
+    if isinstance(node, TensorDictNode):
+        child_batch = node.batch_size
+    elif isinstance(node, TensorClassNode):
+        child_batch = node.inner.batch_size
+    if child_batch is not None and tuple(child_batch[: len(batch)]) != batch:
+        ctx.add(
+            "batch-mismatch",
+            join(node.path, "meta.json"),
+            node.key,
+            f"batch size {list(child_batch)} does not start with the parent's {list(batch)}.",
+        )
+
+
+def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> LazyStackNode | None:
+    try:
+        model = schema.LazyStackMeta.model_validate(vdir.meta)
+    except pydantic.ValidationError as exc:
+        _schema_problems(ctx, exc, vdir.source, key)
+        return None
+    node = LazyStackNode(key=key, path=vdir.source, class_id=model.class_, stack_dim=model.stack_dim, stack_dim_name=model.stack_dim_name)
+    i = 0
+    while str(i) in vdir.dirs:
+        member = _build(vdir.dirs[str(i)], (*key, str(i)), ctx, parent_batch=None)
+        if member is not None:
+            node.members.append(member)
+        i += 1
+    batches = {m.batch_size for m in node.members if isinstance(m, TensorDictNode)}
+    if len(batches) > 1:
+        ctx.add("stack-mismatch", vdir.source, key, f"lazy-stack members have different batch sizes {sorted(map(list, batches))}.")
+    for m in node.members:
+        if isinstance(m, TensorDictNode) and model.stack_dim > len(m.batch_size):
+            ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"stack_dim {model.stack_dim} exceeds the members' {len(m.batch_size)} batch dims.")
+            break
+    return node
+
+
+def _json_types(vdir: VDir, ctx: _Ctx) -> dict[str, str] | None:
+    jt = vdir.files.get("json_types.json")
+    pk = vdir.files.get("other.pickle")
+    if jt is None or pk is None or jt.source is None or pk.source is None:
+        return None
+    try:
+        saved = ctx.storage.read_json(jt.source)
+        digest = hashlib.sha256(ctx.storage.read_bytes(pk.source, max_bytes=64 * 1024 * 1024)).hexdigest()
+    except TdckptError:
+        return None
+    if not isinstance(saved, dict) or saved.get("pickle_sha256") != digest:
+        return None
+    types = saved.get("types")
+    if not isinstance(types, dict) or not all(v in ("dict", "OrderedDict", "list", "tuple") for v in types.values()):
+        ctx.add("schema", jt.source, (), f"unknown type names in {types!r}; expected dict, OrderedDict, list or tuple.")
+        return None
+    return {str(k): str(v) for k, v in types.items()}
+
+
+def _build_non_tensor(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, batch: tuple[int, ...]) -> NonTensorNode | None:
+    try:
+        model = schema.NonTensorDataMeta.model_validate(vdir.meta)
+    except pydantic.ValidationError as exc:
+        _schema_problems(ctx, exc, vdir.source, key)
+        return None
+    assert vdir.meta is not None
+    cls = "MetaData" if "MetaData" in model.type_ else "NonTensorData"
+    node = NonTensorNode(key=key, path=vdir.source, class_name=cls, batch_size=batch, device=None, metadata=model.metadata)
+    node.has_data = "data" in vdir.meta
+    node.data = vdir.meta.get("data")
+    node.json_types = _json_types(vdir, ctx)
+    if node.json_types is None:
+        node.pickle = vdir.files.get("other.pickle")
+    if not node.has_data and node.pickle is None and node.json_types is None:
+        ctx.add("missing-file", join(vdir.source, "other.pickle"), key, "a non-tensor value with neither inline data nor its other.pickle; the value is lost. Restore the file from a backup.")
+        return None
+    return node
+
+
+def _build_nt_stack(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> NonTensorStackNode | None:
+    try:
+        model = schema.NonTensorStackMeta.model_validate(vdir.meta)
+    except pydantic.ValidationError as exc:
+        _schema_problems(ctx, exc, vdir.source, key)
+        return None
+    node = NonTensorStackNode(key=key, path=vdir.source, stack_dim=model.stack_dim, device=model.device)
+    if isinstance(model.data, list):
+        node.data = model.data
+    else:
+        node.pickle = vdir.files.get("pickle.pkl")
+        if node.pickle is None:
+            ctx.add("missing-file", join(vdir.source, "pickle.pkl"), key, "meta.json says the stack is pickled, but pickle.pkl is missing; restore it from a backup.")
+            return None
+    return node
+
+
+def _build_tensorclass(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> TensorClassNode | None:
+    try:
+        model = schema.TensorClassMeta.model_validate(vdir.meta)
+    except pydantic.ValidationError as exc:
+        _schema_problems(ctx, exc, vdir.source, key)
+        return None
+    assert vdir.meta is not None
+    inner_dir = vdir.dirs.get("_tensordict")
+    if inner_dir is None:
+        ctx.add("missing-child", join(vdir.source, "_tensordict"), key, f"a saved tensorclass {model.type_} without its _tensordict directory; the checkpoint is incomplete.")
+        return None
+    inner = _build(inner_dir, key, ctx, parent_batch=None)
+    if not isinstance(inner, TensorDictNode):
+        if inner is not None:
+            ctx.add("schema", join(inner_dir.source, "meta.json"), key, "a tensorclass's _tensordict must be a TensorDict level.")
+        return None
+    fields = {k: v for k, v in vdir.meta.items() if k != "_type"}
+    try:
+        json.dumps(fields)
+    except (TypeError, ValueError):  # pragma: no cover - parsed JSON always dumps
+        pass
+    return TensorClassNode(key=key, path=vdir.source, type_str=model.type_, fields=fields, inner=inner, pickle=vdir.files.get("other.pickle"))
