@@ -1,0 +1,240 @@
+"""Shared test helpers: the tensordict fixture corpus, case copies, tree digests, tiny TensorDicts.
+
+The corpus lives in ``tests/fixtures/tensordict/<version>/<case>/`` with one
+``<version>/manifest.json`` per tensordict release (see that folder's README.md). Tests never
+touch the checked-in files: they restore from :func:`copy_case` copies in ``tmp_path``.
+
+Typical use::
+
+    from conftest import FIXTURES, case_id, copy_case, fixture_cases
+
+    @pytest.mark.parametrize("fc", fixture_cases(versions=["0.15.3"]), ids=case_id)
+    def test_restore(fc, tmp_path):
+        target = copy_case(tmp_path, fc)
+        ...
+
+``tests/`` is put on ``sys.path`` here, so ``import fixture_types`` (the module the corpus's
+pickles and tensorclass refer to) works in every test; :func:`subprocess_env` / the
+``fixture_types_env`` fixture do the same for child processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import stat
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
+#: Root of the copied tensordict fixture corpus.
+FIXTURES = TESTS_DIR / "fixtures" / "tensordict"
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+#: Every tensordict release in the corpus, oldest first.
+VERSIONS: tuple[str, ...] = tuple(
+    sorted(
+        (p.name for p in FIXTURES.iterdir() if (p / "manifest.json").is_file()), key=_version_key
+    )
+)
+
+
+@functools.cache
+def load_manifest(version: str) -> dict[str, Any]:
+    """Return ``<version>/manifest.json`` (parsed once; treat it as read-only)."""
+    return json.loads((FIXTURES / version / "manifest.json").read_text(encoding="utf-8"))
+
+
+class FixtureCase(NamedTuple):
+    """One written case: unpacks as ``(version, name, case, target)``."""
+
+    version: str
+    name: str
+    case: Mapping[str, Any]
+    target: Path  # the checked-in ``<case>/ckpt`` directory or ``<case>/ckpt.tdz`` archive
+
+    @property
+    def id(self) -> str:
+        return f"{self.version}-{self.name}"
+
+    @property
+    def expected(self) -> Mapping[str, Any]:
+        return self.case["expected"]
+
+    def reload(self, reader: str, call: str) -> Mapping[str, Any] | None:
+        """The manifest's record of ``call`` (e.g. ``"TensorDict.load_memmap(prefix)"``).
+
+        ``reader`` is ``"same_version"`` or ``"0.15.3"``; None when the call was not recorded.
+        """
+        section = self.case[
+            "reload_same_version" if reader == "same_version" else f"reload_by_{reader}"
+        ]
+        for record in section["calls"]:
+            if record["call"] == call:
+                return record
+        return None
+
+
+def fixture_cases(
+    *,
+    versions: Iterable[str] | None = None,
+    where: Callable[[FixtureCase], bool] | None = None,
+) -> list[FixtureCase]:
+    """Every case whose status is ``written``, oldest version first, in manifest order.
+
+    Args:
+        versions: restrict to these tensordict versions (default: all of :data:`VERSIONS`).
+        where: keep only the cases for which this returns True.
+
+    Use with ``pytest.mark.parametrize("fc", fixture_cases(...), ids=case_id)``, or see
+    :func:`fixture_params` for one argument per field.
+    """
+    chosen = VERSIONS if versions is None else tuple(versions)
+    unknown = set(chosen) - set(VERSIONS)
+    if unknown:
+        raise ValueError(f"no fixtures for tensordict {sorted(unknown)}; have {list(VERSIONS)}")
+    out = []
+    for version in chosen:
+        for name, case in load_manifest(version)["cases"].items():
+            if case.get("status") != "written":
+                continue
+            fc = FixtureCase(version, name, case, FIXTURES / version / name / case["target"])
+            if where is None or where(fc):
+                out.append(fc)
+    return out
+
+
+def case_id(value: Any) -> str | None:
+    """``ids=`` callable: ``"0.13.0-odd_keys__default"`` for a :class:`FixtureCase`."""
+    return value.id if isinstance(value, FixtureCase) else None
+
+
+def fixture_params(**kwargs: Any) -> list[Any]:
+    """:func:`fixture_cases` as ``pytest.param(version, name, case, target, id=...)`` values.
+
+    For ``@pytest.mark.parametrize(("version", "name", "case", "target"), fixture_params())``.
+    """
+    return [pytest.param(*fc, id=fc.id) for fc in fixture_cases(**kwargs)]
+
+
+def copy_case(tmp_path: Path, version: str | FixtureCase, name: str | None = None) -> Path:
+    """Copy a whole case folder into ``tmp_path`` and return the copied target.
+
+    The whole ``<case>/`` folder is copied, not just the target: a few old writers put files
+    next to the prefix (``files_outside_target`` in the manifest, e.g. a key ``".."``). The
+    copy lands in ``tmp_path/<version>/<case>/`` and is made writable; the checked-in corpus is
+    never modified.
+    """
+    if isinstance(version, FixtureCase):
+        if name is not None:
+            raise TypeError("copy_case(tmp_path, fixture_case) takes no name")
+        version, name = version.version, version.name
+    if name is None:
+        raise TypeError("copy_case(tmp_path, version, name) needs a case name")
+    case = load_manifest(version)["cases"][name]
+    src = FIXTURES / version / name
+    dst = Path(tmp_path) / version / name
+    shutil.copytree(src, dst, symlinks=True)
+    for root, dirs, files in os.walk(dst):
+        for entry in (*dirs, *files):
+            path = Path(root) / entry
+            if not path.is_symlink():
+                path.chmod(path.stat().st_mode | stat.S_IWUSR | stat.S_IRUSR)
+    return dst / case["target"]
+
+
+def tree_digest(path: Path | str) -> dict[str, str]:
+    """Return ``{relative POSIX path: sha256 hex}`` for every file under ``path``.
+
+    A file ``path`` (a ``.tdz`` archive) gives ``{".": sha256}``. Symlinks are never followed:
+    they are recorded as ``"symlink:<link text>"``. Compare two digests to prove that a prefix
+    was not modified (same files, same bytes, nothing added or removed).
+    """
+    root = Path(path)
+
+    def digest(p: Path) -> str:
+        if p.is_symlink():
+            return f"symlink:{os.readlink(p)}"
+        h = hashlib.sha256()
+        with p.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+
+    if root.is_file() or root.is_symlink():
+        return {".": digest(root)}
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        base = Path(dirpath)
+        for entry in (*filenames, *(d for d in dirnames if (base / d).is_symlink())):
+            p = base / entry
+            out[p.relative_to(root).as_posix()] = digest(p)
+    return dict(sorted(out.items()))
+
+
+def subprocess_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Return a copy of ``os.environ`` whose ``PYTHONPATH`` starts with ``tests/``.
+
+    Child processes can then ``import fixture_types`` (the corpus's pickles and tensorclass).
+    """
+    env = dict(os.environ)
+    parts = [str(TESTS_DIR), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    env.update(extra or {})
+    return env
+
+
+@pytest.fixture
+def fixture_types_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Export ``PYTHONPATH`` with ``tests/`` for child processes of this test; return the env."""
+    env = subprocess_env()
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    return env
+
+
+def tiny_td(
+    *,
+    batch_size: Sequence[int] = (3,),
+    nested: bool = True,
+    non_tensor: bool = False,
+    seed: int = 0,
+) -> Any:
+    """A small CPU TensorDict with deterministic contents.
+
+    Keys: ``"a"`` float32 ``[*batch, 2]``, ``"b"`` int64 ``[*batch]``, plus (``nested``)
+    ``("nested", "c")`` bool ``[*batch, 1]`` and (``non_tensor``) ``"s"`` = ``"hello"``.
+    """
+    import torch
+    from tensordict import TensorDict
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = list(batch_size)
+    td = TensorDict(
+        {
+            "a": torch.randn(*batch, 2, generator=gen),
+            "b": torch.arange(int(torch.Size(batch).numel()), dtype=torch.int64).reshape(batch),
+        },
+        batch_size=batch,
+        device="cpu",
+    )
+    if nested:
+        td["nested"] = TensorDict(
+            {"c": torch.rand(*batch, 1, generator=gen) > 0.5}, batch_size=batch, device="cpu"
+        )
+    if non_tensor:
+        td.set_non_tensor("s", "hello")
+    return td
