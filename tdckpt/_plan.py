@@ -114,8 +114,9 @@ class Mapper:
         from tensordict.memmap import MemoryMappedTensor
 
         out = MemoryMappedTensor(tensor)
-        path = self.storage.physical_path(node.file.source or "")
-        out.filename = str(path)
+        # The ``filename`` setter normalises through pathlib (slow for 10,000 leaves);
+        # the storage already gives an absolute, normalised path.
+        out._filename = self.storage.absolute_str(node.file.source or "")  # type: ignore[attr-defined]
         out._handler = None
         out._mode = self.mode
         out._index = None

@@ -146,14 +146,21 @@ class DirectoryStorage(Storage):
     def __init__(self, prefix: str | os.PathLike[str]) -> None:
         self.location = os.fspath(prefix)
         self.root = Path(prefix)
+        self._root_str = os.fspath(prefix)
+        self._abs_root = os.path.abspath(self._root_str)
         self._real_root = os.path.realpath(self.root)
+        # Files seen as regular (not symlinks) by listdir: mapping them needs no new
+        # symlink check, which keeps a 10,000-leaf restore free of 10,000 extra lstat calls.
+        self._regular: set[str] = set()
 
     # -- path resolution -------------------------------------------------------------
-    def _resolve(self, rel: str) -> Path:
-        parts = rel.split("/") if rel else []
-        for part in parts:
-            check_component(part, where=self.display(rel))
-        return self.root.joinpath(*parts)
+    def _resolve(self, rel: str) -> str:
+        if not rel:
+            return self._root_str
+        for part in rel.split("/"):
+            if part in ("", ".", "..") or "\0" in part:
+                check_component(part, where=self.display(rel))
+        return os.path.join(self._root_str, rel)
 
     def _check_link(self, path: Path, rel: str) -> str | None:
         """Why the symlink ``path`` must not be followed, or None if it is safe."""
@@ -184,7 +191,8 @@ class DirectoryStorage(Storage):
             for entry in it:
                 name = entry.name
                 try:
-                    if entry.is_symlink():
+                    is_link = entry.is_symlink()
+                    if is_link:
                         reason = self._check_link(Path(entry.path), join(rel, name))
                         if reason is not None:
                             listing.unsafe[name] = reason
@@ -197,14 +205,18 @@ class DirectoryStorage(Storage):
                     listing.dirs.add(name)
                 elif stat.S_ISREG(st.st_mode):
                     listing.files[name] = st.st_size
+                    if not is_link:
+                        self._regular.add(join(rel, name))
                 else:
                     listing.unsafe[name] = "not a regular file or directory"
         return listing
 
-    def _open_checked(self, rel: str) -> Path:
+    def _open_checked(self, rel: str) -> str:
         path = self._resolve(rel)
-        if path.is_symlink():
-            reason = self._check_link(path, rel)
+        if rel in self._regular:
+            return path
+        if os.path.islink(path):
+            reason = self._check_link(Path(path), rel)
             if reason is not None:
                 raise UnsafePathError(
                     f"{self.display(rel)}: {reason}; tdckpt never follows it. Replace the "
@@ -246,13 +258,22 @@ class DirectoryStorage(Storage):
                 f"{self.display(rel)}: mode='r+' needs a writable file; use mode='r' or "
                 "mode=None",
             )
-        return torch.from_file(str(path), shared=shared, size=numel, dtype=dtype)
+        return torch.from_file(path, shared=shared, size=numel, dtype=dtype)
 
     def physical_path(self, rel: str) -> Path | None:
+        return Path(self._open_checked(rel))
+
+    def absolute_str(self, rel: str) -> str:
+        """The absolute path of ``rel`` (checked as ``physical_path``), as a string."""
+        self._open_checked(rel)
+        return os.path.join(self._abs_root, rel) if rel else self._abs_root
+
+    def physical_str(self, rel: str) -> str:
+        """``physical_path`` as a plain string (no pathlib cost on hot paths)."""
         return self._open_checked(rel)
 
 
-def _writable(path: Path) -> bool:
+def _writable(path: str) -> bool:
     return os.access(path, os.W_OK)
 
 
