@@ -11,7 +11,6 @@ plain nested ``dict`` objects otherwise (``_backend.py`` decides).
 
 from __future__ import annotations
 
-import io
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,19 +18,19 @@ from typing import Any
 
 import torch
 
-from ._nodes import (
-    LazyStackNode,
-    LeafNode,
-    Node,
-    NonTensorNode,
-    NonTensorStackNode,
-    TensorClassNode,
-    TensorDictNode,
-)
+from ._nodes import LeafNode, NonTensorNode, NonTensorStackNode, TensorClassNode
 from ._storage import MapMode, Storage
 from .errors import RestoreError, TdckptError
 
-__all__ = ["Mapper", "has_tensordict", "load_pickled"]
+__all__ = [
+    "Mapper",
+    "has_tensordict",
+    "load_pickled",
+    "non_tensor_value",
+    "nt_stack_value",
+    "resolve_tensorclass",
+    "tensorclass_fields",
+]
 
 _MAX_PICKLE_BYTES = 1024 * 1024 * 1024
 
@@ -213,5 +212,3 @@ def resolve_tensorclass(type_str: str, where: str) -> type:
         class_name=name,
     )
 
-
-_ = (io, LazyStackNode, Node, TensorDictNode)  # re-exported types used by _restore

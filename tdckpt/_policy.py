@@ -44,6 +44,11 @@ KNOWN_TENSORDICT = Version("0.15.3")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+def _inside_package(filename: str) -> bool:
+    directory = os.path.dirname(os.path.abspath(filename))
+    return directory == _PACKAGE_DIR or directory.startswith(_PACKAGE_DIR + os.sep)
+
+
 def policy_version() -> Version:
     """The tensordict release whose policy applies: the installed one, else the newest known."""
     try:
@@ -69,9 +74,7 @@ def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning point at the first frame outside tdckpt."""
     frame = sys._getframe(1)
     level = 1
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)).startswith(
-        _PACKAGE_DIR
-    ):
+    while frame is not None and _inside_package(frame.f_code.co_filename):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level

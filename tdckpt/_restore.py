@@ -17,9 +17,8 @@ from __future__ import annotations
 import gc
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -298,5 +297,3 @@ def load_memmap_(
         restore_into_target(target, opened, mode=mode, unpickle=unpickle, builder_factory=_Builder)
     return target
 
-
-_ = (Callable, Path)

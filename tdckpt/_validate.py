@@ -11,7 +11,6 @@ engine can refuse before touching anything.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from typing import Any
 
@@ -406,8 +405,4 @@ def _build_tensorclass(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> TensorCla
             ctx.add("schema", join(inner_dir.source, "meta.json"), key, "a tensorclass's _tensordict must be a TensorDict level.")
         return None
     fields = {k: v for k, v in vdir.meta.items() if k != "_type"}
-    try:
-        json.dumps(fields)
-    except (TypeError, ValueError):  # pragma: no cover - parsed JSON always dumps
-        pass
     return TensorClassNode(key=key, path=vdir.source, type_str=model.type_, fields=fields, inner=inner, pickle=vdir.files.get("other.pickle"))
