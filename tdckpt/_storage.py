@@ -152,6 +152,8 @@ class DirectoryStorage(Storage):
         # Files seen as regular (not symlinks) by listdir: mapping them needs no new
         # symlink check, which keeps a 10,000-leaf restore free of 10,000 extra lstat calls.
         self._regular: set[str] = set()
+        # Directories whose every component was checked (symlinks inside the tree only).
+        self._safe_dirs: set[str] = set()
 
     # -- path resolution -------------------------------------------------------------
     def _resolve(self, rel: str) -> str:
@@ -173,8 +175,35 @@ class DirectoryStorage(Storage):
             return "a symlink to its own directory or an ancestor (a cycle)"
         return None
 
+    def _check_chain(self, rel: str) -> None:
+        """Refuse ``rel`` if any component (not only the last) is an unsafe symlink.
+
+        ``out/passwd`` with ``out`` a link out of the prefix must not be read although
+        ``passwd`` itself is a regular file.
+        """
+        if not rel:
+            return
+        parts = rel.split("/")
+        cur = self._root_str
+        for i, part in enumerate(parts):
+            cur = os.path.join(cur, part)
+            sub = "/".join(parts[: i + 1])
+            if sub in self._safe_dirs:
+                continue
+            if os.path.islink(cur):
+                reason = self._check_link(Path(cur), sub)
+                if reason is not None:
+                    raise UnsafePathError(
+                        f"{self.display(sub)}: {reason}; tdckpt never follows it. Replace "
+                        "the link with the real file or directory.",
+                        path=self.display(rel),
+                    )
+            if i < len(parts) - 1:
+                self._safe_dirs.add(sub)
+
     def listdir(self, rel: str) -> Listing:
         path = self._resolve(rel)
+        self._check_chain(rel)
         listing = Listing()
         try:
             it = os.scandir(path)
@@ -215,14 +244,7 @@ class DirectoryStorage(Storage):
         path = self._resolve(rel)
         if rel in self._regular:
             return path
-        if os.path.islink(path):
-            reason = self._check_link(Path(path), rel)
-            if reason is not None:
-                raise UnsafePathError(
-                    f"{self.display(rel)}: {reason}; tdckpt never follows it. Replace the "
-                    "link with the real file.",
-                    path=self.display(rel),
-                )
+        self._check_chain(rel)
         return path
 
     def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
@@ -257,6 +279,21 @@ class DirectoryStorage(Storage):
                 errno.EACCES,
                 f"{self.display(rel)}: mode='r+' needs a writable file; use mode='r' or "
                 "mode=None",
+            )
+        need = numel * dtype.itemsize
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{self.display(rel)}: no such file.", path=self.display(rel)
+            ) from exc
+        if size < need:
+            # A shared torch.from_file would grow the file with zeros (format-notes §4.3).
+            raise MetadataError(
+                f"{self.display(rel)}: {size} bytes, but {numel} elements of {dtype} need "
+                f"{need}. The file is truncated; tdckpt never grows a file to fit a mapping. "
+                "Restore it from a backup.",
+                path=self.display(rel),
             )
         return torch.from_file(path, shared=shared, size=numel, dtype=dtype)
 

@@ -1,0 +1,372 @@
+"""``DirectoryStorage``: listing, reading, zero-copy mapping, and refusing to leave the prefix."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tree_digest
+from tdckpt._storage import (
+    MAX_JSON_BYTES,
+    DirectoryStorage,
+    check_component,
+    join,
+    open_storage,
+    parse_json,
+)
+from tdckpt.errors import (
+    CheckpointNotFoundError,
+    MetadataError,
+    TdckptError,
+    UnsafePathError,
+)
+
+SECRET = b"TDCKPT-OUTSIDE-SECRET-1b7e\n"
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> tuple[Path, Path]:
+    """A prefix ``ckpt/`` with a file, a sub-directory, and a secret file outside it."""
+    prefix = tmp_path / "ckpt"
+    (prefix / "sub").mkdir(parents=True)
+    (prefix / "meta.json").write_text('{"shape": [2]}')
+    (prefix / "a.memmap").write_bytes(torch.arange(4, dtype=torch.float32).numpy().tobytes())
+    (prefix / "sub" / "b.memmap").write_bytes(b"\x01\x02\x03")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "passwd").write_bytes(SECRET)
+    return prefix, outside
+
+
+# -- listing and reading ------------------------------------------------------------------
+
+
+def test_listdir(layout: tuple[Path, Path]) -> None:
+    prefix, _ = layout
+    storage = DirectoryStorage(prefix)
+    root = storage.listdir("")
+    assert root.files == {"meta.json": 14, "a.memmap": 16}
+    assert root.dirs == {"sub"}
+    assert root.unsafe == {}
+    assert storage.listdir("sub").files == {"b.memmap": 3}
+
+
+def test_listdir_missing_and_file(layout: tuple[Path, Path]) -> None:
+    storage = DirectoryStorage(layout[0])
+    with pytest.raises(CheckpointNotFoundError):
+        storage.listdir("nope")
+    with pytest.raises(MetadataError, match="expected a directory"):
+        storage.listdir("a.memmap")
+
+
+def test_read_bytes_and_json(layout: tuple[Path, Path]) -> None:
+    storage = DirectoryStorage(layout[0])
+    assert storage.read_bytes("sub/b.memmap") == b"\x01\x02\x03"
+    assert storage.read_json("meta.json") == {"shape": [2]}
+    with pytest.raises(CheckpointNotFoundError, match="no such file"):
+        storage.read_bytes("missing.json")
+    with pytest.raises(MetadataError, match="found a directory"):
+        storage.read_bytes("sub")
+
+
+def test_open_storage(layout: tuple[Path, Path], tmp_path: Path) -> None:
+    with open_storage(layout[0]) as storage:
+        assert storage.kind == "directory"
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint here"):
+        open_storage(tmp_path / "absent")
+
+
+def test_join_and_display(layout: tuple[Path, Path]) -> None:
+    assert join("", "a") == "a"
+    assert join("x/y", "a") == "x/y/a"
+    storage = DirectoryStorage(layout[0])
+    assert storage.display("") == str(layout[0])
+    assert storage.display("sub/b.memmap") == str(layout[0] / "sub" / "b.memmap")
+
+
+# -- mapping ------------------------------------------------------------------------------
+
+
+def test_map_shared_is_zero_copy(layout: tuple[Path, Path]) -> None:
+    prefix, _ = layout
+    storage = DirectoryStorage(prefix)
+    t = storage.map("a.memmap", torch.float32, 4, mode="r+")
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+    # A write through the file is seen by the tensor, and the other way round: one buffer.
+    with open(prefix / "a.memmap", "r+b") as fh:
+        fh.seek(4)
+        fh.write(torch.tensor([42.0]).numpy().tobytes())
+    assert t[1].item() == 42.0
+    t[0] = -1.0
+    assert torch.frombuffer(bytearray((prefix / "a.memmap").read_bytes()), dtype=torch.float32)[0] == -1.0
+
+
+def test_map_default_mode_shares_a_writable_file(layout: tuple[Path, Path]) -> None:
+    prefix, _ = layout
+    t = DirectoryStorage(prefix).map("a.memmap", torch.float32, 4, mode=None)
+    with open(prefix / "a.memmap", "r+b") as fh:
+        fh.write(torch.tensor([7.0]).numpy().tobytes())
+    assert t[0].item() == 7.0
+
+
+def test_map_mode_r_is_copy_on_write(layout: tuple[Path, Path]) -> None:
+    prefix, _ = layout
+    before = tree_digest(prefix)
+    t = DirectoryStorage(prefix).map("a.memmap", torch.float32, 4, mode="r")
+    t.add_(100)
+    assert t.tolist() == [100.0, 101.0, 102.0, 103.0]
+    del t
+    assert tree_digest(prefix) == before
+
+
+def test_map_prefix_of_a_longer_file(layout: tuple[Path, Path]) -> None:
+    prefix, _ = layout
+    # Files may be longer than needed (tensordict's own fixture has a trailing byte).
+    t = DirectoryStorage(prefix).map("a.memmap", torch.float32, 2, mode="r")
+    assert t.tolist() == [0.0, 1.0]
+    assert (prefix / "a.memmap").stat().st_size == 16
+
+
+def test_map_zero_elements_needs_no_file(layout: tuple[Path, Path]) -> None:
+    t = DirectoryStorage(layout[0]).map("no-such.memmap", torch.int64, 0, mode="r")
+    assert t.shape == (0,) and t.dtype == torch.int64
+
+
+@pytest.mark.parametrize("mode", ["r", None, "r+"])
+def test_map_never_grows_a_short_file(layout: tuple[Path, Path], mode: str | None) -> None:
+    prefix, _ = layout
+    (prefix / "short.memmap").write_bytes(b"\x01" * 6)
+    before = tree_digest(prefix)
+    with pytest.raises(TdckptError, match="short.memmap"):
+        DirectoryStorage(prefix).map("short.memmap", torch.float32, 4, mode=mode)  # type: ignore[arg-type]
+    assert (prefix / "short.memmap").stat().st_size == 6
+    assert tree_digest(prefix) == before
+
+
+def test_map_r_plus_needs_a_writable_file(layout: tuple[Path, Path]) -> None:
+    prefix, _ = layout
+    path = prefix / "a.memmap"
+    path.chmod(0o444)
+    try:
+        if os.access(path, os.W_OK):  # pragma: no cover - running as root
+            pytest.skip("root can write read-only files")
+        with pytest.raises(PermissionError, match="r\\+"):
+            DirectoryStorage(prefix).map("a.memmap", torch.float32, 4, mode="r+")
+        # mode=None falls back to copy-on-write for a read-only file.
+        t = DirectoryStorage(prefix).map("a.memmap", torch.float32, 4, mode=None)
+        t.add_(1)
+        assert path.read_bytes() == torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    finally:
+        path.chmod(0o644)
+
+
+# -- names that would leave the prefix ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rel",
+    ["..", "../outside/passwd", "sub/../../outside/passwd", "/etc/passwd", "a//b", "./meta.json", "sub/.", "sub/", "x\0y"],
+)
+def test_refuses_escaping_names(layout: tuple[Path, Path], rel: str) -> None:
+    storage = DirectoryStorage(layout[0])
+    with pytest.raises(UnsafePathError):
+        storage.read_bytes(rel)
+    with pytest.raises(UnsafePathError):
+        storage.map(rel, torch.uint8, 1, mode="r")
+    with pytest.raises(UnsafePathError):
+        storage.listdir(rel)
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "a\0b"])
+def test_check_component(name: str) -> None:
+    with pytest.raises(UnsafePathError) as info:
+        check_component(name, where="somewhere")
+    assert info.value.name == name  # type: ignore[attr-defined]
+    assert "somewhere" in str(info.value)
+
+
+def test_check_component_accepts_ordinary_names() -> None:
+    for name in ["a", "...", ".hidden", "%2E%2E", "a b", "ünï"]:
+        check_component(name, where="x")
+
+
+# -- symlinks -----------------------------------------------------------------------------
+
+
+def test_symlinked_file_outside_is_unsafe(layout: tuple[Path, Path]) -> None:
+    prefix, outside = layout
+    (prefix / "leak.memmap").symlink_to(outside / "passwd")
+    storage = DirectoryStorage(prefix)
+    listing = storage.listdir("")
+    assert "leak.memmap" in listing.unsafe
+    assert "outside" in listing.unsafe["leak.memmap"]
+    assert "leak.memmap" not in listing.files
+    with pytest.raises(UnsafePathError, match="leak.memmap"):
+        storage.read_bytes("leak.memmap")
+    with pytest.raises(UnsafePathError, match="leak.memmap"):
+        storage.map("leak.memmap", torch.uint8, 4, mode="r")
+    with pytest.raises(UnsafePathError):
+        storage.physical_path("leak.memmap")
+
+
+def test_symlinked_directory_outside_is_unsafe(layout: tuple[Path, Path]) -> None:
+    prefix, outside = layout
+    (prefix / "out").symlink_to(outside, target_is_directory=True)
+    storage = DirectoryStorage(prefix)
+    assert "out" in storage.listdir("").unsafe
+    assert "out" not in storage.listdir("").dirs
+    # Not only the link itself: nothing beneath it is reachable either.
+    with pytest.raises(UnsafePathError):
+        storage.read_bytes("out/passwd")
+    with pytest.raises(UnsafePathError):
+        storage.map("out/passwd", torch.uint8, 4, mode="r")
+    with pytest.raises(UnsafePathError):
+        storage.listdir("out")
+
+
+def test_relative_symlink_escaping_is_unsafe(layout: tuple[Path, Path]) -> None:
+    prefix, _ = layout
+    (prefix / "sub" / "rel.memmap").symlink_to("../../outside/passwd")
+    storage = DirectoryStorage(prefix)
+    assert "rel.memmap" in storage.listdir("sub").unsafe
+    with pytest.raises(UnsafePathError):
+        storage.read_bytes("sub/rel.memmap")
+
+
+@pytest.mark.parametrize("target", [".", "..", "../.."])
+def test_symlink_to_own_directory_or_ancestor_is_a_cycle(layout: tuple[Path, Path], target: str) -> None:
+    prefix, _ = layout
+    (prefix / "sub" / "loop").symlink_to(target, target_is_directory=True)
+    storage = DirectoryStorage(prefix)
+    listing = storage.listdir("sub")
+    assert "loop" in listing.unsafe
+    assert "loop" not in listing.dirs
+    with pytest.raises(UnsafePathError):
+        storage.read_bytes("sub/loop/b.memmap" if target == "." else "sub/loop/meta.json")
+    with pytest.raises(UnsafePathError):
+        storage.listdir("sub/loop")
+
+
+def test_symlink_to_the_prefix_root_is_a_cycle(layout: tuple[Path, Path]) -> None:
+    prefix, _ = layout
+    (prefix / "self").symlink_to(prefix, target_is_directory=True)
+    listing = DirectoryStorage(prefix).listdir("")
+    assert "cycle" in listing.unsafe["self"]
+
+
+def test_symlink_inside_the_tree_is_followed(layout: tuple[Path, Path]) -> None:
+    prefix, _ = layout
+    (prefix / "alias.memmap").symlink_to("sub/b.memmap")
+    (prefix / "alias_dir").symlink_to("sub", target_is_directory=True)
+    storage = DirectoryStorage(prefix)
+    listing = storage.listdir("")
+    assert listing.files["alias.memmap"] == 3
+    assert "alias_dir" in listing.dirs
+    assert listing.unsafe == {}
+    assert storage.read_bytes("alias.memmap") == b"\x01\x02\x03"
+    assert storage.read_bytes("alias_dir/b.memmap") == b"\x01\x02\x03"
+    assert storage.map("alias.memmap", torch.uint8, 3, mode="r").tolist() == [1, 2, 3]
+
+
+def test_dangling_symlink_is_unsafe(layout: tuple[Path, Path]) -> None:
+    prefix, _ = layout
+    (prefix / "dangling.memmap").symlink_to(prefix / "nowhere")
+    listing = DirectoryStorage(prefix).listdir("")
+    assert "dangling.memmap" in listing.unsafe
+    assert "dangling.memmap" not in listing.files
+
+
+def test_fifo_is_not_a_regular_file(layout: tuple[Path, Path]) -> None:
+    prefix, _ = layout
+    os.mkfifo(prefix / "fifo.memmap")
+    listing = DirectoryStorage(prefix).listdir("")
+    assert "fifo.memmap" in listing.unsafe
+    assert "not a regular file" in listing.unsafe["fifo.memmap"]
+
+
+# -- JSON ---------------------------------------------------------------------------------
+
+
+def test_deeply_nested_json_is_a_metadata_error(tmp_path: Path) -> None:
+    prefix = tmp_path / "ckpt"
+    prefix.mkdir()
+    depth = 100_000
+    (prefix / "meta.json").write_text("[" * depth + "]" * depth)
+    (prefix / "obj.json").write_text('{"a":' * depth + "1" + "}" * depth)
+    storage = DirectoryStorage(prefix)
+    for name in ("meta.json", "obj.json"):
+        with pytest.raises(MetadataError, match="nested too deeply") as info:
+            storage.read_json(name)
+        assert not isinstance(info.value, RecursionError)
+        assert name in str(info.value)
+
+
+def test_oversized_json_is_refused(tmp_path: Path) -> None:
+    prefix = tmp_path / "ckpt"
+    prefix.mkdir()
+    with open(prefix / "meta.json", "wb") as fh:  # sparse: no 256 MB written
+        fh.truncate(MAX_JSON_BYTES + 1)
+    storage = DirectoryStorage(prefix)
+    with pytest.raises(MetadataError, match="more than the") as info:
+        storage.read_json("meta.json")
+    assert "meta.json" in str(info.value)
+    (prefix / "small.json").write_text('{"x": "' + "y" * 100 + '"}')
+    with pytest.raises(MetadataError):
+        storage.read_bytes("small.json", max_bytes=50)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"a": "\xff\xfe"}',
+        b"\xc3\x28",
+        b'{"shape": [3], ',
+        b"",
+        b"{'single': 'quotes'}",
+        b"1" * 5000,  # an integer beyond Python's digit limit
+    ],
+)
+def test_invalid_json_is_a_metadata_error(tmp_path: Path, data: bytes) -> None:
+    prefix = tmp_path / "ckpt"
+    prefix.mkdir()
+    (prefix / "meta.json").write_bytes(data)
+    with pytest.raises(MetadataError, match="meta.json") as info:
+        DirectoryStorage(prefix).read_json("meta.json")
+    assert info.value.path.endswith("meta.json")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("doc", [[1, 2], "text", 3, None, True])
+def test_non_object_json_parses_but_is_not_metadata(tmp_path: Path, doc: object) -> None:
+    # parse_json returns whatever JSON holds; the metadata stage refuses non-objects.
+    from tdckpt._tree import read_tree
+
+    assert parse_json(json.dumps(doc).encode(), where="x") == doc
+    prefix = tmp_path / "ckpt"
+    prefix.mkdir()
+    (prefix / "meta.json").write_text(json.dumps(doc))
+    tree = read_tree(DirectoryStorage(prefix))
+    assert tree.meta is None
+    [problem] = tree.problems
+    assert problem.code == "bad-json"
+    assert problem.severity == "error"
+    assert problem.path == "meta.json"
+    assert "expected a JSON object" in problem.message
+
+
+def test_nothing_is_written(layout: tuple[Path, Path]) -> None:
+    prefix, outside = layout
+    (prefix / "leak").symlink_to(outside / "passwd")
+    before, before_out = tree_digest(prefix), tree_digest(outside)
+    storage = DirectoryStorage(prefix)
+    storage.listdir("")
+    storage.listdir("sub")
+    storage.read_json("meta.json")
+    storage.map("a.memmap", torch.float32, 4, mode="r")
+    with pytest.raises(UnsafePathError):
+        storage.read_bytes("leak")
+    assert tree_digest(prefix) == before
+    assert tree_digest(outside) == before_out
