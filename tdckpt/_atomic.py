@@ -1,0 +1,384 @@
+"""The commit protocol: stage beside the target, make it durable, then one atomic rename.
+
+A step of a checkpoint root is committed when, and only when, its final name exists:
+
+* a directory step ``<root>/<step>/`` is staged in ``<root>/<step>.tmp-<uuid>/``; the writer
+  fsyncs every file, then the directories bottom-up, writes the manifest last and fsyncs it;
+  then the staging folder is renamed to ``<root>/<step>`` and ``<root>`` is fsynced;
+* an archive step ``<root>/<step>.tdz`` is staged the same way, then packed by
+  :func:`tdckpt._archive.write_archive`, whose own ``os.replace`` is the commit.
+
+So a crash at any instant leaves either the old state or the new one, plus names that
+:func:`is_tmp_name` recognises and ``gc`` removes. Names are plain decimal step numbers
+(``"1000"``, never ``"01000"``); anything else in a root is foreign and never touched.
+
+Overwriting a committed step swaps the two folders with ``renameat2(RENAME_EXCHANGE)``
+where the kernel and file system offer it, so the step never disappears. Elsewhere the old
+folder is renamed aside to ``<step>.tmp-<uuid>.replaced`` first; if a crash then hits
+before the new folder is renamed in, :func:`recover_or_remove` (``gc``) renames the old
+one back instead of deleting it.
+
+Deleting a step renames it to a temporary name first (:func:`retire`), so a crash in the
+middle of ``rmtree`` never leaves a half-deleted step listed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from .errors import CheckpointExistsError
+
+__all__ = [
+    "ARCHIVE_SUFFIX",
+    "TMP_MARKER",
+    "StepKind",
+    "commit_archive",
+    "commit_directory",
+    "fsync_dir",
+    "is_tmp_name",
+    "parse_step_name",
+    "recover_or_remove",
+    "retire",
+    "step_archive_name",
+    "step_name",
+    "tmp_name",
+]
+
+T = TypeVar("T")
+
+#: The suffix of an archive step (tensordict's archive suffix).
+ARCHIVE_SUFFIX = ".tdz"
+#: What every temporary name of a root holds after the step number.
+TMP_MARKER = ".tmp-"
+#: The suffix of a committed step renamed aside while an overwrite is in flight.
+REPLACED_SUFFIX = ".replaced"
+
+StepKind = str  # "dir" | "archive"
+
+_STEP_RE = re.compile(r"(0|[1-9][0-9]*)")
+# <step>[.tdz].tmp-<32 hex>[.<tag>]: staging, retired and replaced folders of this module.
+_TMP_RE = re.compile(r"(0|[1-9][0-9]*)(\.tdz)?\.tmp-[0-9a-f]{32}(\.[a-z]+)?")
+# .<step>.tdz.<hex>.tmp: the temporary file of tdckpt._archive.write_archive.
+_ARCHIVE_TMP_RE = re.compile(r"\.(0|[1-9][0-9]*)\.tdz\.[0-9a-f]+\.tmp")
+
+
+# -- names -------------------------------------------------------------------------------------
+
+
+def step_name(step: int) -> str:
+    """The folder name of a directory step.
+
+    >>> step_name(1000)
+    '1000'
+    """
+    return str(check_step(step))
+
+
+def step_archive_name(step: int) -> str:
+    """The file name of an archive step.
+
+    >>> step_archive_name(7)
+    '7.tdz'
+    """
+    return f"{check_step(step)}{ARCHIVE_SUFFIX}"
+
+
+def check_step(step: object) -> int:
+    """Return ``step`` if it is a valid step number (an ``int`` >= 0, not a bool)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(
+            f"a step must be a non-negative int, got {step!r} ({type(step).__name__}); "
+            "steps name folders as plain decimal numbers."
+        )
+    return int(step)
+
+
+def parse_step_name(name: str) -> tuple[int, StepKind] | None:
+    """The step and kind a root entry name commits, or None for any other name.
+
+    Only canonical decimal names count: ``"007"``, ``"+7"`` or ``"7.tmp-..."`` are not steps.
+
+    >>> parse_step_name("1000"), parse_step_name("12.tdz"), parse_step_name("007")
+    ((1000, 'dir'), (12, 'archive'), None)
+    """
+    if name.endswith(ARCHIVE_SUFFIX):
+        base, kind = name[: -len(ARCHIVE_SUFFIX)], "archive"
+    else:
+        base, kind = name, "dir"
+    if _STEP_RE.fullmatch(base) is None:
+        return None
+    return int(base), kind
+
+
+def tmp_name(step: int, *, archive: bool = False, tag: str = "") -> str:
+    """A fresh temporary name for ``step`` (unique: a uuid4), optionally tagged.
+
+    >>> is_tmp_name(tmp_name(5, tag="replaced"))
+    True
+    """
+    base = step_archive_name(step) if archive else step_name(step)
+    suffix = f".{tag}" if tag else ""
+    return f"{base}{TMP_MARKER}{uuid.uuid4().hex}{suffix}"
+
+
+def is_tmp_name(name: str) -> bool:
+    """Whether ``name`` is a temporary entry a save, delete or archive write left behind.
+
+    >>> is_tmp_name("1000.tmp-" + "0" * 32), is_tmp_name("1000"), is_tmp_name("notes.tmp-x")
+    (True, False, False)
+    """
+    return _TMP_RE.fullmatch(name) is not None or _ARCHIVE_TMP_RE.fullmatch(name) is not None
+
+
+def tmp_step(name: str) -> int | None:
+    """The step a temporary name belongs to, or None if it is not one."""
+    match = _TMP_RE.fullmatch(name) or _ARCHIVE_TMP_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+# -- durability --------------------------------------------------------------------------------
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory, so the names created or removed in it survive a power loss."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- renames -----------------------------------------------------------------------------------
+
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _load_renameat2() -> Callable[..., int] | None:
+    # glibc >= 2.28 exports renameat2; elsewhere (macOS, musl without it) fall back.
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        func = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    func.restype = ctypes.c_int
+    return func  # type: ignore[no-any-return]
+
+
+_renameat2 = _load_renameat2()
+
+
+def _rename2(src: Path, dst: Path, flags: int) -> bool:
+    """renameat2 with ``flags``; False when the kernel or file system cannot do it."""
+    if _renameat2 is None:
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``, refusing (CheckpointExistsError) if ``dst`` exists.
+
+    Atomic where ``RENAME_NOREPLACE`` exists; elsewhere a check then a rename, which the
+    root's single-writer lock makes safe.
+    """
+    try:
+        if _rename2(src, dst, _RENAME_NOREPLACE):
+            return
+    except FileExistsError:
+        _raise_exists(dst)
+    if os.path.lexists(dst):
+        _raise_exists(dst)
+    os.rename(src, dst)
+
+
+def _raise_exists(dst: Path) -> None:
+    raise CheckpointExistsError(
+        f"{dst}: already exists; a committed step is never overwritten unless asked. "
+        "Pass overwrite=True to replace it, or save under another step.",
+        path=str(dst),
+    )
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two names (both must exist); False when unsupported."""
+    return _rename2(a, b, _RENAME_EXCHANGE)
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or a directory tree; missing is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=False)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+# -- commits -----------------------------------------------------------------------------------
+
+
+def _staging(root: Path, step: int) -> Path:
+    staging = root / tmp_name(step)
+    staging.mkdir()
+    return staging
+
+
+def commit_directory(
+    root: Path,
+    step: int,
+    write: Callable[[Path], T],
+    *,
+    overwrite: bool = False,
+    fsync: bool = True,
+) -> tuple[Path, T]:
+    """Stage, write and commit the directory step ``<root>/<step>``.
+
+    Args:
+        root: the checkpoint root; it must exist.
+        step: the step number.
+        write: fills the (empty, existing) staging folder it is given, making its content
+            durable itself (files, directories, manifest last), and returns a result.
+        overwrite: replace a step that already exists instead of refusing.
+        fsync: fsync ``root`` after the rename (and after the swap of an overwrite).
+
+    Returns:
+        The committed path and what ``write`` returned.
+
+    Raises:
+        CheckpointExistsError: the step exists and ``overwrite`` is False. Checked before
+            anything is written, and again atomically at the rename.
+    """
+    final = root / step_name(step)
+    if not overwrite and os.path.lexists(final):
+        _raise_exists(final)
+    staging = _staging(root, step)
+    try:
+        result = write(staging)
+        if overwrite and os.path.lexists(final):
+            _replace(root, step, staging, final, fsync=fsync)
+        else:
+            rename_noreplace(staging, final)
+            if fsync:
+                fsync_dir(root)
+    except BaseException:
+        # Never leave a half-written staging folder behind on an ordinary error; a crash
+        # leaves it for gc.
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return final, result
+
+
+def _replace(root: Path, step: int, staging: Path, final: Path, *, fsync: bool) -> None:
+    """Swap the staged folder in for the committed ``final``, then delete the old one."""
+    if final.is_symlink() or not final.is_dir():
+        # A file (or link) where the step folder belongs: retire it like any step.
+        aside = root / tmp_name(step, tag="retired")
+        os.rename(final, aside)
+        os.rename(staging, final)
+    elif _exchange(staging, final):
+        aside = staging  # now holds the old step
+    else:
+        aside = root / tmp_name(step, tag=REPLACED_SUFFIX[1:])
+        os.rename(final, aside)
+        # A crash here leaves no <step>; gc renames <aside> back (recover_or_remove).
+        try:
+            os.rename(staging, final)
+        except BaseException:
+            os.rename(aside, final)
+            raise
+    if fsync:
+        fsync_dir(root)
+    _remove(aside)
+
+
+def commit_archive(
+    root: Path,
+    step: int,
+    write: Callable[[Path], T],
+    *,
+    overwrite: bool = False,
+    fsync: bool = True,
+    compression: str = "stored",
+) -> tuple[Path, T]:
+    """Stage and write a directory, then pack it into the archive step ``<root>/<step>.tdz``.
+
+    The archive writer's own temp-file-then-``os.replace`` is the commit. The staging folder
+    is removed afterwards (or by ``gc`` after a crash).
+
+    Raises:
+        CheckpointExistsError: the archive exists and ``overwrite`` is False.
+    """
+    from ._archive import write_archive
+
+    final = root / step_archive_name(step)
+    if not overwrite and os.path.lexists(final):
+        _raise_exists(final)
+    staging = _staging(root, step)
+    try:
+        result = write(staging)
+        if not overwrite and os.path.lexists(final):  # re-check: writing took a while
+            _raise_exists(final)
+        write_archive(staging, final, compression=compression, fsync=fsync)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final, result
+
+
+def retire(root: Path, path: Path, step: int, *, fsync: bool = True) -> Path:
+    """Rename a committed step to a temporary name; the caller removes it afterwards.
+
+    After this returns (and ``root`` is fsynced) the step is no longer listed, whatever
+    happens to the deletion that follows.
+    """
+    aside = root / tmp_name(step, archive=path.name.endswith(ARCHIVE_SUFFIX), tag="deleting")
+    os.rename(path, aside)
+    if fsync:
+        fsync_dir(root)
+    return aside
+
+
+def remove_retired(path: Path) -> None:
+    """Delete what :func:`retire` set aside."""
+    _remove(path)
+
+
+def recover_or_remove(root: Path, name: str, *, fsync: bool = True) -> Path | None:
+    """Clean one temporary entry of ``root``: remove it, or restore an interrupted overwrite.
+
+    A ``<step>.tmp-<uuid>.replaced`` folder whose step is missing is the committed step an
+    overwrite had renamed aside when the process died: it is renamed back and None is
+    returned. Every other temporary entry is removed and its path returned.
+    """
+    path = root / name
+    step = tmp_step(name)
+    if (
+        step is not None
+        and name.endswith(REPLACED_SUFFIX)
+        and not os.path.lexists(root / step_name(step))
+        and path.is_dir()
+        and not path.is_symlink()
+    ):
+        os.rename(path, root / step_name(step))
+        if fsync:
+            fsync_dir(root)
+        return None
+    _remove(path)
+    return path

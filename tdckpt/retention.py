@@ -1,0 +1,187 @@
+"""Retention policies: which committed steps a :class:`~tdckpt.CheckpointManager` keeps.
+
+A policy is any object with ``select_to_keep(steps) -> set[int]`` (the
+:class:`RetentionPolicy` protocol). It sees every committed step, oldest first, and names the
+ones to keep; the manager deletes the others. Policies compose with :class:`AnyOf` or ``|``::
+
+    from tdckpt.retention import KeepBest, KeepEvery, KeepLast
+    policy = KeepLast(3) | KeepEvery(10_000) | KeepBest(2, "val_loss")
+
+Whatever a policy says, the manager applies it only after a new save has committed and
+never deletes the newest committed step, the step that save just wrote, nor a step being
+restored or verified at that moment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+__all__ = [
+    "AnyOf",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
+    "RetentionPolicy",
+    "StepInfo",
+]
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What a policy knows about one committed step.
+
+    Attributes:
+        step: the step number.
+        path: the committed folder (or ``.tdz`` archive).
+        metadata: the user metadata saved with it (``save(..., metadata=...)``).
+        created: when it was written (UTC ISO-8601), from its manifest.
+    """
+
+    step: int
+    path: Path
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    created: str | None = None
+
+
+@runtime_checkable
+class RetentionPolicy(Protocol):
+    """Decides which steps to keep."""
+
+    def select_to_keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        """Return the step numbers to keep among ``steps`` (sorted, oldest first)."""
+        ...
+
+
+class _Composable:
+    """``policy_a | policy_b`` keeps what either keeps."""
+
+    def __or__(self, other: RetentionPolicy) -> AnyOf:
+        return AnyOf(self, other)  # type: ignore[arg-type]
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class KeepAll(_Composable):
+    """Keep every step (the default: nothing is ever deleted)."""
+
+    def select_to_keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        return {info.step for info in steps}
+
+    def __repr__(self) -> str:
+        return "KeepAll()"
+
+
+class KeepLast(_Composable):
+    """Keep the ``n`` highest-numbered steps.
+
+    >>> sorted(KeepLast(2).select_to_keep([StepInfo(s, Path(str(s))) for s in (1, 5, 3)]))
+    [3, 5]
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = _positive("KeepLast(n)", n)
+
+    def select_to_keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        return set(sorted(info.step for info in steps)[-self.n :])
+
+    def __repr__(self) -> str:
+        return f"KeepLast({self.n})"
+
+
+class KeepEvery(_Composable):
+    """Keep the steps divisible by ``n`` (e.g. a permanent checkpoint every 10 000 steps).
+
+    >>> sorted(KeepEvery(10).select_to_keep([StepInfo(s, Path(str(s))) for s in (5, 10, 20)]))
+    [10, 20]
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = _positive("KeepEvery(n)", n)
+
+    def select_to_keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        return {info.step for info in steps if info.step % self.n == 0}
+
+    def __repr__(self) -> str:
+        return f"KeepEvery({self.n})"
+
+
+def metric_value(metadata: Mapping[str, Any], key: str) -> float | None:
+    """``metadata[key]`` as a comparable number, or None (missing, not a real number, NaN).
+
+    >>> metric_value({"loss": 0.5}, "loss"), metric_value({"loss": "n/a"}, "loss")
+    (0.5, None)
+    """
+    value = metadata.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = float(value)
+    return None if math.isnan(number) else number
+
+
+class KeepBest(_Composable):
+    """Keep the ``k`` steps with the best value of ``metadata[key]``.
+
+    ``mode="min"`` keeps the lowest values (a loss), ``"max"`` the highest (an accuracy).
+    Steps whose metadata lack the key, or hold something other than a number (or NaN), are
+    never "best". Ties go to the newer step.
+
+    >>> infos = [StepInfo(s, Path(str(s)), {"loss": v}) for s, v in ((1, 0.3), (2, 0.1), (3, 0.2))]
+    >>> sorted(KeepBest(2, "loss").select_to_keep(infos))
+    [2, 3]
+    """
+
+    def __init__(self, k: int, key: str, mode: Literal["min", "max"] = "min") -> None:
+        self.k = _positive("KeepBest(k)", k)
+        if not isinstance(key, str):
+            raise TypeError(f"KeepBest(key) must be a str, got {key!r}")
+        if mode not in ("min", "max"):
+            raise ValueError(f"KeepBest(mode) must be 'min' or 'max', got {mode!r}")
+        self.key = key
+        self.mode = mode
+
+    def select_to_keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        scored = []
+        for info in steps:
+            value = metric_value(info.metadata, self.key)
+            if value is not None:
+                scored.append((value if self.mode == "min" else -value, -info.step))
+        scored.sort()
+        return {-neg_step for _, neg_step in scored[: self.k]}
+
+    def __repr__(self) -> str:
+        return f"KeepBest({self.k}, {self.key!r}, mode={self.mode!r})"
+
+
+class AnyOf(_Composable):
+    """Keep every step that at least one of ``policies`` keeps (the union)."""
+
+    def __init__(self, *policies: RetentionPolicy) -> None:
+        if not policies:
+            raise ValueError("AnyOf needs at least one policy")
+        for policy in policies:
+            if not callable(getattr(policy, "select_to_keep", None)):
+                raise TypeError(
+                    f"AnyOf takes retention policies (objects with select_to_keep), got {policy!r}"
+                )
+        flat: list[RetentionPolicy] = []
+        for policy in policies:
+            flat.extend(policy.policies if isinstance(policy, AnyOf) else (policy,))
+        self.policies = tuple(flat)
+
+    def select_to_keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        keep: set[int] = set()
+        for policy in self.policies:
+            keep |= set(policy.select_to_keep(steps))
+        return keep
+
+    def __repr__(self) -> str:
+        return f"AnyOf({', '.join(map(repr, self.policies))})"
