@@ -41,7 +41,7 @@ import shutil
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -81,6 +81,8 @@ CHECKSUM_ALGORITHMS = frozenset(
 #: Bytes per write/hash call: large enough for sequential I/O, small enough to stay in
 #: cache between the write and the hash of the same chunk.
 CHUNK_BYTES = 4 << 20
+#: The largest single write() (Linux caps one call just under 2 GiB).
+_MAX_WRITE = 1 << 30
 #: Chunks smaller than this are hashed inline (a thread hop costs more than it saves).
 _PARALLEL_MIN = 256 << 10
 #: NAME_MAX of Linux file systems, in bytes.
@@ -621,8 +623,9 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _write_all(fd: int, data: memoryview) -> None:
+    # Large sequential writes; the kernel may write less than asked (at most ~2 GiB).
     while data:
-        written = os.write(fd, data)
+        written = os.write(fd, data[:_MAX_WRITE])
         data = data[written:]
 
 
@@ -688,24 +691,22 @@ class _Writer:
         try:
             for piece in _pieces(tensor):
                 buf = _as_bytes(piece)
-                for start in range(0, len(buf), CHUNK_BYTES):
-                    chunk = buf[start : start + CHUNK_BYTES]
-                    pending: Future[None] | None = None
-                    if len(chunk) >= _PARALLEL_MIN:
-                        # Hash on the helper thread while the kernel copies the same chunk
-                        # into the page cache; both release the GIL. Chunks stay in order:
-                        # we wait for this hash before submitting the next one.
-                        if self._pool is None:
-                            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tdckpt-hash")
-                        pending = self._pool.submit(hasher.update, chunk)
-                    else:
-                        hasher.update(chunk)
+                if len(buf) < _PARALLEL_MIN:
+                    hasher.update(buf)
+                    _write_all(fd, buf)
+                else:
+                    # Hash the whole piece on the helper thread while this one writes it:
+                    # zlib/hashlib and os.write all release the GIL, so the two run in
+                    # parallel with one hand-off per piece. Pieces stay in order: this
+                    # hash finishes before the next piece's starts.
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tdckpt-hash")
+                    pending = self._pool.submit(hasher.update, buf)
                     try:
-                        _write_all(fd, chunk)
+                        _write_all(fd, buf)
                     finally:
-                        if pending is not None:
-                            pending.result()
-                    size += len(chunk)
+                        pending.result()
+                size += len(buf)
             if self.fsync:
                 os.fsync(fd)
         finally:
