@@ -336,9 +336,12 @@ def _key_for(parent: VDir, name: str) -> str:
 
 
 def _describe(target: Target) -> str:
-    if target.key is not None and target.node.source:
-        return f"key {target.key!r} ({target.node.source})"
-    return f"key {target.key!r}" if target.key else (target.node.source or "the root")
+    source = target.node.source
+    if not target.key:
+        return f"{source}/" if source else "the root"
+    if "/" in source or (source and source != target.key):
+        return f"key {target.key!r} (in {source}/)"
+    return f"key {target.key!r}"
 
 
 # -- helpers for scripts -----------------------------------------------------------------------
