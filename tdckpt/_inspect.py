@@ -54,7 +54,7 @@ def validate(prefix: str | os.PathLike[str], *, robust_key: bool | None = None) 
     except TdckptError as exc:
         return ValidationReport(
             prefix=os.fspath(prefix),
-            problems=[Problem(_code(exc), "error", "", (), str(exc))],
+            problems=[Problem(_code(exc), "error", _rel_path(exc, prefix), (), str(exc))],
         )
     try:
         problems = list(opened.problems)
@@ -79,6 +79,19 @@ def validate(prefix: str | os.PathLike[str], *, robust_key: bool | None = None) 
         )
     finally:
         opened.close()
+
+
+def _rel_path(exc: TdckptError, prefix: str | os.PathLike[str]) -> str:
+    """The error's file relative to the prefix (``""`` when it names the prefix itself)."""
+    path = getattr(exc, "path", None)
+    if not isinstance(path, str) or path in ("", "."):
+        return ""
+    base = os.fspath(prefix).rstrip(os.sep)
+    if path == base:
+        return ""
+    if path.startswith(base + os.sep):
+        return path[len(base) + 1 :].replace(os.sep, "/")
+    return "" if os.path.isabs(path) else path
 
 
 def _code(exc: TdckptError) -> str:

@@ -161,23 +161,30 @@ def _choose(
         distinct = [k for k in keys if encode_key(k) != k and needs_file[k]]
         r_ok = all(robust[k] is not None for k in distinct)
         l_ok = all(legacy[k] is not None for k in distinct)
-        if distinct and r_ok and l_ok:
-            both = [k for k in distinct if robust[k] is not legacy[k]]
+        # Keys whose two names find two different entries (".." may find "...memmap"
+        # under both conventions: that is no ambiguity).
+        both = [k for k in distinct if robust[k] is not legacy[k]]
+        ambiguous = bool(both) and r_ok and l_ok
+        if ambiguous:
+            suffix = "" if is_collection else LEAF_SUFFIX
+            robust_name, raw_name = encode_key(both[0]) + suffix, both[0] + suffix
             result.problems.append(
                 Problem(
                     "ambiguous-key-encoding",
                     "error",
-                    node.source,
+                    join(node.source, robust_name),
                     (),
                     f"the {what} of this directory can be read under both key encodings "
-                    f"(e.g. key {both[0]!r} has both {encode_key(both[0])!r} and the raw name "
-                    "on disk), so which file holds which key is unknown. Pass "
+                    f"(e.g. key {both[0]!r} has both {robust_name!r} and the raw name "
+                    f"{raw_name!r} on disk), so which file holds which key is unknown. Pass "
                     "robust_key=True for files written by tensordict >= 0.13 defaults, or "
                     "robust_key=False for files written with raw (legacy) names.",
                 )
             )
-            return {}
-        if r_ok or not distinct:
+            # Refused above; the other checks go on under tensordict's own reading, so
+            # the key's files are not also reported missing.
+            conv = ROBUST
+        elif r_ok or not distinct:
             conv = ROBUST
         elif l_ok:
             conv = LEGACY
@@ -185,7 +192,7 @@ def _choose(
             r_n = sum(robust[k] is not None for k in distinct)
             l_n = sum(legacy[k] is not None for k in distinct)
             conv = ROBUST if r_n >= l_n else LEGACY
-        if distinct:
+        if distinct and not ambiguous:
             result.decisions[f"{node.source}:{what}"] = conv
     if robust_key is False or hint in (ROBUST, LEGACY):
         if any(encode_key(k) != k for k in keys):

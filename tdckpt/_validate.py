@@ -10,6 +10,7 @@ engine can refuse before touching anything.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from typing import Any
@@ -39,7 +40,13 @@ __all__ = ["MAX_BYTES", "build_nodes", "class_kind"]
 #: No single leaf may claim more than this (it bounds shape arithmetic on hostile input).
 MAX_BYTES = 2**62
 
-_TD_CLASSES = {"TensorDict", "PersistentTensorDict", "TensorDictParams", "TypedTensorDict"}
+_TD_CLASSES = {
+    "TensorDict",
+    "PersistentTensorDict",
+    "TensorDictParams",
+    "TypedTensorDict",
+    "TensorDictStore",
+}
 
 
 def class_kind(meta: dict[str, Any]) -> str:
@@ -83,17 +90,32 @@ def build_nodes(tree: VDir, storage: Storage) -> tuple[Node | None, list[Problem
     return node, ctx.problems
 
 
-def _schema_problems(ctx: _Ctx, exc: pydantic.ValidationError, path: str, key: tuple[str, ...]) -> None:
+def _schema_problems(
+    ctx: _Ctx,
+    exc: pydantic.ValidationError,
+    path: str,
+    key: tuple[str, ...],
+    raw: dict[str, Any] | None = None,
+) -> None:
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
+        sub = key
         if loc[:1] == ["entries"] and len(loc) >= 2:
+            entry = raw.get(loc[1]) if raw is not None else None
+            if isinstance(entry, dict) and len(loc) >= 3:
+                # An entry is a leaf or a child (the union): report only the errors of the
+                # branch it is meant to be, not "field 'type' required" for a broken leaf.
+                meant = "ChildEntry" if "type" in entry and "dtype" not in entry else "LeafEntry"
+                if loc[2] in ("LeafEntry", "ChildEntry") and loc[2] != meant:
+                    continue
+            sub = (*key, loc[1])
             where = f"entry {loc[1]!r}" + (f" field {'.'.join(loc[3:])!r}" if len(loc) > 3 else "")
         else:
             where = f"field {'.'.join(loc)!r}" if loc else "the document"
         ctx.add(
             "schema",
             join(path, "meta.json"),
-            key,
+            sub,
             f"{where}: {err['msg']} (found {err.get('input')!r:.80}). The metadata does not fit "
             "the tensordict format; the file is damaged or was edited.",
         )
@@ -102,6 +124,10 @@ def _schema_problems(ctx: _Ctx, exc: pydantic.ValidationError, path: str, key: t
 def _build(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, parent_batch: tuple[int, ...] | None) -> Node | None:
     meta = vdir.meta
     if meta is None:
+        own = [p for p in vdir.problems if p.severity == "error" and not p.key]
+        if own and key:
+            # read_tree does not know keys: name the key this directory holds now.
+            ctx.problems = [dataclasses.replace(p, key=key) if p in own else p for p in ctx.problems]
         if not any(p.path.startswith(vdir.source) and p.severity == "error" for p in vdir.problems):
             ctx.add(
                 "missing-meta",
@@ -147,7 +173,19 @@ def _build_td(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> TensorDictNode | N
     try:
         model = schema.TensorDictMeta.model_validate(vdir.meta)
     except pydantic.ValidationError as exc:
-        _schema_problems(ctx, exc, vdir.source, key)
+        _schema_problems(ctx, exc, vdir.source, key, vdir.meta)
+        return None
+    module, _, cls_name = model.class_.rpartition(":")
+    if cls_name not in _TD_CLASSES or module.split(".")[0] != "tensordict":
+        ctx.add(
+            "unknown-class",
+            join(vdir.source, "meta.json"),
+            key,
+            f"_class {model.class_!r} is not a tensordict class tdckpt knows (expected e.g. "
+            "'tensordict:TensorDict'); tensordict itself refuses it ('Could not find the "
+            "class'). The metadata is damaged, or was written by a newer tensordict: upgrade "
+            "tdckpt.",
+        )
         return None
     batch = tuple(model.shape)
     node = TensorDictNode(
@@ -216,6 +254,8 @@ def _build_leaf(
         ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"shape {list(shape)} overflows: {numel} elements of {dtype} cannot exist on disk.")
         return None
     vfile = vdir.files.get(fname)
+    if vfile is not None and vfile.source is not None:
+        path = vfile.source  # the physical file (a legacy name differs from fname)
     leaf = LeafNode(key=key, path=path, dtype=dtype, shape=shape, device=entry.device, is_nested=entry.is_nested, file=vfile)
     if entry.is_nested:
         if len(shape) != 2:
