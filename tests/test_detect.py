@@ -125,7 +125,8 @@ def test_newer_format_refused() -> None:
     )
     with pytest.raises(
         UnsupportedFormatError,
-        match=r"written by a newer tensordict format \(2\); this tdckpt reads up to 1: upgrade tdckpt",
+        match=r"written by a newer tensordict format \(2\); this tdckpt reads up to 1: "
+        r"upgrade tdckpt",
     ):
         detect_tree(tree)
 
