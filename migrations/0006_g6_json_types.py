@@ -11,7 +11,8 @@ What changed in tensordict 0.15.0 (read from the wheels; format-notes.md G7):
 * ``json_types.json`` (``{"types": ..., "pickle_sha256": ...}``) describes a pickle that
   holds only container types, so it can be read without unpickling; older readers still use
   the pickle;
-* 0.15.2 drops orjson: files are stdlib-json again (spaces, ``NaN`` tokens).
+* the pickle FutureWarning (#1763, #1764) now announces ``allow_pickle=False`` for 0.16;
+* 0.15.2 drops orjson (gh-2913): files are stdlib-json again (spaces, ``NaN`` tokens).
 
 What this step does: nothing to the metadata - every G6 file is valid G7. It points out
 the accidental ``_metadata`` pickles (an inline ``data`` value, no ``_metadata`` entry, an

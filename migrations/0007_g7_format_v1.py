@@ -6,7 +6,8 @@ PersistentTensorDict levels carry ``"_format_version": 1`` and ``"_class":
 "<module>:<qualname>"`` (``tensordict:TensorDict`` for exported classes, the real module
 for private ones); tensorclass and NonTensorData/MetaData levels carry neither. A file
 without ``_format_version`` is version 0; a version above 1 is refused. Dimension names
-are saved as ``"_names"`` and lazy stacks gain ``"stack_dim_name"``. 0.15.3 still writes
+are saved as ``"_names"`` (#3262 in tensordict's code) and lazy stacks gain
+``"stack_dim_name"``. 0.15.3 still writes
 meta.json with the stdlib json (``json.dumps`` defaults), NonTensorStack compact.
 
 What this step does, per G7 directory (entries are kept; format fields are only added
