@@ -152,7 +152,7 @@ class DirectoryStorage(Storage):
         # Files seen as regular (not symlinks) by listdir: mapping them needs no new
         # symlink check, which keeps a 10,000-leaf restore free of 10,000 extra lstat calls.
         self._regular: set[str] = set()
-        # Directories whose every component was checked (symlinks inside the tree only).
+        # Paths whose every component was checked (no symlink out of the tree, no cycle).
         self._safe_dirs: set[str] = set()
 
     # -- path resolution -------------------------------------------------------------
@@ -184,12 +184,14 @@ class DirectoryStorage(Storage):
         if not rel:
             return
         parts = rel.split("/")
-        cur = self._root_str
-        for i, part in enumerate(parts):
-            cur = os.path.join(cur, part)
+        parent = rel.rpartition("/")[0]
+        # The usual case: the parent was checked (listed) first, one component is left.
+        first = len(parts) - 1 if not parent or parent in self._safe_dirs else 0
+        for i in range(first, len(parts)):
             sub = "/".join(parts[: i + 1])
             if sub in self._safe_dirs:
                 continue
+            cur = os.path.join(self._root_str, sub)
             if os.path.islink(cur):
                 reason = self._check_link(Path(cur), sub)
                 if reason is not None:
@@ -198,8 +200,7 @@ class DirectoryStorage(Storage):
                         "the link with the real file or directory.",
                         path=self.display(rel),
                     )
-            if i < len(parts) - 1:
-                self._safe_dirs.add(sub)
+            self._safe_dirs.add(sub)
 
     def listdir(self, rel: str) -> Listing:
         path = self._resolve(rel)
