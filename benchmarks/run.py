@@ -1,0 +1,191 @@
+"""tdckpt benchmarks: one command, every ratio measured against its baseline in the same run.
+
+    python benchmarks/run.py [restore|save|verify|upgrade ...] [--quick]
+
+* restore: ``tdckpt.load_memmap_`` vs tensordict's ``td.load_memmap_`` on the same
+  checkpoints (10, 1,000 and 10,000 leaves; one 1 GiB leaf vs one 1 KiB leaf).
+* save: ``CheckpointManager.save`` (checksums + fsync) vs ``td.memmap(prefix)``.
+* verify: ``CheckpointManager.verify`` vs ``sha256sum`` over the same files.
+* upgrade: ``tdckpt upgrade`` of a legacy (tensordict 0.12-layout) checkpoint with a 1 GiB
+  leaf vs one with a 1 KiB leaf (no data is copied: leaves are hard-linked).
+
+Each timing is the best of several runs; ratios < 1 mean tdckpt is faster. Nothing here
+asserts: the numbers are for people (and for the changelog), not for the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GiB = 1024**3
+
+
+def best_of(func: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = None) -> float:
+    """Best wall time of ``reps`` runs of ``func(setup())``, GC collected between runs."""
+    best = float("inf")
+    for _ in range(reps):
+        arg = setup() if setup is not None else None
+        gc.collect()
+        start = time.perf_counter()
+        func(arg) if setup is not None else func()  # type: ignore[call-arg]
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def row(label: str, base: float, ours: float, base_name: str) -> None:
+    print(f"  {label:<28} {base_name} {base * 1e3:10.2f} ms   tdckpt {ours * 1e3:10.2f} ms   ratio {ours / base:5.2f}")
+
+
+def _flat_td(n: int) -> Any:
+    from tensordict import TensorDict
+
+    return TensorDict({f"k{i}": torch.randn(4) for i in range(n)}, batch_size=[4])
+
+
+def bench_restore(work: Path, quick: bool) -> None:
+    import tdckpt
+    from tensordict import TensorDict
+
+    print("restore: tdckpt.load_memmap_ vs tensordict td.load_memmap_ (same checkpoint, fresh target)")
+    sizes = (10, 1000) if quick else (10, 1000, 10000)
+    for n in sizes:
+        prefix = work / f"flat{n}"
+        _flat_td(n).memmap(prefix)
+        reps = 7 if n <= 1000 else 3
+
+        def target(n: int = n) -> Any:
+            return TensorDict({f"k{i}": torch.zeros(4) for i in range(n)}, batch_size=[4])
+
+        base = best_of(lambda t: t.load_memmap_(prefix), reps, target)
+        ours = best_of(lambda t: tdckpt.load_memmap_(t, prefix), reps, target)
+        row(f"{n} leaves", base, ours, "tensordict")
+    big = 64 * 1024**2 if quick else GiB
+    results = {}
+    for label, nbytes in (("1 KiB leaf", 1024), (f"{big // 1024**2} MiB leaf", big)):
+        prefix = work / f"one{nbytes}"
+        TensorDict(x=torch.empty(nbytes, dtype=torch.uint8)).memmap(prefix)
+        base = best_of(lambda t: t.load_memmap_(prefix), 5, lambda: TensorDict(x=torch.zeros(1)))
+        ours = best_of(lambda t: tdckpt.load_memmap_(t, prefix), 5, lambda: TensorDict(x=torch.zeros(1)))
+        results[label] = ours
+        row(label, base, ours, "tensordict")
+        shutil.rmtree(prefix)
+    small, large = results.values()
+    print(f"  big leaf / small leaf restore time: {large / small:.2f} (metadata-only restore: ~1)")
+
+
+def bench_save(work: Path, quick: bool) -> None:
+    from tdckpt import CheckpointManager
+
+    print("save: CheckpointManager.save (checksums, fsync, atomic commit) vs td.memmap(prefix)")
+    total = 256 * 1024**2 if quick else GiB
+    for n in (4, 1000):
+        from tensordict import TensorDict
+
+        per = total // n // 4
+        td = TensorDict({f"k{i}": torch.randn(per) for i in range(n)})
+        counter = iter(range(1_000_000))
+
+        def base() -> None:
+            td.memmap(work / f"tdsave{next(counter)}")
+
+        base_t = best_of(base, 3)
+        root = work / f"mgr{n}"
+
+        def ours() -> None:
+            with CheckpointManager(root) as mgr:
+                mgr.save(next(counter), td)
+
+        ours_t = best_of(ours, 3)
+        mb = total / 1024**2
+        print(f"  {n} leaves, {mb:.0f} MiB: td.memmap {mb / base_t:8.0f} MiB/s   tdckpt save {mb / ours_t:8.0f} MiB/s   throughput ratio {base_t / ours_t:5.2f}")
+        for p in work.glob("tdsave*"):
+            shutil.rmtree(p)
+        shutil.rmtree(root)
+
+
+def bench_verify(work: Path, quick: bool) -> None:
+    from tdckpt import CheckpointManager
+    from tensordict import TensorDict
+
+    print("verify: CheckpointManager.verify vs sha256sum of the same files")
+    total = 256 * 1024**2 if quick else GiB
+    td = TensorDict({f"k{i}": torch.randn(total // 16 // 4) for i in range(16)})
+    root = work / "verify"
+    with CheckpointManager(root) as mgr:
+        path = mgr.save(1, td)
+    files = [str(p) for p in Path(path).rglob("*") if p.is_file()]
+    base = best_of(lambda: subprocess.run(["sha256sum", *files], check=True, capture_output=True), 3)
+    ours = best_of(lambda: CheckpointManager(root).verify(1), 3)
+    mb = total / 1024**2
+    print(f"  {mb:.0f} MiB in 16 files: sha256sum {mb / base:8.0f} MiB/s   tdckpt verify {mb / ours:8.0f} MiB/s   throughput ratio {base / ours:5.2f}")
+    shutil.rmtree(root)
+
+
+def _legacy_checkpoint(prefix: Path, nbytes: int) -> None:
+    """A tensordict 0.12-layout checkpoint (compact JSON, no format version, raw names)."""
+    prefix.mkdir(parents=True)
+    data = prefix / "big leaf.memmap"
+    with open(data, "wb") as fh:
+        fh.truncate(nbytes)
+    meta = {
+        "big leaf": {"device": "cpu", "shape": [nbytes], "dtype": "torch.uint8", "is_nested": False},
+        "shape": [],
+        "device": "cpu",
+        "_type": "<class 'tensordict._td.TensorDict'>",
+    }
+    (prefix / "meta.json").write_text(json.dumps(meta, separators=(",", ":")))
+
+
+def bench_upgrade(work: Path, quick: bool) -> None:
+    from tdckpt import upgrade
+
+    print("upgrade: tdckpt upgrade of a legacy checkpoint, 1 GiB leaf vs 1 KiB leaf")
+    big = 64 * 1024**2 if quick else GiB
+    times = {}
+    for label, nbytes in (("1 KiB leaf", 1024), (f"{big // 1024**2} MiB leaf", big)):
+        counter = iter(range(1000))
+
+        def setup(nbytes: int = nbytes) -> Path:
+            prefix = work / f"legacy{nbytes}-{next(counter)}"
+            _legacy_checkpoint(prefix, nbytes)
+            return prefix
+
+        times[label] = best_of(lambda p: upgrade(p, backup=False), 3, setup)
+        print(f"  {label:<14} {times[label] * 1e3:8.2f} ms")
+    small, large = times.values()
+    print(f"  ratio big/small: {large / small:.2f} (no data copied: ~1)")
+
+
+BENCHES = {"restore": bench_restore, "save": bench_save, "verify": bench_verify, "upgrade": bench_upgrade}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("which", nargs="*", metavar="BENCH", help=f"any of {', '.join(BENCHES)} (default: all)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    args = parser.parse_args()
+    unknown = [w for w in args.which if w not in BENCHES]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHES)}")
+    print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cores")
+    with tempfile.TemporaryDirectory(prefix="tdckpt-bench-") as tmp:
+        for name in args.which or BENCHES:
+            BENCHES[name](Path(tmp), args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
