@@ -75,7 +75,13 @@ def _print_tree(info: Any, indent: str) -> None:
     for child in info.children:
         name = child.key[-1] if child.key else "<root>"
         if child.kind == "leaf":
-            print(f"{indent}{name}: {child.dtype} {child.shape} ({child.nbytes} B)")
+            if child.class_name == "nested":
+                # The recorded shape is the size table's: [elements, dims per element].
+                n, ndim = child.shape or (0, 0)
+                what = f"nested ({n} tensors of {ndim} dims)"
+            else:
+                what = str(child.shape)
+            print(f"{indent}{name}: {child.dtype} {what} ({child.nbytes} B)")
         else:
             extra = f" batch={child.batch_size}" if child.batch_size is not None else ""
             pickled = " [pickled]" if child.pickled else ""
