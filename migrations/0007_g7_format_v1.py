@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tdckpt._migrate import MigrationContext, Target, VDir, class_id_for, level_kind
+from tdckpt._migrate import MigrationContext, Problem, Target, VDir, class_id_for, level_kind
 
 FROM_VERSION = 7
 TO_VERSION = 8
@@ -101,10 +101,17 @@ def upgrade(tree: VDir, ctx: MigrationContext) -> VDir:
                 if field != "_type":
                     _note_values(target, ctx, value, f"its field {field!r}")
     if migrated:
-        ctx.lose(
-            "the checkpoint",
-            "dimension names: tensordict before 0.15.3 did not save them; if the "
-            "tensordict had named dimensions, the names are lost.",
+        # Not a loss we can see (most tensordicts have no names), so it is an info for
+        # `validate`/`inspect`, not a warning on every restore of an old checkpoint.
+        ctx.problems.append(
+            Problem(
+                "names-not-saved",
+                "info",
+                "",
+                (),
+                "dimension names: tensordict before 0.15.3 did not save them; if the "
+                "tensordict had named dimensions, the names are lost.",
+            )
         )
     return tree
 

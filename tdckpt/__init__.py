@@ -1,6 +1,48 @@
-"""tdckpt: make any TensorDict checkpoint restorable, safely and in place."""
+"""tdckpt: make any TensorDict checkpoint restorable, safely and in place.
 
+Restore (any tensordict release, validated, all or nothing)::
+
+    tdckpt.load_memmap_(td, prefix, robust_key=None, allow_pickle=False)
+    td = tdckpt.load_memmap(prefix)
+    tdckpt.validate(prefix); tdckpt.inspect(prefix); tdckpt.upgrade(prefix, dry_run=True)
+
+Manage a run's checkpoints::
+
+    with tdckpt.CheckpointManager("runs/exp1", retention=tdckpt.KeepLast(3)) as mgr:
+        mgr.save(step, td, metadata={"loss": loss})
+        mgr.restore_into(td)
+"""
+
+from ._export import save
+from ._inspect import inspect, validate
+from ._report import Inspection, NodeInfo, Problem, ValidationReport
 from ._restore import load_memmap, load_memmap_
+from ._upgrade import UpgradeReport, upgrade
 from ._version import __version__
+from .manager import CheckpointManager, VerifyProblem, VerifyReport
+from .retention import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepInfo
 
-__all__ = ["__version__", "load_memmap", "load_memmap_"]
+__all__ = [
+    "AnyOf",
+    "CheckpointManager",
+    "Inspection",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
+    "NodeInfo",
+    "Problem",
+    "RetentionPolicy",
+    "StepInfo",
+    "UpgradeReport",
+    "ValidationReport",
+    "VerifyProblem",
+    "VerifyReport",
+    "__version__",
+    "inspect",
+    "load_memmap",
+    "load_memmap_",
+    "save",
+    "upgrade",
+    "validate",
+]

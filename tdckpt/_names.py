@@ -195,8 +195,9 @@ def _choose(
         if distinct and not ambiguous:
             result.decisions[f"{node.source}:{what}"] = conv
     if robust_key is False or hint in (ROBUST, LEGACY):
-        if any(encode_key(k) != k for k in keys):
-            result.decisions[f"{node.source}:{what}"] = conv
+        # The convention is known (asked for, or from the writer's generation) even when
+        # no key of this directory would be named differently under the other one.
+        result.decisions[f"{node.source}:{what}"] = conv
     table = robust if conv == ROBUST else legacy
     for k in keys:
         unsafe = legacy_components(k + ("" if is_collection else LEAF_SUFFIX)) is None
