@@ -54,7 +54,7 @@ def mgr(tmp_path: Path) -> Any:
         yield manager
 
 
-# -- listing and metadata -------------------------------------------------------------------------
+# -- listing and metadata --------------------------------------------------------------------------
 
 
 def test_save_and_list(mgr: CheckpointManager) -> None:
@@ -119,12 +119,12 @@ def test_missing_root_reads_as_empty(tmp_path: Path) -> None:
     assert not (tmp_path / "nowhere").exists()
 
 
-# -- saving -------------------------------------------------------------------------------------------
+# -- saving ----------------------------------------------------------------------------------------
 
 
 def test_an_existing_step_is_refused_unless_overwrite(mgr: CheckpointManager) -> None:
     mgr.save(5, make_td(1), metadata={"v": 1})
-    with pytest.raises(CheckpointExistsError, match="step 5 already exists.*overwrite=True"):
+    with pytest.raises(CheckpointExistsError, match=r"step 5 already exists.*overwrite=True"):
         mgr.save(5, make_td(2))
     assert mgr.metadata(5) == {"v": 1}
     mgr.save(5, make_td(2), metadata={"v": 2}, overwrite=True)
@@ -163,7 +163,7 @@ def test_an_unsupported_object_leaves_nothing(mgr: CheckpointManager) -> None:
     assert mgr.steps() == [] and sorted(os.listdir(mgr.root)) == [".tdckpt.lock"]
 
 
-# -- verify ------------------------------------------------------------------------------------------
+# -- verify ----------------------------------------------------------------------------------------
 
 
 def _saved(mgr: CheckpointManager) -> Path:
@@ -264,7 +264,7 @@ def test_verify_of_a_missing_step(mgr: CheckpointManager) -> None:
         mgr.verify(9)
 
 
-# -- archives ------------------------------------------------------------------------------------------
+# -- archives --------------------------------------------------------------------------------------
 
 
 def test_archive_steps(tmp_path: Path) -> None:
@@ -310,7 +310,7 @@ def test_overwrite_across_forms_leaves_one(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["1.tdz"]
 
 
-# -- gc -------------------------------------------------------------------------------------------------
+# -- gc --------------------------------------------------------------------------------------------
 
 
 def test_gc_restores_a_step_an_interrupted_overwrite_set_aside(mgr: CheckpointManager) -> None:
@@ -324,7 +324,7 @@ def test_gc_restores_a_step_an_interrupted_overwrite_set_aside(mgr: CheckpointMa
     assert mgr.steps() == [2] and mgr.verify(2).ok
 
 
-# -- the lock -------------------------------------------------------------------------------------------
+# -- the lock --------------------------------------------------------------------------------------
 
 
 def test_a_second_writer_in_the_process_is_refused_readers_are_not(tmp_path: Path) -> None:
@@ -345,7 +345,7 @@ def test_a_second_writer_in_the_process_is_refused_readers_are_not(tmp_path: Pat
     assert not (tmp_path / ".tdckpt.lock").exists()
 
 
-# -- restore (through the engine) ----------------------------------------------------------------------
+# -- restore (through the engine) ------------------------------------------------------------------
 
 
 def _leaves(td: Any) -> dict[Any, Any]:
@@ -417,7 +417,7 @@ def test_strict_restore_refuses_other_keys_and_leaves_the_target(mgr: Checkpoint
     assert info.value.unexpected == [("b",)]  # type: ignore[attr-defined]
     assert _same(target, leaves)
     mgr.restore_into(target, strict=False, allow_pickle=False)
-    assert "extra" not in target.keys() and torch.equal(target["b"], make_td(1)["b"])
+    assert "extra" not in target and torch.equal(target["b"], make_td(1)["b"])
 
 
 @needs_engine
