@@ -289,6 +289,10 @@ class CheckpointManager:
         # held while retention renames steps away, so a restore cannot pick a step that is
         # being deleted, nor retention delete a step a restore has picked.
         self._state = threading.RLock()
+        # Signalled when an overwrite ends: a restore of that step waits for it rather than
+        # read a folder that is being swapped.
+        self._swapped = threading.Condition(self._state)
+        self._overwriting: set[int] = set()
         # One write (save, retention, gc) at a time within this process.
         self._writing = threading.Lock()
         self._in_use: Counter[int] = Counter()
@@ -317,7 +321,10 @@ class CheckpointManager:
     def _ensure_lock(self) -> None:
         with self._state:
             if self._lock is None:
-                self.root.mkdir(parents=True, exist_ok=True)
+                if not self.root.is_dir():
+                    self.root.mkdir(parents=True, exist_ok=True)
+                    if self.fsync:  # the root's own name must survive a crash too
+                        _atomic.fsync_dir(self.root.parent)
                 lock = RootLock(self.root, manager_id=self.id, fsync=self.fsync)
                 # warning -> acquire <- _ensure_lock <- save/gc <- the user's line
                 lock.acquire(stacklevel=3)
@@ -530,6 +537,9 @@ class CheckpointManager:
         """Pick a committed step and protect it from retention until the block ends."""
         with self._state:
             resolved = self._resolve(step)
+            while resolved[0] in self._overwriting:
+                self._swapped.wait()
+                resolved = self._resolve(step)
             self._in_use[resolved[0]] += 1
         try:
             yield resolved
@@ -579,15 +589,6 @@ class CheckpointManager:
         with self._writing:
             self._ensure_lock()
             forms = self._entries().get(step, {})
-            with self._state:
-                if forms and overwrite and self._in_use.get(step):
-                    raise CheckpointExistsError(
-                        f"{self.root}: step {step} is being restored or verified right now; "
-                        "it cannot be overwritten until that finishes. Save under another "
-                        "step, or retry.",
-                        path=str(self.root),
-                        step=step,
-                    )
             if forms and not overwrite:
                 raise CheckpointExistsError(
                     f"{self._preferred(forms)}: step {step} already exists; a committed step "
@@ -597,34 +598,57 @@ class CheckpointManager:
                     step=step,
                 )
 
-            def write(staging: Path) -> Manifest:
-                return write_checkpoint(
-                    obj,
-                    staging,
-                    step=step,
-                    user_metadata=metadata,
-                    fsync=self.fsync,
-                    checksum=self.checksum,
-                )
-
-            if self.archive:
-                path, _ = _atomic.commit_archive(
-                    self.root,
-                    step,
-                    write,
-                    overwrite=overwrite,
-                    fsync=self.fsync,
-                    compression=self.compression,
-                )
-            else:
-                path, _ = _atomic.commit_directory(
-                    self.root, step, write, overwrite=overwrite, fsync=self.fsync
-                )
-            # An overwrite in the other form (folder vs archive) leaves the old one: drop it.
-            other = "dir" if self.archive else "archive"
-            if other in forms:
-                self._delete([(step, forms[other])])
+            if forms:
+                with self._state:
+                    if self._in_use.get(step):
+                        raise CheckpointExistsError(
+                            f"{self.root}: step {step} is being restored or verified right "
+                            "now; it cannot be overwritten until that finishes. Save under "
+                            "another step, or retry.",
+                            path=str(self.root),
+                            step=step,
+                        )
+                    self._overwriting.add(step)
+            try:
+                path = self._commit(step, obj, metadata, overwrite=overwrite)
+                # An overwrite in the other form (folder vs archive) leaves the old one.
+                other = "dir" if self.archive else "archive"
+                if other in forms:
+                    self._delete([(step, forms[other])])
+            finally:
+                if forms:
+                    with self._state:
+                        self._overwriting.discard(step)
+                        self._swapped.notify_all()
             self._apply_retention(just_saved=step)
+        return path
+
+    def _commit(
+        self, step: int, obj: Any, metadata: dict[str, Any] | None, *, overwrite: bool
+    ) -> Path:
+        def write(staging: Path) -> Manifest:
+            return write_checkpoint(
+                obj,
+                staging,
+                step=step,
+                user_metadata=metadata,
+                fsync=self.fsync,
+                checksum=self.checksum,
+            )
+
+        if self.archive:
+            path, _ = _atomic.commit_archive(
+                self.root,
+                step,
+                write,
+                overwrite=overwrite,
+                fsync=self.fsync,
+                compression=self.compression,
+            )
+        else:
+            path, _ = _atomic.commit_directory(
+                self.root, step, write, overwrite=overwrite, fsync=self.fsync
+            )
         return path
 
     def _retire(self, doomed: list[tuple[int, Path]]) -> list[tuple[Path, Path]]:
@@ -721,6 +745,8 @@ class CheckpointManager:
                 return self._verify(resolved, path, manifest, progress)
         step = _atomic.check_step(step)
         with self._state:
+            while step in self._overwriting:
+                self._swapped.wait()
             forms = self._entries().get(step)
             if not forms:
                 raise self._not_found(step)

@@ -437,3 +437,44 @@ def test_restore_of_an_uncommitted_step_is_refused(mgr: CheckpointManager) -> No
     (path / MANIFEST_NAME).unlink()
     with pytest.raises(IncompleteCheckpointError, match="not a committed tdckpt checkpoint"):
         mgr.restore(1)
+
+
+@needs_engine
+def test_a_restore_waits_for_an_overwrite_of_its_step(
+    mgr: CheckpointManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from tdckpt import manager as manager_module
+
+    mgr.save(1, make_td(1), metadata={"v": "old"})
+    writing, release = threading.Event(), threading.Event()
+    real = manager_module.write_checkpoint
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        writing.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "write_checkpoint", slow_write)
+    saver = threading.Thread(
+        target=mgr.save, args=(1, make_td(2)), kwargs={"metadata": {"v": "new"}, "overwrite": True}
+    )
+    saver.start()
+    assert writing.wait(30)
+    results: list[Any] = []
+    reader = threading.Thread(target=lambda: results.append(mgr.restore(1, allow_pickle=False)))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and not results  # waiting for the swap, not reading a torn step
+    release.set()
+    saver.join(30)
+    reader.join(30)
+    assert _same(results[0], _leaves(make_td(2))) and mgr.metadata(1) == {"v": "new"}
+
+
+def test_a_step_in_use_cannot_be_overwritten(mgr: CheckpointManager) -> None:
+    mgr.save(1, make_td(1))
+    with mgr._using(1), pytest.raises(CheckpointExistsError, match="being restored or verified"):
+        mgr.save(1, make_td(2), overwrite=True)
+    mgr.save(1, make_td(2), overwrite=True)
