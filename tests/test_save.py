@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 from fixture_types import FixtureTC, Point
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from tensordict import (
     LazyStackedTensorDict,
     MetaData,
@@ -676,3 +678,49 @@ def test_throughput_is_at_least_0_9x_of_tensordict_memmap(tmp_path: Path) -> Non
 
 def test_is_tensor_collection_covers_every_case(tmp_path: Path) -> None:
     assert all(is_tensor_collection(make(name, tmp_path / name)) for name in CASES)
+
+
+# -- property: any keys, dtypes, shapes (incl. 0) and nesting -> the same tree as tensordict ------
+
+_KEY_CHARS = 'ab/ %.:\\"|?*<>\x01\x7fü中-_'
+_DTYPES = [torch.float32, torch.float64, torch.int64, torch.bool, torch.bfloat16, torch.uint8]
+
+
+@st.composite
+def tensordicts(draw: st.DrawFn, depth: int = 0, batch: tuple[int, ...] = ()) -> TensorDict:
+    batch = (*batch, *draw(st.lists(st.integers(0, 3), max_size=1 if depth else 2)))
+    keys = draw(
+        st.lists(
+            st.text(_KEY_CHARS, max_size=6).filter(lambda k: k not in ("shape", "device")),
+            max_size=4,
+            unique=True,
+        )
+    )
+    td = TensorDict(batch_size=batch)
+    for key in keys:
+        kind = draw(st.sampled_from(["leaf", "leaf", "child", "text"] if depth < 2 else ["leaf"]))
+        if kind == "child":
+            td[key] = draw(tensordicts(depth + 1, batch))
+        elif kind == "text":
+            td.set_non_tensor(key, draw(st.text(max_size=5)))
+        else:
+            shape = [*batch, *draw(st.lists(st.integers(0, 3), max_size=2))]
+            dtype = draw(st.sampled_from(_DTYPES))
+            td[key] = (torch.arange(torch.Size(shape).numel()) % 7).to(dtype).reshape(shape)
+    return td
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(td=tensordicts())
+def test_property_same_tree_as_tensordict(td: TensorDict, tmp_path_factory: Any) -> None:
+    tmp = tmp_path_factory.mktemp("prop")
+    try:
+        write_checkpoint(td, tmp / "ours", fsync=False)
+    except UnsupportedContentError:
+        assume(False)  # e.g. a child "x.memmap" beside a leaf "x": tensordict corrupts it
+    td.memmap(tmp / "ref")
+    assert tree_bytes(tmp / "ours") == tree_bytes(tmp / "ref")
+    assert tree_dirs(tmp / "ours") == tree_dirs(tmp / "ref")
+    assert_same(TensorDict.load_memmap(tmp / "ours"), td)
