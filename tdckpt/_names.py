@@ -194,9 +194,10 @@ def _choose(
             conv = ROBUST if r_n >= l_n else LEGACY
         if distinct and not ambiguous:
             result.decisions[f"{node.source}:{what}"] = conv
-    if robust_key is False or hint in (ROBUST, LEGACY):
+    if (robust_key is False or hint in (ROBUST, LEGACY)) and keys:
         # The convention is known (asked for, or from the writer's generation) even when
-        # no key of this directory would be named differently under the other one.
+        # no key of this directory would be named differently under the other one; a
+        # directory with no such entries at all (no child directories) names nothing.
         result.decisions[f"{node.source}:{what}"] = conv
     table = robust if conv == ROBUST else legacy
     for k in keys:

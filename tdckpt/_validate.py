@@ -127,7 +127,9 @@ def _build(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, parent_batch: tuple[int,
         own = [p for p in vdir.problems if p.severity == "error" and not p.key]
         if own and key:
             # read_tree does not know keys: name the key this directory holds now.
-            ctx.problems = [dataclasses.replace(p, key=key) if p in own else p for p in ctx.problems]
+            ctx.problems = [
+                dataclasses.replace(p, key=key) if p in own else p for p in ctx.problems
+            ]
         if not any(p.path.startswith(vdir.source) and p.severity == "error" for p in vdir.problems):
             ctx.add(
                 "missing-meta",

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import copy_case, subprocess_env, tree_digest
+
 from tdckpt import cli
 from tdckpt._inspect import inspect, validate
 from tdckpt.errors import CheckpointNotFoundError, TdckptError
@@ -73,7 +73,9 @@ def test_inspect_json(nested: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert data == json.loads(json.dumps(inspect(nested).to_json(), default=str))
 
 
-def test_inspect_json_pickles_and_legacy_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_json_pickles_and_legacy_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pickled = copy_case(tmp_path, "0.15.3", "non_tensor_pickle")
     data = json.loads(run(capsys, "inspect", str(pickled), "--json")[1])
     assert sorted(data["pickles"]) == [["bytes"], ["date"], ["point"], ["set"]]
@@ -122,7 +124,11 @@ def test_validate_problem_exits_1(nested: Path, capsys: pytest.CaptureFixture[st
     data = json.loads(out)
     assert data["ok"] is False
     [problem] = data["problems"]
-    assert (problem["code"], problem["path"], problem["key"]) == ("short-file", "lvl1/x.memmap", ["lvl1", "x"])
+    assert (problem["code"], problem["path"], problem["key"]) == (
+        "short-file",
+        "lvl1/x.memmap",
+        ["lvl1", "x"],
+    )
     assert tree_digest(nested) == before
 
 
@@ -138,7 +144,9 @@ def test_validate_robust_key_flag(tmp_path: Path, capsys: pytest.CaptureFixture[
     from tensordict import TensorDict
 
     prefix = tmp_path / "ckpt"
-    TensorDict({"a b": torch.zeros(3), "a%20b": torch.ones(3)}, [3]).memmap(prefix, robust_key=False)
+    TensorDict({"a b": torch.zeros(3), "a%20b": torch.ones(3)}, [3]).memmap(
+        prefix, robust_key=False
+    )
     assert run(capsys, "validate", str(prefix))[0] == 0
     assert run(capsys, "validate", str(prefix), "--robust-key", "false")[0] == 0
     code, out, _ = run(capsys, "validate", str(prefix), "--robust-key", "true")
@@ -168,13 +176,20 @@ def test_tdckpt_error_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_traceback_reraises(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError):
         cli.main(["--traceback", "inspect", str(tmp_path / "absent")])
-    with pytest.raises(TdckptError, match="meta.json"):
+    with pytest.raises(TdckptError, match=r"meta\.json"):
         cli.main(["--traceback", "inspect", str(tmp_path)])
 
 
 @pytest.mark.parametrize(
     "argv",
-    [[], ["bogus"], ["validate"], ["inspect"], ["validate", "x", "--robust-key", "maybe"], ["inspect", "x", "--frob"]],
+    [
+        [],
+        ["bogus"],
+        ["validate"],
+        ["inspect"],
+        ["validate", "x", "--robust-key", "maybe"],
+        ["inspect", "x", "--frob"],
+    ],
 )
 def test_usage_error_exits_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

@@ -13,8 +13,10 @@ up in a result or an output.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
+import stat
 import sys
 import warnings
 import zipfile
@@ -25,9 +27,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import copy_case
 
 import tdckpt
-from conftest import copy_case, tree_digest
 from tdckpt import cli
 from tdckpt._inspect import inspect, validate
 from tdckpt.errors import TdckptError
@@ -44,6 +46,7 @@ _WATCH_EXCEPT: str = ""
 
 def _outside(real: str) -> bool:
     """Under the watched root, but not under the prefix being read."""
+
     def under(base: str) -> bool:
         return real == base or real.startswith(base + os.sep)
 
@@ -104,7 +107,9 @@ def watch_outside(
         monkeypatch.setattr(torch, "from_file", real_from_file)
 
 
-def _every_entry_point(prefix: Path, capsys: pytest.CaptureFixture[str], robust_key: bool | None) -> list[str]:
+def _every_entry_point(
+    prefix: Path, capsys: pytest.CaptureFixture[str], robust_key: bool | None
+) -> list[str]:
     """Run validate / inspect / load_memmap / the CLI; return every text they produced."""
     texts: list[str] = []
     report = validate(prefix, robust_key=robust_key)
@@ -137,6 +142,27 @@ def _every_entry_point(prefix: Path, capsys: pytest.CaptureFixture[str], robust_
     return texts
 
 
+def _digest(root: Path) -> dict[str, str]:
+    """``tree_digest``, but a special file (a FIFO) is recorded by type, never opened."""
+    out: dict[str, str] = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in (*files, *(d for d in dirs if (Path(dirpath) / d).is_symlink())):
+            path = Path(dirpath) / name
+            mode = path.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                value = f"symlink:{os.readlink(path)}"
+            elif stat.S_ISREG(mode):
+                h = hashlib.sha256()
+                with path.open("rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(chunk)
+                value = h.hexdigest()
+            else:
+                value = f"special:{stat.S_IFMT(mode)}"
+            out[path.relative_to(root).as_posix()] = value
+    return dict(sorted(out.items()))
+
+
 def assert_contained(
     prefix: Path,
     outside: Path,
@@ -147,12 +173,12 @@ def assert_contained(
 ) -> Any:
     """Every entry point: no exception but TdckptError, nothing outside touched, nothing written."""
     root = Path(os.path.commonpath([prefix, outside]))
-    before = tree_digest(root)
+    before = _digest(root)
     with watch_outside(outside, prefix, monkeypatch) as seen:
         texts = _every_entry_point(prefix, capsys, robust_key)
     assert not seen, f"opened outside the prefix: {seen}"
     assert not any(SECRET in t for t in texts), "content from outside the prefix leaked"
-    assert tree_digest(root) == before, "a hostile checkpoint made tdckpt write"
+    assert _digest(root) == before, "a hostile checkpoint made tdckpt write"
     return validate(prefix, robust_key=robust_key)
 
 
@@ -183,7 +209,9 @@ def _codes(report: Any) -> set[tuple[str, str]]:
 # -- symlinks -----------------------------------------------------------------------------
 
 
-def test_symlinked_leaf_outside(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any) -> None:
+def test_symlinked_leaf_outside(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any
+) -> None:
     prefix = copy_case(tmp_path / "c", "0.15.3", "flat")
     (prefix / "f32.memmap").unlink()
     (prefix / "f32.memmap").symlink_to(outside / "passwd")
@@ -193,7 +221,9 @@ def test_symlinked_leaf_outside(tmp_path: Path, outside: Path, capsys: Any, monk
     assert any(p.key == ("f32",) for p in report.errors)
 
 
-def test_symlinked_meta_json_outside(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any) -> None:
+def test_symlinked_meta_json_outside(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any
+) -> None:
     prefix = copy_case(tmp_path / "c", "0.15.3", "nested")
     (prefix / "sibling" / "meta.json").unlink()
     (prefix / "sibling" / "meta.json").symlink_to(outside / "meta.json")
@@ -202,7 +232,9 @@ def test_symlinked_meta_json_outside(tmp_path: Path, outside: Path, capsys: Any,
     assert ("unsafe-path", "sibling/meta.json") in _codes(report)
 
 
-def test_symlinked_child_dir_outside(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any) -> None:
+def test_symlinked_child_dir_outside(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any
+) -> None:
     prefix = copy_case(tmp_path / "c", "0.15.3", "nested")
     _replace_dir_with_link(prefix / "sibling", outside)
     report = assert_contained(prefix, outside, capsys, monkeypatch)
@@ -212,7 +244,9 @@ def test_symlinked_child_dir_outside(tmp_path: Path, outside: Path, capsys: Any,
 
 
 @pytest.mark.parametrize("target", [".", "..", "../.."])
-def test_child_dir_symlink_cycle(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any, target: str) -> None:
+def test_child_dir_symlink_cycle(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any, target: str
+) -> None:
     prefix = copy_case(tmp_path / "c", "0.15.3", "nested")
     _replace_dir_with_link(prefix / "lvl1" / "lvl2", target)
     report = assert_contained(prefix, outside, capsys, monkeypatch)
@@ -228,7 +262,9 @@ def _replace_dir_with_link(path: Path, target: Path | str) -> None:
     path.symlink_to(target, target_is_directory=True)
 
 
-def test_symlink_inside_the_tree_is_fine(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any) -> None:
+def test_symlink_inside_the_tree_is_fine(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any
+) -> None:
     prefix = copy_case(tmp_path / "c", "0.15.3", "flat")
     data = prefix / "data"
     data.mkdir()
@@ -262,7 +298,9 @@ def _legacy_escape_prefix(tmp_path: Path) -> Path:
     return prefix
 
 
-def test_legacy_keys_escaping_the_prefix(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any) -> None:
+def test_legacy_keys_escaping_the_prefix(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any
+) -> None:
     prefix = _legacy_escape_prefix(tmp_path)
     case = prefix.parent
     # What a legacy writer would have left outside: a distinctive file for each escape.
@@ -287,8 +325,12 @@ def test_legacy_keys_escaping_the_prefix(tmp_path: Path, outside: Path, capsys: 
 # -- archives -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("evil", ["../evil.memmap", "nested/../../evil.memmap", "/abs/evil.memmap", "a/./b.memmap"])
-def test_zip_slip_archive(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any, evil: str) -> None:
+@pytest.mark.parametrize(
+    "evil", ["../evil.memmap", "nested/../../evil.memmap", "/abs/evil.memmap", "a/./b.memmap"]
+)
+def test_zip_slip_archive(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any, evil: str
+) -> None:
     src = copy_case(tmp_path / "c", "0.15.3", "archive_stored")
     prefix = src.parent / "evil.tdz"
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(prefix, "w") as zout:
@@ -309,7 +351,9 @@ def test_zip_slip_archive(tmp_path: Path, outside: Path, capsys: Any, monkeypatc
 
 
 @pytest.mark.parametrize("where", ["meta.json", "lvl1/meta.json"])
-def test_json_nested_100k_deep(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any, where: str) -> None:
+def test_json_nested_100k_deep(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any, where: str
+) -> None:
     prefix = copy_case(tmp_path / "c", "0.15.3", "nested")
     depth = 100_000
     (prefix / where).write_text('{"shape": ' + "[" * depth + "]" * depth + "}")
@@ -320,8 +364,12 @@ def test_json_nested_100k_deep(tmp_path: Path, outside: Path, capsys: Any, monke
     assert "deep" in problem.message
 
 
-@pytest.mark.parametrize("shape", [[3, 2**63 - 1], [3, 2**62, 2**62], [3, 2**62], [2**63], [3, -(2**63)]])
-def test_shapes_near_2_pow_63(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any, shape: list[int]) -> None:
+@pytest.mark.parametrize(
+    "shape", [[3, 2**63 - 1], [3, 2**62, 2**62], [3, 2**62], [2**63], [3, -(2**63)]]
+)
+def test_shapes_near_2_pow_63(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any, shape: list[int]
+) -> None:
     prefix = copy_case(tmp_path / "c", "0.15.3", "flat")
     meta = json.loads((prefix / "meta.json").read_bytes())
     meta["f32"]["shape"] = shape
@@ -331,7 +379,9 @@ def test_shapes_near_2_pow_63(tmp_path: Path, outside: Path, capsys: Any, monkey
     assert any(p.key == ("f32",) for p in report.errors)
 
 
-def test_batch_size_near_2_pow_63(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any) -> None:
+def test_batch_size_near_2_pow_63(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any
+) -> None:
     prefix = copy_case(tmp_path / "c", "0.15.3", "zero_numel")
     meta = json.loads((prefix / "meta.json").read_bytes())
     meta["shape"] = [2**62, 2**62]  # zero-element leaves then claim no bytes at all
@@ -350,7 +400,9 @@ def test_meta_json_of_300_mb(tmp_path: Path, outside: Path, capsys: Any, monkeyp
     assert problem.code == "bad-json" and "bytes" in problem.message
 
 
-def test_root_meta_json_of_300_mb(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any) -> None:
+def test_root_meta_json_of_300_mb(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any
+) -> None:
     prefix = copy_case(tmp_path / "c", "0.15.3", "flat")
     with open(prefix / "meta.json", "r+b") as fh:
         fh.truncate(300 * 1024 * 1024)
@@ -359,7 +411,9 @@ def test_root_meta_json_of_300_mb(tmp_path: Path, outside: Path, capsys: Any, mo
     assert report.errors[0].path == "meta.json"
 
 
-def test_directories_nested_too_deep(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any) -> None:
+def test_directories_nested_too_deep(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any
+) -> None:
     prefix = tmp_path / "c" / "case" / "ckpt"
     level = {
         "shape": [1],
@@ -380,7 +434,9 @@ def test_directories_nested_too_deep(tmp_path: Path, outside: Path, capsys: Any,
     assert any(p.code == "too-deep" for p in report.errors)
 
 
-def test_many_keys_hostile_names(tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any) -> None:
+def test_many_keys_hostile_names(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any
+) -> None:
     # Keys made of NUL, controls and separators: encoded names stay in the directory.
     prefix = copy_case(tmp_path / "c", "0.15.3", "flat")
     meta = json.loads((prefix / "meta.json").read_bytes())
@@ -404,3 +460,33 @@ def test_the_watch_sees_outside_access(tmp_path: Path, outside: Path, monkeypatc
         os.listdir(outside)
         torch.from_file(str(outside / "passwd"), shared=False, size=4, dtype=torch.uint8)
     assert [event for event, _ in seen] == ["open", "os.listdir", "torch.from_file"]
+
+
+@contextmanager
+def _deadline(seconds: int) -> Iterator[None]:
+    """Turn a blocking open() (a FIFO read) into an error instead of a hung test."""
+    import signal
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError("blocked: something opened a FIFO")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("name", ["f32.memmap", "meta.json"])
+def test_fifo_is_never_opened(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any, name: str
+) -> None:
+    prefix = copy_case(tmp_path / "c", "0.15.3", "flat")
+    (prefix / name).unlink()
+    os.mkfifo(prefix / name)
+    with _deadline(20):
+        report = assert_contained(prefix, outside, capsys, monkeypatch)
+    assert not report.ok
+    assert any(name in p.message or p.path == name for p in report.errors)

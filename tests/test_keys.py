@@ -103,7 +103,9 @@ def test_encoded_name_is_a_safe_single_component(key: str) -> None:
     assert not (set(name) & (set(UNSAFE) - {"%"}))
     if key:
         assert all(
-            re.fullmatch(r"[0-9A-F]{2}", name[i + 1 : i + 3]) for i, c in enumerate(name) if c == "%"
+            re.fullmatch(r"[0-9A-F]{2}", name[i + 1 : i + 3])
+            for i, c in enumerate(name)
+            if c == "%"
         )
     else:
         assert name == "%"
@@ -185,7 +187,14 @@ def test_encode_examples(key: str, expected: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "expected"),
-    [("%zz", "%zz"), ("%2", "%2"), ("a%2", "a%2"), ("%-1", "%-1"), ("% 1", "\x01"), ("%+1", "\x01")],
+    [
+        ("%zz", "%zz"),
+        ("%2", "%2"),
+        ("a%2", "a%2"),
+        ("%-1", "%-1"),
+        ("% 1", "\x01"),
+        ("%+1", "\x01"),
+    ],
 )
 def test_decode_malformed_like_tensordict(name: str, expected: str) -> None:
     assert decode_key(name) == expected == td_keys._decode_key_from_filesystem(name)

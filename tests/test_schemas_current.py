@@ -15,8 +15,8 @@ from typing import Any
 
 import pydantic
 import pytest
-
 from conftest import FIXTURES, TESTS_DIR
+
 from tdckpt import schema
 
 SCHEMAS_DIR = TESTS_DIR.parent / "schemas"
