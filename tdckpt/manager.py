@@ -312,8 +312,12 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        """Release the writer lock (if taken). Reading still works; a later write re-locks."""
-        with self._state:
+        """Release the writer lock (if taken). Reading still works; a later write re-locks.
+
+        Waits for a save, retention or gc running in another thread to finish first, so
+        the lock is never released in the middle of a write.
+        """
+        with self._writing, self._state:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
