@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import copy_case, subprocess_env, tree_digest
 
-from tdckpt import cli
-from tdckpt._inspect import inspect, validate
+from tdckpt import cli, inspect, validate
 from tdckpt.errors import CheckpointNotFoundError, TdckptError
 
 

@@ -30,8 +30,7 @@ import torch
 from conftest import copy_case
 
 import tdckpt
-from tdckpt import cli
-from tdckpt._inspect import inspect, validate
+from tdckpt import cli, inspect, validate
 from tdckpt.errors import TdckptError
 
 SECRET = "TDCKPT-HOSTILE-SECRET-7f3a"

@@ -22,9 +22,7 @@ import pytest
 import torch
 from conftest import FixtureCase, case_id, copy_case, fixture_cases, tree_digest
 
-from tdckpt import cli
-from tdckpt._inspect import inspect, validate
-from tdckpt._report import Inspection, NodeInfo, Problem, ValidationReport
+from tdckpt import Inspection, NodeInfo, Problem, ValidationReport, cli, inspect, validate
 
 CURRENT_CASES = fixture_cases(versions=["0.14.3", "0.15.3"])
 
