@@ -275,7 +275,21 @@ def _build_leaf(
             ctx.add("bad-shape", leaf.shape_file.source or path, key, "the nested tensor's size table holds negative sizes.")
             return None
         leaf.sizes = sizes
-        leaf.numel = int(sizes.prod(-1).sum()) if sizes.numel() else 0
+        # Python ints: an int64 product wraps (2**32 * 2**32 == 0) and would let a hostile
+        # size table pass the size check, then fail raw when the tensor is built.
+        rows = sizes.tolist()
+        leaf.numel = sum(math.prod(row) for row in rows)
+        if any(d > MAX_BYTES for row in rows for d in row) or (
+            leaf.numel * max(dtype.itemsize, 1) > MAX_BYTES
+        ):
+            ctx.add(
+                "bad-shape",
+                leaf.shape_file.source or path,
+                key,
+                f"the nested tensor's size table claims {leaf.numel} elements of {dtype}, or "
+                "a dimension no tensor can have. The size table is damaged.",
+            )
+            return None
         if batch and shape[0] != batch[0]:
             ctx.add("batch-mismatch", path, key, f"a nested tensor of {shape[0]} elements in a level of batch size {list(batch)}.")
     else:

@@ -489,3 +489,26 @@ def test_fifo_is_never_opened(
         report = assert_contained(prefix, outside, capsys, monkeypatch)
     assert not report.ok
     assert any(name in p.message or p.path == name for p in report.errors)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [[2**32, 2**32], [1, 1], [1, 1]],  # the int64 product wraps to 0
+        [[2**62, 4], [1, 1], [1, 1]],
+        [[2**63 - 1, 1], [1, 1], [1, 1]],
+        [[-1, 2], [1, 1], [1, 1]],
+    ],
+)
+def test_nested_tensor_size_table_overflow(
+    tmp_path: Path, outside: Path, capsys: Any, monkeypatch: Any, sizes: list[list[int]]
+) -> None:
+    prefix = copy_case(tmp_path / "c", "0.15.3", "nested_tensor_strided")
+    meta = json.loads((prefix / "meta.json").read_bytes())
+    meta["nt"]["shape"] = [3, 2]
+    (prefix / "meta.json").write_text(json.dumps(meta))
+    (prefix / "nt.shape.memmap").write_bytes(torch.tensor(sizes).numpy().tobytes())
+    report = assert_contained(prefix, outside, capsys, monkeypatch)
+    assert not report.ok
+    [problem] = report.errors
+    assert (problem.code, problem.path, problem.key) == ("bad-shape", "nt.shape.memmap", ("nt",))
