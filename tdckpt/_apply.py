@@ -36,6 +36,7 @@ class _Plan:
     prefixes: list[tuple[Any, Path | None]] = field(default_factory=list)
     fields: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)  # (tensorclass/NTD, fields)
     levels: list[Any] = field(default_factory=list)  # every TensorDict level touched
+    non_tensors: list[tuple[Any, str]] = field(default_factory=list)  # (NTD, its directory)
 
 
 def _is_td(obj: Any) -> bool:
@@ -119,7 +120,7 @@ class _Preparer:
                 raise RestoreError(
                     f"{self.where(node)}: the checkpoint holds a lazy stack of "
                     f"{len(node.members)} tensordicts, the target is a {_kind(target)}. "
-                    "tensordict would silently leave the target empty; use tdckpt.load_memmap "
+                    "tensordict would silently load nothing into it; use tdckpt.load_memmap "
                     "to get a new LazyStackedTensorDict.",
                     key=node.key,
                 )
@@ -188,10 +189,13 @@ class _Preparer:
                 value = existing
             elif isinstance(sub, NonTensorNode) and _is_non_tensor_data(existing) and type(existing).__name__ == sub.class_name:
                 value_, fields = non_tensor_value(sub, self.opened.storage, self.unpickle)
-                self.plan.fields.append((existing, {"data": value_, **fields}))
+                new_fields = {"data": value_, **fields, "_is_non_tensor": True}
+                self.plan.fields.append((existing, new_fields))
                 value = existing
             else:
                 value = self.builder.build(sub, node.batch_size)
+                if not isinstance(sub, NonTensorNode):
+                    self.plan.non_tensors.extend(_built_non_tensors(value, sub))
             vb = _value_batch(value) if not isinstance(sub, NonTensorNode) else tuple(sub.batch_size)
             if vb is not None and vb[: len(batch)] != batch:
                 what = "leaf" if isinstance(sub, LeafNode) else "entry"
@@ -204,6 +208,8 @@ class _Preparer:
                     expected=list(batch),
                     found=list(vb),
                 )
+            if isinstance(sub, NonTensorNode):
+                self.plan.non_tensors.append((value, sub.path))
             new[key] = value
         self.plan.items.append((target, new))
         self.plan.prefixes.append((target, self.mapper.dir_path(node.path)))
@@ -226,6 +232,39 @@ def _all_td_levels(target: Any) -> list[Any]:
         out.append(cur)
         stack.extend(v for v in cur._tensordict.values() if _is_td(v) or _is_tensorclass(v))
     return out
+
+
+def _built_non_tensors(value: Any, node: Node) -> list[tuple[Any, str]]:
+    """The NonTensorData objects inside a newly built ``value``, with their directories."""
+    if isinstance(node, NonTensorNode):
+        return [(value, node.path)] if _is_non_tensor_data(value) else []
+    if isinstance(node, TensorClassNode) and _is_tensorclass(value):
+        return _built_non_tensors(value._tensordict, node.inner)
+    if isinstance(node, LazyStackNode) and _is_lazy_stack(value):
+        pairs = zip(value.tensordicts, node.members, strict=False)
+        return [nt for member, sub in pairs for nt in _built_non_tensors(member, sub)]
+    if isinstance(node, TensorDictNode) and _is_td(value) and not _is_lazy_stack(value):
+        return [
+            nt
+            for key, sub in node.entries.items()
+            if key in value._tensordict
+            for nt in _built_non_tensors(value._tensordict[key], sub)
+        ]
+    return []
+
+
+def _non_tensor_levels(levels: list[Any]) -> list[Any]:
+    """The TensorDicts inside the NonTensorData entries of ``levels`` (they carry memmap flags)."""
+    return [
+        v._tensordict for lvl in levels for v in lvl._tensordict.values() if _is_non_tensor_data(v)
+    ]
+
+
+def _is_memmap(td: Any) -> bool:
+    try:
+        return bool(td.is_memmap())
+    except RuntimeError:  # a lazy stack whose members disagree
+        return False
 
 
 def restore_into_target(
@@ -251,9 +290,10 @@ def restore_into_target(
 
     # Snapshot of everything the commit touches, to put back on failure.
     root_td = inner if _is_td(inner) else None
-    was_memmap = bool(root_td is not None and not _is_lazy_stack(root_td) and root_td.is_memmap())
+    was_memmap = bool(root_td is not None and _is_memmap(root_td))
     was_locked = bool(root_td is not None and root_td.is_locked)
     levels = _all_td_levels(target) if root_td is not None else []
+    levels += _non_tensor_levels(levels)
     snapshot_items = [(obj, dict(obj._tensordict) if _is_td(obj) else dict(obj)) for obj, _ in plan.items]
     snapshot_flags = [(lvl, lvl._memmap_prefix, getattr(lvl, "_is_memmap", False)) for lvl in levels]
     snapshot_fields = [(obj, dict(obj._non_tensordict)) for obj, _ in plan.fields]
@@ -270,13 +310,19 @@ def restore_into_target(
         for lvl, prefix in plan.prefixes:
             lvl._memmap_prefix = prefix
         if was_memmap:
+            # A NonTensorData is memory-mapped with its level, as tensordict's memmap_()
+            # leaves it: flagged, its (file-less) TensorDict under <its dir>/_tensordict.
+            for ntd, rel in plan.non_tensors:
+                path = mapper.dir_path(rel)
+                ntd._tensordict._memmap_prefix = path / "_tensordict" if path is not None else None
+            flagged = _all_td_levels(target) + [ntd._tensordict for ntd, _ in plan.non_tensors]
             if mapper.records_prefix:
-                for lvl in _all_td_levels(target):
+                for lvl in flagged:
                     lvl._is_memmap = True
                     lvl._is_shared = False
                 root_td.lock_()
             else:
-                for lvl in _all_td_levels(target):
+                for lvl in flagged:
                     lvl._is_memmap = False
                     lvl._memmap_prefix = None
     except BaseException:

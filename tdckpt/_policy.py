@@ -15,6 +15,7 @@ The flip is this one constant, compared with :func:`policy_version` through
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -42,6 +43,9 @@ PICKLE_WARNING_SINCE = "0.1"
 KNOWN_TENSORDICT = Version("0.15.3")
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+#: Frames of the stdlib context-manager machinery that tdckpt's own ``with`` blocks run
+#: through (``@contextmanager`` generators are entered from ``contextlib``).
+_GLUE_FILES = frozenset({os.path.abspath(contextlib.__file__)})
 
 
 def _inside_package(filename: str) -> bool:
@@ -71,10 +75,17 @@ def check_allow_pickle(allow_pickle: object) -> None:
 
 
 def user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning point at the first frame outside tdckpt."""
+    """The ``stacklevel`` that makes a warning point at the first frame outside tdckpt.
+
+    ``contextlib`` frames between tdckpt frames are skipped too: a warning raised inside
+    one of tdckpt's ``@contextmanager`` blocks would otherwise point at ``contextlib.py``.
+    """
     frame = sys._getframe(1)
     level = 1
-    while frame is not None and _inside_package(frame.f_code.co_filename):
+    while frame is not None and (
+        _inside_package(frame.f_code.co_filename)
+        or os.path.abspath(frame.f_code.co_filename) in _GLUE_FILES
+    ):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level
@@ -108,6 +119,7 @@ def resolve_pickle_policy(
             "copy to store plain values as JSON.",
             prefix=prefix,
             keys=[key for key, _ in pickled],
+            files=[path for _, path in pickled],
         )
     flipped = policy_version() >= PICKLE_DEFAULT_FLIP
     if flipped:
@@ -118,6 +130,7 @@ def resolve_pickle_policy(
             "code), or run `tdckpt upgrade --convert-pickles` on a trusted copy.",
             prefix=prefix,
             keys=[key for key, _ in pickled],
+            files=[path for _, path in pickled],
         )
     warnings.warn(
         TdckptDeprecationWarning(
