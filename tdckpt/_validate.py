@@ -381,6 +381,15 @@ def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> LazyStackNode |
     batches = {m.batch_size for m in node.members if isinstance(m, TensorDictNode)}
     if len(batches) > 1:
         ctx.add("stack-mismatch", vdir.source, key, f"lazy-stack members have different batch sizes {sorted(map(list, batches))}.")
+    devices = {m.device for m in node.members if isinstance(m, TensorDictNode)}
+    if len(devices) > 1:
+        ctx.add(
+            "stack-mismatch",
+            vdir.source,
+            key,
+            f"lazy-stack members are on different devices {sorted(map(str, devices))}; "
+            "tensordict cannot stack them. The metadata is damaged or was edited.",
+        )
     for m in node.members:
         if isinstance(m, TensorDictNode) and model.stack_dim > len(m.batch_size):
             ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"stack_dim {model.stack_dim} exceeds the members' {len(m.batch_size)} batch dims.")

@@ -551,3 +551,13 @@ def test_inspect_refuses_what_is_not_a_checkpoint(tmp_path: Path) -> None:
         inspect(tmp_path / "absent")
     report = validate(tmp_path / "absent")
     assert not report.ok and report.errors[0].code == "not-found"
+
+
+@pytest.mark.parametrize("device", ["None", "cuda:0", "meta"])
+def test_lazy_stack_members_on_different_devices(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], device: str
+) -> None:
+    # tensordict cannot stack them ("devices differ"): refused before any restore.
+    target = copy_case(tmp_path, "0.15.3", "lazy_stack")
+    _edit_meta(target / "1" / "meta.json", lambda m: m.update(device=device))
+    _refused(target, capsys, code="stack-mismatch", path="", key=(), mention=("devices",))
