@@ -68,6 +68,7 @@ __all__ = [
     "MigrationContext",
     "MigrationResult",
     "MigrationScript",
+    "Problem",
     "Target",
     "VDir",
     "VFile",

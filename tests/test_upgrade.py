@@ -327,6 +327,12 @@ def test_convert_pickles_keeps_what_is_not_json_data(tmp_path: Path) -> None:
         "point/other.pickle",
     ]
     assert diff_expected(load(prefix), dict(_case("0.8.3", "non_tensor_pickle").expected)) == []
+    # still pickles: tensordict's default load warns (deliberately caught here) ...
+    with pytest.warns(FutureWarning, match=r"loading a pickled non-tensor field.*0\.16"):
+        TensorDict.load_memmap(prefix)
+    # ... and allow_pickle=False refuses
+    with pytest.raises(RuntimeError, match="Refusing to load pickled"):
+        load(prefix, allow_pickle=False)
 
 
 def test_without_the_flag_nothing_is_unpickled(
