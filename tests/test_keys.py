@@ -85,14 +85,14 @@ def _examples(fn):  # type: ignore[no-untyped-def]
     return fn
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(keys)
 @_examples
 def test_decode_inverts_encode(key: str) -> None:
     assert decode_key(encode_key(key)) == key
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(keys)
 @_examples
 def test_encoded_name_is_a_safe_single_component(key: str) -> None:
@@ -112,7 +112,7 @@ def test_encoded_name_is_a_safe_single_component(key: str) -> None:
     assert legacy_components(name) == [name]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(keys, keys)
 def test_encode_is_injective(a: str, b: str) -> None:
     if a != b:
@@ -125,7 +125,7 @@ def test_encode_is_injective_on_the_special_keys() -> None:
     assert len(set(encoded)) == len(set(SPECIAL))
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(keys)
 @_examples
 def test_encode_agrees_with_tensordict(key: str) -> None:
@@ -137,7 +137,7 @@ def test_encode_agrees_with_tensordict(key: str) -> None:
     ).encode("utf-8", "surrogatepass")
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(names)
 @_examples
 def test_decode_agrees_with_tensordict(name: str) -> None:
@@ -146,7 +146,7 @@ def test_decode_agrees_with_tensordict(name: str) -> None:
     assert decode_key(name) == td_keys._decode_key_from_filesystem(name)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(keys)
 @_examples
 def test_is_safe_legacy_key_agrees_with_tensordict(key: str) -> None:
