@@ -92,7 +92,7 @@ def open_checkpoint(prefix: str | os.PathLike[str], *, robust_key: bool | None) 
     try:
         tree = read_tree(storage)
         manifest, problems = read_manifest(storage, tree)
-        generation = detect_tree(tree)
+        generation = detect_tree(tree, storage=storage)
         migrated = migrate_tree(tree, storage=storage)
         problems += migrated.problems
         names = normalize_names(migrated.tree, robust_key=robust_key, storage=storage)

@@ -226,23 +226,7 @@ def test_damaged_checkpoint_changes_nothing(
         tdckpt.load_memmap(prefix, allow_pickle=True, mode=mode)
 
 
-_PREFIX_NOT_NAMED = pytest.mark.xfail(
-    strict=True,
-    reason="engine bug (tdckpt/_pipeline.py, reported): open_checkpoint calls detect_tree(tree) "
-    "without storage=, so the UnsupportedFormatError names 'meta.json' relative to nothing "
-    "instead of '<prefix>/meta.json'",
-)
-
-
-@pytest.mark.parametrize(
-    "corruption",
-    [
-        name
-        if not name.endswith("format-version-2")
-        else pytest.param(name, marks=_PREFIX_NOT_NAMED)
-        for name in CORRUPTIONS
-    ],
-)
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
 def test_error_names_the_prefix(corruption: str, tmp_path: Path) -> None:
     """Design contract: every message names the prefix (and the key/file, what was found)."""
     damage, error, _ = CORRUPTIONS[corruption]
