@@ -7,10 +7,12 @@ write, backups, archives, and a SIGKILL fault-injection run (``TDCKPT_FAULT_TRIA
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import pickle
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,10 +24,12 @@ from pathlib import Path, PosixPath
 from typing import Any
 
 import pytest
+import torch
 from _expected import diff_expected
 from conftest import FixtureCase, case_id, copy_case, fixture_cases, subprocess_env, tree_digest
 
 tensordict = pytest.importorskip("tensordict")
+import fixture_types  # noqa: E402, F401  (the corpus's classes; tests/ is on sys.path)
 from tensordict import TensorDict  # noqa: E402
 
 import tdckpt._upgrade as upgrade_mod  # noqa: E402
@@ -365,6 +369,95 @@ def test_non_tensor_stack_pickle(tmp_path: Path) -> None:
     meta = json.loads((prefix / "st" / "meta.json").read_text())
     assert meta["data"] == ["a", "b", "c"]
     assert load(prefix, allow_pickle=False)["st"].tolist() == ["a", "b", "c"]
+
+
+# -- releases the corpus does not hold (layouts from format-notes.md) -------------------------
+
+TD_TYPE = "<class 'tensordict._td.TensorDict'>"
+NTD_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
+
+
+def _write_meta(path: Path, meta: dict[str, Any], *, compact: bool = False) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    sep = (",", ":") if compact else None
+    (path / "meta.json").write_text(json.dumps(meta, separators=sep))
+
+
+def test_g2_stack_of_non_tensors_becomes_a_non_tensor_stack(tmp_path: Path) -> None:
+    """0.3.x saved a stack of strings as a lazy stack of NonTensorData directories."""
+    prefix = tmp_path / "ckpt"
+    _write_meta(prefix, {"shape": [2], "device": "None", "_type": TD_TYPE})  # 0.3.0: "None"
+    _write_meta(
+        prefix / "ls", {"_type": "<class 'tensordict._lazy.LazyStackedTensorDict'>", "stack_dim": 0}
+    )
+    for i, value in enumerate(["a", "b"]):
+        member = prefix / "ls" / str(i)
+        _write_meta(
+            member, {"_type": NTD_TYPE, "data": value, "_metadata": None, "_is_non_tensor": True}
+        )
+        _write_meta(member / "_tensordict", {"shape": [], "device": "cpu", "_type": TD_TYPE})
+    assert "ls" not in load(prefix)  # what tensordict 0.15.3 makes of it: silently gone
+    report = upgrade(prefix)
+    assert report.from_generation == "G2"
+    td = load(prefix)
+    assert td["ls"].tolist() == ["a", "b"] and td.device is None
+
+
+def test_g3_non_tensor_stack_loses_its_vestigial_directories(tmp_path: Path) -> None:
+    prefix = tmp_path / "ckpt"
+    _write_meta(
+        prefix, {"lst": {"type": "NonTensorStack"}, "shape": [3], "device": "cpu", "_type": TD_TYPE}
+    )
+    nts = {
+        "_type": "<class 'tensordict.tensorclass.NonTensorStack'>",
+        "stack_dim": 0,
+        "device": None,
+    }
+    _write_meta(prefix / "lst", {**nts, "data": ["x", "y", "z"]})
+    for i in range(3):
+        _write_meta(prefix / "lst" / str(i), {"shape": [], "device": "cpu", "_type": TD_TYPE})
+    report = upgrade(prefix)
+    assert report.from_generation == "G3"
+    assert sorted(p.name for p in (prefix / "lst").iterdir()) == ["meta.json"]
+    assert load(prefix)["lst"].tolist() == ["x", "y", "z"]
+
+
+def test_tensorclass_subclass_bug_is_rewrapped(tmp_path: Path) -> None:
+    """0.10-0.13 saved TensorClass-subclass instances as plain TensorDicts (#1722)."""
+    prefix = copy_case(tmp_path, "0.12.4", "tensorclass_in_td")
+    shutil.copytree(prefix / "tc" / "_tensordict", prefix / "bad")
+    meta = json.loads((prefix / "meta.json").read_text())
+    meta = {"bad": {"type": "FixtureTC"}, **meta}
+    (prefix / "meta.json").write_text(json.dumps(meta, separators=(",", ":")))
+    assert type(load(prefix)["bad"]).__name__ == "TensorDict"  # the bug, as tensordict reads it
+    report = upgrade(prefix)
+    assert any(p.code == "rewrapped-tensorclass" for p in report.problems)
+    td = load(prefix)
+    assert type(td["bad"]).__name__ == "FixtureTC"
+    assert td["bad"].label == td["tc"].label == "episode-1"
+    assert (td["bad"].obs == td["tc"].obs).all()
+
+
+def test_g7_json_types_checkpoint(tmp_path: Path) -> None:
+    """0.15.0-0.15.2: no format marker yet; json_types.json beside a types-only pickle."""
+    prefix = tmp_path / "ckpt"
+    source = TensorDict({"x": torch.zeros(3)}, batch_size=[3])
+    source.memmap(prefix)
+    meta = json.loads((prefix / "meta.json").read_text())
+    for field in ("_format_version", "_class"):
+        meta.pop(field)
+    meta["p"] = {"type": "NonTensorData"}
+    (prefix / "meta.json").write_text(json.dumps(meta))
+    raw = pickle.dumps({"data": tuple})  # a container type: described by json_types.json
+    _write_meta(prefix / "p", {"_type": NTD_TYPE, "_metadata": None, "_is_non_tensor": True})
+    (prefix / "p" / "other.pickle").write_bytes(raw)
+    types = {"types": {"data": "tuple"}, "pickle_sha256": hashlib.sha256(raw).hexdigest()}
+    (prefix / "p" / "json_types.json").write_text(json.dumps(types))
+    report = upgrade(prefix)
+    assert (report.from_generation, report.steps) == ("G7", ["0007_g7_format_v1"])
+    assert (prefix / "p" / "json_types.json").exists()  # kept: it still describes the pickle
+    td = load(prefix, allow_pickle=False)  # json_types.json: no pickle needed
+    assert td["x"].shape == (3,) and td["p"] is tuple
 
 
 # -- archives ----------------------------------------------------------------------------------
