@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -48,7 +49,7 @@ import platform
 import shutil
 import uuid
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -65,6 +66,7 @@ from ._version import __version__
 from .errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
+    LockError,
     MigrationError,
     TdckptError,
     UnsafePathError,
@@ -218,6 +220,7 @@ def upgrade(
         UnsupportedFormatError: written by a newer tensordict format.
         IncompleteCheckpointError: a dry run found an interrupted upgrade (run without
             ``--dry-run`` to finish it).
+        LockError: another upgrade is running in the same directory.
 
     Example:
         >>> report = upgrade("runs/old_ckpt", dry_run=True)  # doctest: +SKIP
@@ -230,6 +233,22 @@ def upgrade(
             f"link, not the checkpoint. Upgrade the real path ({os.path.realpath(path)}).",
             path=str(path),
         )
+    if dry_run:
+        return _upgrade_locked(path, dry_run=True, backup=backup, convert=convert_pickles)
+    with _upgrade_lock(path):
+        return _upgrade_locked(
+            path, dry_run=False, backup=backup, convert=convert_pickles, progress=progress
+        )
+
+
+def _upgrade_locked(
+    path: Path,
+    *,
+    dry_run: bool,
+    backup: bool,
+    convert: bool,
+    progress: Progress | None = None,
+) -> UpgradeReport:
     recovered = None
     journal = _journal_path(path)
     if journal.exists() or _journal_tmp(path).exists():
@@ -246,7 +265,7 @@ def upgrade(
             f"{path}: no checkpoint here (neither a directory nor a .tdz archive).",
             path=str(path),
         )
-    plan = _plan(path, convert_pickles=convert_pickles, keep_backup=backup)
+    plan = _plan(path, convert_pickles=convert, keep_backup=backup)
     report = plan.report
     report.dry_run = dry_run
     report.recovered = recovered
@@ -258,6 +277,40 @@ def upgrade(
     finally:
         plan.storage.close()
     return report
+
+
+@contextlib.contextmanager
+def _upgrade_lock(prefix: Path) -> Iterator[None]:
+    """One upgrade at a time in the prefix's directory (``flock`` on the directory).
+
+    The kernel drops the lock when its holder dies, so a crashed upgrade never blocks the
+    re-run that recovers it. Without flock (some network file systems) the journal's
+    create-if-absent still refuses a second upgrade of the same prefix.
+    """
+    parent = prefix.parent if str(prefix.parent) else Path(".")
+    try:
+        fd = os.open(
+            parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+        )
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"{prefix}: its directory does not exist.", path=str(prefix)
+        ) from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise LockError(
+                f"{prefix}: another tdckpt upgrade is running in {parent}; wait for it to "
+                "finish, then run this one again.",
+                path=str(prefix),
+            ) from exc
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 # -- planning ----------------------------------------------------------------------------------

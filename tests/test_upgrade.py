@@ -37,6 +37,7 @@ from tdckpt import schema  # noqa: E402
 from tdckpt._upgrade import BACKUP_MARK, JOURNAL_SUFFIX, STAGING_MARK, upgrade  # noqa: E402
 from tdckpt.errors import (  # noqa: E402
     IncompleteCheckpointError,
+    LockError,
     UnsafePathError,
     UnsupportedFormatError,
     ValidationError,
@@ -276,6 +277,21 @@ def test_dry_run_with_an_interrupted_upgrade_is_refused(tmp_path: Path) -> None:
         upgrade(prefix, dry_run=True)
     report = upgrade(prefix)  # a real run clears the unreadable, never-started journal first
     assert report.recovered and leftovers(prefix) == []
+
+
+def test_one_upgrade_at_a_time(tmp_path: Path) -> None:
+    import fcntl
+
+    prefix = copy_case(tmp_path, "0.8.3", "flat")
+    fd = os.open(prefix.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running upgrade holds it
+        with pytest.raises(LockError, match="another tdckpt upgrade is running"):
+            upgrade(prefix)
+        assert upgrade(prefix, dry_run=True).operations  # a dry run only reads
+    finally:
+        os.close(fd)
+    assert upgrade(prefix).operations
 
 
 # -- pickles -----------------------------------------------------------------------------------
