@@ -74,7 +74,8 @@ def _list_children(target: Target, ctx: MigrationContext) -> None:
                         target,
                         f"the child collection {key!r} has the name of a field of its parent's "
                         "meta.json, which current tensordict cannot hold (0.4+ drops it too); "
-                        "tdckpt cannot list it, so it is not restored. Its files stay on disk.",
+                        "tdckpt cannot list it, so it is not restored (an upgrade keeps its files "
+                        "in the backup only).",
                     )
                 continue
             if not isinstance(child.meta, dict) or "_type" not in child.meta:
