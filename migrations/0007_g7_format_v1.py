@@ -28,8 +28,9 @@ tensordict's ``setdefault`` does):
 
 Lost content is recorded, naming the key: ``null`` values in files written by orjson
 (0.5-0.15.1: NaN and +-inf were written as ``null``, so which ``null`` was NaN cannot be
-known), lists that may have been tuples (every release writes tuples as lists), and
-dimension names (not saved before 0.15.3).
+known) and lists that may have been tuples (every release writes tuples as lists).
+Dimension names were not saved before 0.15.3: whether a tensordict had any cannot be
+seen, so that is an ``info`` problem (``names-not-saved``), not a loss.
 """
 
 from __future__ import annotations
