@@ -91,10 +91,19 @@ class NodeInfo:
     children: list[NodeInfo] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        data = {k: v for k, v in asdict(self).items() if k != "children"}
-        data["key"] = list(self.key)
-        data["children"] = [c.to_json() for c in self.children]
-        return data
+        # Field by field: ``asdict`` would copy every subtree again at every level.
+        return {
+            "key": list(self.key),
+            "kind": self.kind,
+            "path": self.path,
+            "class_name": self.class_name,
+            "dtype": self.dtype,
+            "shape": self.shape,
+            "batch_size": self.batch_size,
+            "nbytes": self.nbytes,
+            "pickled": self.pickled,
+            "children": [c.to_json() for c in self.children],
+        }
 
 
 @dataclass

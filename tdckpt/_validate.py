@@ -323,6 +323,12 @@ def _build_leaf(
             "a backup.",
         )
         return None
+    if need == 0 and not entry.is_nested:
+        # Nothing to read: the leaf is rebuilt from its metadata (tensordict >= 0.14 does
+        # the same). A file that a name fallback found is not this key's, so it is not
+        # claimed either (a zero-element "%2E" must not collide with the key ".").
+        leaf.file = None
+        return leaf
     if vfile is not None:
         other = ctx.claimed.setdefault(id(vfile), key)
         if other != key:
