@@ -302,15 +302,21 @@ def detect(root: VDir, *, storage: Storage | None = None) -> Detection:
         node, parent = stack.pop()
         nodes.append((node, parent))
         if node.meta is not None or node.pt is not None:
-            lo, hi = _evidence(node, flags, storage, styles)
+            lo, hi = _evidence(node, flags, storage)
             if archive and hi >= 6:
                 lo = max(lo, 6)
             ranges[id(node)] = (lo, hi)
         stack.extend((child, node) for child in node.dirs.values())
 
-    lo, hi = 1, CURRENT_GENERATION
-    for r_lo, r_hi in ranges.values():
-        lo, hi = max(lo, r_lo), min(hi, r_hi)
+    lo, hi = _intersect(ranges)
+    if storage is not None and lo < CURRENT_GENERATION:
+        # Only below the current form is the JSON spacing worth reading (a second read of
+        # each undecided meta.json): a current tree never pays for it.
+        for node, _parent in nodes:
+            r = ranges.get(id(node))
+            if r is not None and r[0] < r[1] and node.meta:
+                ranges[id(node)] = _style_evidence(node, r, storage, styles)
+        lo, hi = _intersect(ranges)
     if flags.leaf_robust and flags.dir_legacy:
         # encoded leaf names beside raw directory names: tensordict 0.13 (or 0.11/0.12 with
         # robust_key=True); 0.14+ encodes both or (robust_key=False) neither.
@@ -368,9 +374,7 @@ def _check_version(node: VDir, storage: Storage | None) -> int | None:
     return fv
 
 
-def _evidence(
-    node: VDir, flags: _Flags, storage: Storage | None, styles: dict[int, str]
-) -> tuple[int, int]:
+def _evidence(node: VDir, flags: _Flags, storage: Storage | None) -> tuple[int, int]:
     """The interval of generations consistent with one directory (format-notes §6)."""
     if node.pt is not None and node.meta is None:
         return 1, 1  # meta.pt files: G1
@@ -410,17 +414,33 @@ def _evidence(
             lo = max(lo, 4)
     elif kind == "tensorclass" and "json_types.json" in node.files:
         lo = max(lo, 7)
-    if storage is not None and lo < hi and kind != "non-tensor-stack" and len(meta) > 0:
-        try:
-            raw = storage.read_bytes(join(node.source, "meta.json"))
-        except (TdckptError, OSError):
-            raw = b""
-        style = json_style(raw)
-        if style is not None:
-            styles[id(node)] = style
-        if style == "compact":
-            # orjson: 0.5 to 0.15.1 (0.15.3 writes only NonTensorStack compact)
-            lo, hi = max(lo, 4), min(hi, 7)
+    return lo, hi
+
+
+def _intersect(ranges: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    lo, hi = 1, CURRENT_GENERATION
+    for r_lo, r_hi in ranges.values():
+        lo, hi = max(lo, r_lo), min(hi, r_hi)
+    return lo, hi
+
+
+def _style_evidence(
+    node: VDir, r: tuple[int, int], storage: Storage, styles: dict[int, str]
+) -> tuple[int, int]:
+    """Narrow a directory's interval by how its meta.json is spaced."""
+    lo, hi = r
+    if level_kind(node.meta) == "non-tensor-stack":
+        return lo, hi  # 0.15.3 writes NonTensorStack compact too
+    try:
+        raw = storage.read_bytes(join(node.source, "meta.json"))
+    except (TdckptError, OSError):
+        return lo, hi
+    style = json_style(raw)
+    if style is not None:
+        styles[id(node)] = style
+    if style == "compact":
+        # orjson: 0.5 to 0.15.1 (0.15.2+ write stdlib json by default)
+        lo, hi = max(lo, 4), min(hi, 7)
     return lo, hi
 
 

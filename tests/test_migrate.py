@@ -627,6 +627,22 @@ def test_current_form_has_near_zero_overhead(monkeypatch: pytest.MonkeyPatch) ->
     assert elapsed < 0.25, f"{elapsed:.3f} s for a current-form tree of 10,000 leaves"
 
 
+def test_current_form_reads_no_file(tmp_path: Path) -> None:
+    target = copy_case(tmp_path, "0.15.3", "non_tensor_json")  # unmarked NonTensorData levels
+    with open_storage(target) as storage:
+        tree = read_tree(storage)
+        reads: list[str] = []
+        real = storage.read_bytes
+
+        def counting(rel: str, **kwargs: Any) -> bytes:
+            reads.append(rel)
+            return real(rel, **kwargs)
+
+        storage.read_bytes = counting  # type: ignore[method-assign]
+        result = migrate_tree(tree, storage=storage)
+    assert result.applied == [] and reads == []
+
+
 def test_failing_step_names_the_script() -> None:
     def boom(tree: VDir, ctx: MigrationContext) -> VDir:
         raise KeyError("x")
