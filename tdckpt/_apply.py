@@ -21,7 +21,13 @@ import torch
 
 from ._nodes import LazyStackNode, LeafNode, Node, NonTensorNode, TensorClassNode, TensorDictNode
 from ._pipeline import OpenedCheckpoint
-from ._plan import Mapper, has_tensordict, non_tensor_value, tensorclass_fields
+from ._plan import (
+    Mapper,
+    check_tensorclass_fields,
+    has_tensordict,
+    non_tensor_value,
+    tensorclass_fields,
+)
 from ._storage import MapMode
 from .errors import RestoreError
 
@@ -112,6 +118,7 @@ class _Preparer:
                     key=node.key,
                 )
             fields = tensorclass_fields(node, self.opened.storage, self.unpickle)
+            check_tensorclass_fields(type(target), fields, node.inner.entries, self.where(node))
             self.plan.fields.append((target, fields))
             self.into(target._tensordict, node.inner)
             return

@@ -28,6 +28,7 @@ __all__ = [
     "load_pickled",
     "non_tensor_value",
     "nt_stack_value",
+    "check_tensorclass_fields",
     "resolve_tensorclass",
     "tensorclass_fields",
 ]
@@ -180,6 +181,26 @@ def tensorclass_fields(node: TensorClassNode, storage: Storage, unpickle: bool) 
         if isinstance(loaded, dict):
             fields.update(loaded)
     return fields
+
+
+def check_tensorclass_fields(cls: type, fields: dict[str, Any], inner_keys: Any, where: str) -> None:
+    """Refuse saved fields the class does not declare (a renamed or edited class)."""
+    import dataclasses
+
+    try:
+        declared = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    except TypeError:  # pragma: no cover - every tensorclass is a dataclass
+        return
+    unknown = sorted((set(fields) | set(inner_keys)) - declared)
+    if unknown:
+        raise RestoreError(
+            f"{where}: the saved {cls.__qualname__} has field(s) {unknown} that the class "
+            f"{cls.__module__}.{cls.__qualname__} does not declare ({sorted(declared)}). The class "
+            "changed since the checkpoint was written, or the metadata was edited: restore with "
+            "the class definition that saved it.",
+            path=where,
+            fields=unknown,
+        )
 
 
 def resolve_tensorclass(type_str: str, where: str) -> type:

@@ -36,6 +36,7 @@ from ._nodes import (
 from ._pipeline import OpenedCheckpoint, open_checkpoint
 from ._plan import (
     Mapper,
+    check_tensorclass_fields,
     has_tensordict,
     non_tensor_value,
     nt_stack_value,
@@ -175,7 +176,9 @@ class _Builder:
             fields = tensorclass_fields(node, self.opened.storage, self.unpickle)
             if not self.td:
                 return {**inner, **fields}
-            cls = resolve_tensorclass(node.type_str, self.opened.storage.display(node.path))
+            where = self.opened.storage.display(node.path)
+            cls = resolve_tensorclass(node.type_str, where)
+            check_tensorclass_fields(cls, fields, inner.keys(), where)
             return cls._from_tensordict(inner, fields)
         raise AssertionError(type(node))  # pragma: no cover
 
