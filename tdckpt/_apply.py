@@ -299,7 +299,9 @@ def restore_into_target(
     root_td = inner if _is_td(inner) else None
     was_memmap = bool(root_td is not None and _is_memmap(root_td))
     was_locked = bool(root_td is not None and root_td.is_locked)
-    levels = _all_td_levels(target) if root_td is not None else []
+    # The commit sets every planned level's prefix; a memory-mapped target also has the
+    # memmap flags of all its levels changed.
+    levels = _all_td_levels(target) if was_memmap else [lvl for lvl, _ in plan.prefixes]
     levels += _non_tensor_levels(levels)
     snapshot_items = [(obj, dict(obj._tensordict) if _is_td(obj) else dict(obj)) for obj, _ in plan.items]
     snapshot_flags = [(lvl, lvl._memmap_prefix, getattr(lvl, "_is_memmap", False)) for lvl in levels]

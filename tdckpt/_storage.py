@@ -151,7 +151,7 @@ class DirectoryStorage(Storage):
         self._real_root = os.path.realpath(self.root)
         # Files seen as regular (not symlinks) by listdir: mapping them needs no new
         # symlink check, which keeps a 10,000-leaf restore free of 10,000 extra lstat calls.
-        self._regular: set[str] = set()
+        self._regular: dict[str, str] = {}
         # Paths whose every component was checked (no symlink out of the tree, no cycle).
         self._safe_dirs: set[str] = set()
 
@@ -236,15 +236,16 @@ class DirectoryStorage(Storage):
                 elif stat.S_ISREG(st.st_mode):
                     listing.files[name] = st.st_size
                     if not is_link:
-                        self._regular.add(join(rel, name))
+                        self._regular[join(rel, name)] = entry.path
                 else:
                     listing.unsafe[name] = "not a regular file or directory"
         return listing
 
     def _open_checked(self, rel: str) -> str:
+        known = self._regular.get(rel)
+        if known is not None:
+            return known
         path = self._resolve(rel)
-        if rel in self._regular:
-            return path
         self._check_chain(rel)
         return path
 
@@ -303,7 +304,8 @@ class DirectoryStorage(Storage):
 
     def absolute_str(self, rel: str) -> str:
         """The absolute path of ``rel`` (checked as ``physical_path``), as a string."""
-        self._open_checked(rel)
+        if rel not in self._regular:
+            self._open_checked(rel)
         return os.path.join(self._abs_root, rel) if rel else self._abs_root
 
     def physical_str(self, rel: str) -> str:
