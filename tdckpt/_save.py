@@ -19,13 +19,14 @@ How it mirrors tensordict (``_td_memmap.py``, ``TensorDict._memmap_``,
 ``NonTensorStack`` ``_memmap_``) is noted next to each writer below.
 
 Checksums default to CRC-32 (``"crc32:<8 hex>"``), computed on a helper thread while the
-main thread writes the same chunk. Measured on this project's CI machine (2 vCPU, SHA-NI,
-256 MiB leaf, page cache): zlib.crc32 3.8 GiB/s, sha1 1.8, sha256 1.7, blake2b 0.9,
-md5 0.7 GiB/s; ``td.memmap`` 2.1-3.7 GiB/s; this writer with crc32 2.0-3.5 GiB/s (about
-equal to ``td.memmap``), with sha256 1.2-1.6 GiB/s (about 0.45x). CRC-32 detects every
-burst error up to 32 bits and any other accidental change with probability 1 - 2**-32: a
-real check against bit rot, truncation, torn or swapped files. It is not a defence against
-deliberate tampering; pass ``checksum="sha256"`` for that.
+main thread writes the same bytes. Measured on the project's 2-vCPU machine (SHA-NI,
+256 MiB leaf, page cache, best of 5-7 interleaved runs): hashing alone, zlib.crc32
+3.9 GiB/s, sha1 1.8, sha256 1.7, blake2b 0.9, sha512 0.8, md5 0.7 GiB/s; saving,
+``td.memmap`` 3.7 GiB/s, this writer with crc32 3.8 GiB/s (1.0x; median 1.2x) and with
+sha256 1.7 GiB/s (0.45x, bound by the hash). CRC-32 detects every burst error up to 32 bits
+and any other accidental change with probability 1 - 2**-32: a real check against bit rot,
+truncation, torn or swapped files. It is no defence against deliberate tampering; pass
+``checksum="sha256"`` for that.
 """
 
 from __future__ import annotations

@@ -659,7 +659,7 @@ def test_large_strided_leaf_is_written_in_bounded_slices(tmp_path: Path) -> None
     os.environ.get("TDCKPT_BENCH") != "1", reason="throughput benchmark: set TDCKPT_BENCH=1"
 )
 def test_throughput_is_at_least_0_9x_of_tensordict_memmap(tmp_path: Path) -> None:
-    """Median of interleaved runs (the page cache and other load affect both alike)."""
+    """Best of interleaved runs (page cache and other processes hit both alike)."""
     td = TensorDict(a=torch.randn(64 * 2**20, generator=_gen(8)))  # 256 MiB
     runs: dict[str, list[float]] = {"memmap": [], "tdckpt": []}
     for i in range(7):
@@ -672,7 +672,7 @@ def test_throughput_is_at_least_0_9x_of_tensordict_memmap(tmp_path: Path) -> Non
                 write_checkpoint(td, dest, fsync=False)  # memmap never fsyncs
             runs[name].append(time.perf_counter() - start)
             shutil.rmtree(dest)  # drop the dirty pages before the next run
-    ref, ours = (sorted(t)[len(t) // 2] for t in runs.values())
+    ref, ours = (min(t) for t in runs.values())
     assert ref / ours >= 0.9, runs
 
 
