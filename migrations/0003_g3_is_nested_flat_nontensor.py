@@ -17,15 +17,29 @@ What this step does, per G3 directory:
   root), it is kept: tensordict 0.15.3 still reads it, and nothing is thrown away;
 * a NonTensorStack holding its values in meta.json loses its vestigial numeric
   sub-directories (tensordict never read them);
+* a tensorclass's JSON fields move from its own meta.json into NonTensorData children of
+  its ``_tensordict/``, where 0.5+ stores them (0.15.3 reads both forms; this is the one it
+  writes). None-valued fields, fields named like a TensorDict field (``shape``,
+  ``device``, ...) and pickled fields (``other.pickle``) stay where they are;
 * names stay raw: 0.4 had no other convention.
 """
 
 from __future__ import annotations
 
-from tdckpt._migrate import MigrationContext, Target, VDir, entries_of, level_kind
+from tdckpt._migrate import (
+    MigrationContext,
+    Target,
+    VDir,
+    entries_of,
+    insert_entry,
+    level_kind,
+)
 
 FROM_VERSION = 3
 TO_VERSION = 4
+
+NON_TENSOR_DATA_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
+_TD_FIELDS = frozenset({"shape", "device", "_type", "_format_version", "_class", "_names"})
 
 
 def upgrade(tree: VDir, ctx: MigrationContext) -> VDir:
@@ -44,6 +58,8 @@ def upgrade(tree: VDir, ctx: MigrationContext) -> VDir:
                     entry["is_nested"] = False
         elif kind == "non-tensor":
             _flatten_non_tensor(target, ctx)
+        elif kind == "tensorclass":
+            _fields_to_non_tensor_children(target)
         elif kind == "non-tensor-stack" and "data" in node.meta:
             for name in [n for n in node.dirs if n.isdigit()]:
                 del node.dirs[name]
@@ -74,3 +90,30 @@ def _flatten_non_tensor(target: Target, ctx: MigrationContext) -> None:
         f"which its parent ({parent_batch}) cannot provide in the current format. tensordict "
         "reads it; tdckpt restores the value with its parent's batch size.",
     )
+
+
+def _fields_to_non_tensor_children(target: Target) -> None:
+    node = target.node
+    meta = node.meta
+    inner = node.dirs.get("_tensordict")
+    if meta is None or inner is None or level_kind(inner.meta) != "tensordict":
+        return
+    assert inner.meta is not None
+    for field, value in list(meta.items()):
+        if field == "_type" or value is None or field in _TD_FIELDS:
+            continue
+        if field in inner.meta or field in inner.dirs or f"{field}.memmap" in inner.files:
+            continue
+        inner.dirs[field] = VDir(
+            source=f"{inner.source}/{field}" if inner.source else field,
+            meta={
+                "_type": NON_TENSOR_DATA_TYPE,
+                "data": value,
+                "_metadata": None,
+                "_is_non_tensor": True,
+            },
+            leaf_encoding="legacy",
+            dir_encoding="legacy",
+        )
+        inner.meta = insert_entry(inner.meta, field, {"type": "NonTensorData"})
+        del meta[field]

@@ -42,6 +42,8 @@ from tdckpt._migrate import MigrationContext, Problem, Target, VDir, class_id_fo
 FROM_VERSION = 7
 TO_VERSION = 8
 
+_NON_TENSOR_ORDER = ("_type", "data", "_metadata", "_is_non_tensor")
+
 
 def upgrade(tree: VDir, ctx: MigrationContext) -> VDir:
     migrated = False
@@ -95,6 +97,10 @@ def upgrade(tree: VDir, ctx: MigrationContext) -> VDir:
             if "_metadata" not in meta and "other.pickle" not in target.node.files:
                 meta["_metadata"] = None
             meta.setdefault("_is_non_tensor", True)
+            # 0.15.3's order (0.12-0.15.2 wrote _is_non_tensor before _metadata)
+            target.node.meta = meta = _ordered(
+                meta, {k: meta[k] for k in _NON_TENSOR_ORDER if k in meta}
+            )
             if "data" in meta:
                 _note_values(target, ctx, meta["data"], "this value")
         elif kind == "tensorclass":

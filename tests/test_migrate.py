@@ -312,6 +312,28 @@ def test_0003_is_nested_flat_non_tensor_and_stack() -> None:
     assert nts.dirs == {}
 
 
+def test_0003_tensorclass_fields_become_non_tensor_children() -> None:
+    inner = vdir("tc/_tensordict", td({"obs": leaf()}))
+    tc = vdir(
+        "tc",
+        {"_type": TC, "label": "episode-1", "extra": {"k": 1}, "none": None},
+        _tensordict=inner,
+    )
+    tree = vdir("", td({"tc": {"type": "FixtureTC"}}), tc=tc)
+    run_step(3, tree)
+    assert tc.meta == {"_type": TC, "none": None}  # None-valued fields stay (0.5+ omits them)
+    assert inner.meta == {
+        "obs": leaf(is_nested=False),
+        "label": {"type": "NonTensorData"},
+        "extra": {"type": "NonTensorData"},
+        "shape": [3],
+        "device": "cpu",
+        "_type": TD,
+    }
+    label = inner.dirs["label"].meta
+    assert label == {"_type": NTD, "data": "episode-1", "_metadata": None, "_is_non_tensor": True}
+
+
 # == 0004: G4 -> G5 ===========================================================================
 
 

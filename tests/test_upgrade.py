@@ -162,6 +162,35 @@ def _check_meta_formatting(prefix: Path) -> None:
         assert raw == want.encode(), f"{path} is not formatted as tensordict 0.15.3 writes it"
 
 
+SAME_AS_0153 = [
+    pytest.param(v, c, id=f"{v}-{c}")
+    for v in ("0.3.2", "0.4.0", "0.8.3", "0.12.4", "0.13.0", "0.14.3")
+    for c in (
+        "flat",
+        "nested",
+        "lazy_stack",
+        "zero_numel",
+        "empty_td",
+        "tensorclass",
+        "tensorclass_in_td",
+        "non_tensor_json",
+        "nested_tensor_strided",
+    )
+    if (TESTS / "fixtures" / "tensordict" / v / c / "ckpt").is_dir()
+    # 0.3 did not list children, so their order in the parent is not on disk
+    and not (v == "0.3.2" and c in ("non_tensor_json", "tensorclass_in_td"))
+]
+
+
+@pytest.mark.parametrize(("version", "name"), SAME_AS_0153)
+def test_upgraded_tree_is_what_0153_writes(version: str, name: str, tmp_path: Path) -> None:
+    """Same content, same bytes: the upgrade writes exactly tensordict 0.15.3's layout."""
+    prefix = copy_case(tmp_path, version, name)
+    upgrade(prefix)
+    mine = {k: v for k, v in tree_digest(prefix).items() if k != schema.MANIFEST_NAME}
+    assert mine == tree_digest(_case("0.15.3", name).target)
+
+
 # -- dry run, progress, backups ----------------------------------------------------------------
 
 DRY_RUN_CASES = [
