@@ -127,23 +127,28 @@ def _manager(root: str) -> Any:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    mgr = _manager(args.root)
-    rows = mgr.list_steps() if hasattr(mgr, "list_steps") else [{"step": s} for s in mgr.steps()]
+    rows = _manager(args.root).list_steps()
     if args.json:
-        _print_json(rows)
-    else:
-        for row in rows:
-            print("  ".join(f"{k}={v}" for k, v in (row.items() if isinstance(row, dict) else vars(row).items())))
+        _print_json([row.to_json() for row in rows])
+        return 0
+    if not rows:
+        print(f"{args.root}: no steps")
+        return 0
+    print(f"{'step':>10}  {'status':<10} {'kind':<7} {'size':>12}  {'format':<14} metadata")
+    for row in rows:
+        step = "-" if row.step is None else str(row.step)
+        fmt = f"v{row.format_version} {row.key_encoding}" if row.format_version is not None else "-"
+        meta = json.dumps(row.metadata, sort_keys=True) if row.metadata else ""
+        print(f"{step:>10}  {row.status:<10} {row.kind:<7} {row.size:>12}  {fmt:<14} {meta}")
     return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    mgr = _manager(args.root)
-    report = mgr.verify(args.step, progress=_Progress("verify"))
+    report = _manager(args.root).verify(args.step, progress=_Progress("verify"))
     if args.json:
-        _print_json(report.to_json() if hasattr(report, "to_json") else report.__dict__)
+        _print_json(report.to_json())
     else:
-        print(str(report))
+        print(report.summary())
     return 0 if report.ok else 1
 
 

@@ -52,7 +52,7 @@ from .errors import (
 from .retention import KeepAll, RetentionPolicy, StepInfo, metric_value
 from .schema import MANIFEST_NAME, Manifest
 
-__all__ = ["CheckpointManager", "VerifyProblem", "VerifyReport"]
+__all__ = ["CheckpointManager", "StepStatus", "VerifyProblem", "VerifyReport"]
 
 #: Manifests larger than this are refused (bounded parsing).
 _MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -94,6 +94,44 @@ class VerifyProblem:
         if self.expected is not None or self.found is not None:
             detail = f": expected {self.expected or '-'}, found {self.found or '-'}"
         return f"{self.kind}: {self.path or '.'}{key}{detail}"
+
+
+@dataclass(frozen=True)
+class StepStatus:
+    """One entry of a checkpoint root, as ``tdckpt ls`` shows it.
+
+    Attributes:
+        step: the step number (None for a leftover whose name carries none).
+        path: the folder, archive or leftover.
+        kind: ``"dir"``, ``"archive"`` or ``"tmp"``.
+        status: ``"committed"``, ``"damaged"`` (unreadable manifest) or ``"incomplete"``.
+        size: bytes of the checkpoint's files, from the manifest.
+    """
+
+    step: int | None
+    path: Path
+    kind: str
+    status: str
+    size: int = 0
+    format_version: int | None = None
+    key_encoding: str | None = None
+    created: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    detail: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "path": str(self.path),
+            "kind": self.kind,
+            "status": self.status,
+            "size": self.size,
+            "format_version": self.format_version,
+            "key_encoding": self.key_encoding,
+            "created": self.created,
+            "metadata": self.metadata,
+            "detail": self.detail,
+        }
 
 
 @dataclass
@@ -535,6 +573,42 @@ class CheckpointManager:
                 )
             )
         return infos
+
+    def list_steps(self) -> list[StepStatus]:
+        """Every step-like entry of the root with its status, for ``tdckpt ls``.
+
+        Committed steps (a valid manifest), damaged ones (a step-named entry whose
+        manifest cannot be read: never restored, never listed by :meth:`steps`), and the
+        leftovers of crashed saves (``*.tmp-*``: ``incomplete``, removed by :meth:`gc`).
+        """
+        rows: list[StepStatus] = []
+        for step, forms in sorted(self._entries().items()):
+            for kind, path in sorted(forms.items()):
+                try:
+                    manifest = self._manifest(path, kind)
+                except MetadataError as exc:
+                    rows.append(StepStatus(step, path, kind, "damaged", detail=str(exc)))
+                    continue
+                rows.append(
+                    StepStatus(
+                        step,
+                        path,
+                        kind,
+                        "committed",
+                        size=sum(f.size for f in manifest.files),
+                        format_version=manifest.format_version,
+                        key_encoding=manifest.key_encoding,
+                        created=manifest.created,
+                        metadata=dict(manifest.user_metadata),
+                    )
+                )
+        if self.root.is_dir():
+            for name in sorted(os.listdir(self.root)):
+                if _atomic.is_tmp_name(name):
+                    rows.append(
+                        StepStatus(_atomic.tmp_step(name), self.root / name, "tmp", "incomplete")
+                    )
+        return rows
 
     @contextlib.contextmanager
     def _using(self, step: int | None) -> Iterator[tuple[int, Path, Manifest]]:
