@@ -19,7 +19,7 @@ from ._report import Inspection, NodeInfo, Problem, ValidationReport
 from ._restore import load_memmap, load_memmap_
 from ._upgrade import UpgradeReport, upgrade
 from ._version import __version__
-from .manager import CheckpointManager, VerifyProblem, VerifyReport
+from .manager import CheckpointManager, StepStatus, VerifyProblem, VerifyReport
 from .retention import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepInfo
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "Problem",
     "RetentionPolicy",
     "StepInfo",
+    "StepStatus",
     "UpgradeReport",
     "ValidationReport",
     "VerifyProblem",

@@ -52,7 +52,7 @@ import torch
 
 from ._keys import encode_key
 from ._version import __version__
-from .errors import CheckpointExistsError, MetadataError, TdckptError
+from .errors import CheckpointExistsError, MetadataError, UnsupportedContentError
 from .schema import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -101,15 +101,6 @@ _JSON_TYPE_NAMES: dict[type, str] = {
 }
 _JSON_TYPES_FILE = "json_types.json"
 _TENSORDICT_DIR = "_tensordict"
-
-
-class UnsupportedContentError(TdckptError, ValueError):
-    """The object holds something the checkpoint format cannot store faithfully.
-
-    Attributes:
-        problems: one message per offending key (all of them, not just the first).
-        keys: the nested keys concerned, in the same order.
-    """
 
 
 # -- checksums ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@
     │  ├─ UnsupportedFormatError                 written by a newer tensordict / tdckpt
     │  └─ AmbiguousKeyEncodingError              robust and legacy names both on disk
     ├─ ValidationError(.., ValueError)           a checkpoint with problems; .report
+    ├─ UnsupportedContentError(.., ValueError)   a value the format cannot store (on save)
     ├─ PickleNotAllowedError                     pickled data under allow_pickle=False
     ├─ MigrationError                            .from_version .to_version .script
     │  └─ MigrationChainError                    gap / duplicate / does not reach the end
@@ -40,6 +41,7 @@ __all__ = [
     "RestoreError",
     "TdckptError",
     "UnsafePathError",
+    "UnsupportedContentError",
     "UnsupportedFormatError",
     "ValidationError",
 ]
@@ -101,6 +103,15 @@ class AmbiguousKeyEncodingError(MetadataError):
 
 class ValidationError(TdckptError, ValueError):
     """A checkpoint has problems; ``report`` lists every one."""
+
+
+class UnsupportedContentError(TdckptError, ValueError):
+    """The object holds something the checkpoint format cannot store faithfully.
+
+    Attributes:
+        problems: one message per offending key (all of them, not just the first).
+        keys: the nested keys concerned, in the same order.
+    """
 
 
 class PickleNotAllowedError(TdckptError):

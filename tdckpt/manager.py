@@ -657,7 +657,7 @@ class CheckpointManager:
             CheckpointExistsError: the step exists and ``overwrite`` is False, or it is
                 being restored right now.
             LockError: another writer holds the root.
-            tdckpt._save.UnsupportedContentError: ``obj`` holds what the format cannot
+            tdckpt.errors.UnsupportedContentError: ``obj`` holds what the format cannot
                 store (every such key is listed); nothing was written.
             MetadataError: ``metadata`` is not plain JSON data.
         """
