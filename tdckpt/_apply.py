@@ -172,6 +172,14 @@ class _Preparer:
                 new[key] = self.builder.build(sub, node.batch_size)
         self.plan.items.append((target, new))
 
+    def _batch_error(self, sub: Node, shape: tuple[int, ...], batch: tuple[int, ...]) -> None:
+        raise RestoreError(
+            _batch_error_message(self.where(sub), sub, shape, batch),
+            key=sub.key,
+            expected=list(batch),
+            found=list(shape),
+        )
+
     def _into_td(self, target: Any, node: TensorDictNode) -> None:
         if target.is_locked and not target.is_memmap():
             raise RestoreError(
@@ -180,8 +188,17 @@ class _Preparer:
                 key=node.key,
             )
         batch = tuple(target.batch_size)
+        nb = len(batch)
         new: dict[str, Any] = {}
+        mapper = self.mapper
         for key, sub in node.entries.items():
+            if type(sub) is LeafNode:
+                # The common case, kept lean: check the shape from the metadata, then map.
+                shape = sub.shape[:1] if sub.is_nested else sub.shape
+                if shape[:nb] != batch:
+                    self._batch_error(sub, shape, batch)
+                new[key] = mapper.leaf(sub)
+                continue
             existing = target._tensordict.get(key)
             reuse = (
                 existing is not None
@@ -204,23 +221,23 @@ class _Preparer:
                 if not isinstance(sub, NonTensorNode):
                     self.plan.non_tensors.extend(_built_non_tensors(value, sub))
             vb = _value_batch(value) if not isinstance(sub, NonTensorNode) else tuple(sub.batch_size)
-            if vb is not None and vb[: len(batch)] != batch:
-                what = "leaf" if isinstance(sub, LeafNode) else "entry"
-                raise RestoreError(
-                    f"{self.where(sub)}: the saved {what} {'.'.join(sub.key)!r} has shape "
-                    f"{list(vb)}, which the target's batch size {list(batch)} cannot hold. "
-                    "Restore into a tensordict with a matching batch size, or use "
-                    "tdckpt.load_memmap.",
-                    key=sub.key,
-                    expected=list(batch),
-                    found=list(vb),
-                )
+            if vb is not None and vb[:nb] != batch:
+                self._batch_error(sub, vb, batch)
             if isinstance(sub, NonTensorNode):
                 self.plan.non_tensors.append((value, sub.path))
             new[key] = value
         self.plan.items.append((target, new))
         self.plan.prefixes.append((target, self.mapper.dir_path(node.path)))
         self.plan.levels.append(target)
+
+
+def _batch_error_message(where: str, sub: Node, shape: tuple[int, ...], batch: tuple[int, ...]) -> str:
+    what = "leaf" if isinstance(sub, LeafNode) else "entry"
+    return (
+        f"{where}: the saved {what} {'.'.join(sub.key)!r} has shape {list(shape)}, which the "
+        f"target's batch size {list(batch)} cannot hold. Restore into a tensordict with a "
+        "matching batch size, or use tdckpt.load_memmap."
+    )
 
 
 def _all_td_levels(target: Any) -> list[Any]:

@@ -141,14 +141,17 @@ def _choose(
     lost: list[str],
 ) -> dict[str, tuple[str, object]]:
     """Pick each key's entry under one convention; return key -> (convention, entry)."""
+    enc = {k: encode_key(k) for k in keys}
     robust = {k: find_robust(k) for k in keys}  # type: ignore[operator]
-    legacy = {k: find_legacy(k) for k in keys}  # type: ignore[operator]
+    # A key that encodes to itself has one name under both conventions (no "/" in it),
+    # so its legacy lookup is its robust one: only the other keys are looked up again.
+    legacy = {k: robust[k] if enc[k] == k else find_legacy(k) for k in keys}  # type: ignore[operator]
     picked: dict[str, tuple[str, object]] = {}
     if robust_key is True:
         for k in keys:
             if robust[k] is not None:
                 picked[k] = (ROBUST, robust[k])
-            elif encode_key(k) != k and is_safe_legacy_key(k, is_collection=is_collection) and (
+            elif enc[k] != k and is_safe_legacy_key(k, is_collection=is_collection) and (
                 legacy[k] is not None
             ):
                 picked[k] = (LEGACY, legacy[k])
@@ -158,7 +161,7 @@ def _choose(
     elif hint in (ROBUST, LEGACY):
         conv = hint
     else:
-        distinct = [k for k in keys if encode_key(k) != k and needs_file[k]]
+        distinct = [k for k in keys if enc[k] != k and needs_file[k]]
         r_ok = all(robust[k] is not None for k in distinct)
         l_ok = all(legacy[k] is not None for k in distinct)
         # Keys whose two names find two different entries (".." may find "...memmap"
