@@ -12,6 +12,7 @@ everything it assigns is kept, and restored if anything fails while committing.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,36 +46,35 @@ class _Plan:
     non_tensors: list[tuple[Any, str]] = field(default_factory=list)  # (NTD, its directory)
 
 
-def _is_td(obj: Any) -> bool:
+@functools.cache
+def _tensordict_types() -> tuple[type, type, type, Callable[[Any], bool]] | None:
+    """tensordict's classes the engine tells apart, or None without tensordict (cached)."""
     if not has_tensordict():
-        return False
-    from tensordict import TensorDictBase
+        return None
+    from tensordict import LazyStackedTensorDict, TensorDictBase, is_tensorclass
+    from tensordict.tensorclass import NonTensorDataBase
 
-    return isinstance(obj, TensorDictBase)
+    return TensorDictBase, LazyStackedTensorDict, NonTensorDataBase, is_tensorclass
+
+
+def _is_td(obj: Any) -> bool:
+    types = _tensordict_types()
+    return types is not None and isinstance(obj, types[0])
 
 
 def _is_lazy_stack(obj: Any) -> bool:
-    if not has_tensordict():
-        return False
-    from tensordict import LazyStackedTensorDict
-
-    return isinstance(obj, LazyStackedTensorDict)
+    types = _tensordict_types()
+    return types is not None and isinstance(obj, types[1])
 
 
 def _is_tensorclass(obj: Any) -> bool:
-    if not has_tensordict():
-        return False
-    from tensordict import is_tensorclass
-
-    return is_tensorclass(obj)
+    types = _tensordict_types()
+    return types is not None and types[3](obj)
 
 
 def _is_non_tensor_data(obj: Any) -> bool:
-    if not has_tensordict():
-        return False
-    from tensordict.tensorclass import NonTensorDataBase
-
-    return isinstance(obj, NonTensorDataBase) and not _is_lazy_stack(obj)
+    types = _tensordict_types()
+    return types is not None and isinstance(obj, types[2]) and not isinstance(obj, types[1])
 
 
 def _value_batch(value: Any) -> tuple[int, ...] | None:
