@@ -7,6 +7,10 @@ and manifest are durable (:mod:`tdckpt._atomic`), so a process killed at any ins
 every committed step intact; what it leaves half-written is a ``*.tmp-*`` name that is
 never listed and that :meth:`CheckpointManager.gc` removes.
 
+The manager decides what is saved, restored and deleted, and when; it finds the root's
+steps and reads their manifests through :mod:`tdckpt._steps`, and re-reads a step against
+its manifest through :mod:`tdckpt._verify`.
+
 Example:
     >>> import tempfile, torch
     >>> from tensordict import TensorDict
@@ -26,241 +30,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import stat
 import threading
 import uuid
-import zipfile
 from collections import Counter
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from . import _atomic
-from ._keys import decode_key
+from ._checksum import DEFAULT_CHECKSUM, new_hasher
 from ._lock import RootLock
-from ._save import CHUNK_BYTES, DEFAULT_CHECKSUM, check_json_data, new_hasher, write_checkpoint
+from ._save import check_json_data, write_checkpoint
+from ._steps import StepIndex, StepStatus, preferred
+from ._verify import Progress, VerifyProblem, VerifyReport, manifest_problem, verify_files
 from .errors import (
     CheckpointExistsError,
-    CheckpointNotFoundError,
-    IncompleteCheckpointError,
     IntegrityError,
     MetadataError,
     RestoreError,
 )
 from .retention import KeepAll, RetentionPolicy, StepInfo, metric_value
-from .schema import MANIFEST_NAME, Manifest
+from .schema import Manifest
 
 __all__ = ["CheckpointManager", "StepStatus", "VerifyProblem", "VerifyReport"]
-
-#: Manifests larger than this are refused (bounded parsing).
-_MAX_MANIFEST_BYTES = 256 * 1024 * 1024
-
-ProblemKind = Literal[
-    "missing", "short", "long", "changed", "extra", "not_a_file", "manifest", "unreadable"
-]
-Progress = Callable[[int, int], None]
-
-
-# -- verification reports -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VerifyProblem:
-    """One file that does not match the manifest.
-
-    Attributes:
-        path: the file, relative to the step (POSIX; ``""`` for the step itself).
-        key: the nested key the file stores (lazy-stack members appear as their index,
-            a tensorclass's fields under the tensorclass's key), or None if unknown.
-        kind: ``"missing"``, ``"short"`` / ``"long"`` (size differs), ``"changed"``
-            (checksum differs), ``"extra"`` (not in the manifest), ``"not_a_file"``
-            (a directory, symlink or device where a file belongs), ``"manifest"`` (the
-            manifest itself is missing or invalid), ``"unreadable"`` (I/O or archive error).
-        expected: what the manifest records (size or checksum), if anything.
-        found: what is on disk.
-    """
-
-    path: str
-    key: tuple[str, ...] | None
-    kind: ProblemKind
-    expected: str | None = None
-    found: str | None = None
-
-    def __str__(self) -> str:
-        key = f" (key {self.key!r})" if self.key is not None else ""
-        detail = ""
-        if self.expected is not None or self.found is not None:
-            detail = f": expected {self.expected or '-'}, found {self.found or '-'}"
-        return f"{self.kind}: {self.path or '.'}{key}{detail}"
-
-
-@dataclass(frozen=True)
-class StepStatus:
-    """One entry of a checkpoint root, as ``tdckpt ls`` shows it.
-
-    Attributes:
-        step: the step number (None for a leftover whose name carries none).
-        path: the folder, archive or leftover.
-        kind: ``"dir"``, ``"archive"`` or ``"tmp"``.
-        status: ``"committed"``, ``"damaged"`` (unreadable manifest) or ``"incomplete"``.
-        size: bytes of the checkpoint's files, from the manifest.
-    """
-
-    step: int | None
-    path: Path
-    kind: str
-    status: str
-    size: int = 0
-    format_version: int | None = None
-    key_encoding: str | None = None
-    created: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    detail: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "path": str(self.path),
-            "kind": self.kind,
-            "status": self.status,
-            "size": self.size,
-            "format_version": self.format_version,
-            "key_encoding": self.key_encoding,
-            "created": self.created,
-            "metadata": self.metadata,
-            "detail": self.detail,
-        }
-
-
-@dataclass
-class VerifyReport:
-    """What :meth:`CheckpointManager.verify` found: every problem, not just the first.
-
-    Attributes:
-        step: the step verified.
-        path: its folder or archive.
-        problems: every mismatch (empty when ``ok``).
-        files_checked: files compared with the manifest.
-        bytes_checked: bytes read and checksummed.
-    """
-
-    step: int
-    path: Path
-    problems: list[VerifyProblem] = field(default_factory=list)
-    files_checked: int = 0
-    bytes_checked: int = 0
-
-    @property
-    def ok(self) -> bool:
-        """True when every file matches the manifest and nothing else is there."""
-        return not self.problems
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def summary(self, limit: int = 20) -> str:
-        """A human-readable description: one line per problem (at most ``limit``)."""
-        if self.ok:
-            return (
-                f"step {self.step} at {self.path}: OK ({self.files_checked} files, "
-                f"{self.bytes_checked} bytes checked)"
-            )
-        lines = [f"step {self.step} at {self.path}: {len(self.problems)} problem(s)"]
-        lines += [f"  - {p}" for p in self.problems[:limit]]
-        if len(self.problems) > limit:
-            lines.append(f"  ... and {len(self.problems) - limit} more")
-        return "\n".join(lines)
-
-    def to_json(self) -> dict[str, Any]:
-        """The report as JSON data (for the CLI)."""
-        return {
-            "step": self.step,
-            "path": str(self.path),
-            "ok": self.ok,
-            "files_checked": self.files_checked,
-            "bytes_checked": self.bytes_checked,
-            "problems": [
-                {
-                    "path": p.path,
-                    "key": list(p.key) if p.key is not None else None,
-                    "kind": p.kind,
-                    "expected": p.expected,
-                    "found": p.found,
-                }
-                for p in self.problems
-            ],
-        }
-
-
-def _key_from_path(rel: str) -> tuple[str, ...]:
-    """The nested key a file of the format belongs to, decoded from its path (for messages)."""
-    parts = rel.split("/")
-    keys = [decode_key(p) for p in parts[:-1] if p != "_tensordict"]
-    name = parts[-1]
-    for suffix in (".shape.memmap", ".memmap"):
-        if name.endswith(suffix):
-            keys.append(decode_key(name[: -len(suffix)]))
-            break
-    return tuple(keys)
-
-
-class _Hashing:
-    """Checksums files, hashing one chunk on a helper thread while reading the next."""
-
-    def __init__(self, progress: Progress | None, total: int) -> None:
-        self.progress = progress
-        self.total = total
-        self.done = 0
-        self._pool: ThreadPoolExecutor | None = None
-        self._bufs = [bytearray(CHUNK_BYTES), bytearray(CHUNK_BYTES)]
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-
-    def _tick(self, n: int) -> None:
-        self.done += n
-        if self.progress is not None:
-            self.progress(self.done, self.total)
-
-    def digest(self, fh: Any, algorithm: str) -> tuple[str, int]:
-        """Checksum what ``fh`` (a binary file object) holds; return it and the byte count."""
-        hasher = new_hasher(algorithm)
-        size = 0
-        pending: Future[None] | None = None
-        turn = 0
-        try:
-            while True:
-                buf = self._bufs[turn]
-                n = fh.readinto(buf)
-                if pending is not None:
-                    pending.result()
-                    pending = None
-                if not n:
-                    break
-                view = memoryview(buf)[:n]
-                if n >= CHUNK_BYTES // 2:
-                    if self._pool is None:
-                        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tdckpt-verify")
-                    pending = self._pool.submit(hasher.update, view)
-                else:
-                    hasher.update(view)
-                turn ^= 1
-                size += n
-                self._tick(n)
-        finally:
-            if pending is not None:
-                pending.result()
-        return f"{algorithm}:{hasher.hexdigest()}", size
-
-
-def _algorithm(checksum: str) -> str:
-    return checksum.split(":", 1)[0]
-
-
-# -- the manager --------------------------------------------------------------------------------
 
 
 class CheckpointManager:
@@ -334,7 +126,7 @@ class CheckpointManager:
         # One write (save, retention, gc) at a time within this process.
         self._writing = threading.Lock()
         self._in_use: Counter[int] = Counter()
-        self._manifests: dict[Path, tuple[tuple[int, ...], Manifest | MetadataError]] = {}
+        self._index = StepIndex(self.root, self._state)
 
     def __repr__(self) -> str:
         return (
@@ -372,166 +164,21 @@ class CheckpointManager:
                 lock.acquire(stacklevel=3)
                 self._lock = lock
 
-    # -- manifests and listing -------------------------------------------------------------
-    def _manifest(self, path: Path, kind: str) -> Manifest:
-        """The manifest of a step entry (cached by file identity). Raises MetadataError."""
-        where = path / MANIFEST_NAME if kind == "dir" else path
-        try:
-            st = os.stat(where, follow_symlinks=False)
-        except FileNotFoundError as exc:
-            raise MetadataError(
-                f"{where}: missing; a step is committed only with its manifest. It was not "
-                "written by tdckpt, or it is damaged.",
-                path=str(where),
-            ) from exc
-        if not stat.S_ISREG(st.st_mode):
-            raise MetadataError(
-                f"{where}: not a regular file (a symlink or directory?); expected the manifest.",
-                path=str(where),
-            )
-        signature = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        with self._state:
-            cached = self._manifests.get(path)
-        if cached is not None and cached[0] == signature:
-            if isinstance(cached[1], MetadataError):
-                raise cached[1]
-            return cached[1]
-        result: Manifest | MetadataError
-        try:
-            result = Manifest.model_validate_json(self._manifest_bytes(where, kind, st.st_size))
-        except MetadataError as exc:
-            result = exc
-        except ValueError as exc:  # pydantic's ValidationError is a ValueError
-            result = MetadataError(
-                f"{where}: the tdckpt manifest is invalid ({str(exc).splitlines()[0]}); "
-                "expected a manifest of schema version 1. The step is damaged or was written "
-                "by a newer tdckpt.",
-                path=str(where),
-            )
-        with self._state:
-            self._manifests[path] = (signature, result)
-        if isinstance(result, MetadataError):
-            raise result
-        return result
-
-    @staticmethod
-    def _manifest_bytes(where: Path, kind: str, size: int) -> bytes:
-        if kind == "dir":
-            if size > _MAX_MANIFEST_BYTES:
-                raise MetadataError(
-                    f"{where}: {size} bytes, too large for a manifest.", path=str(where)
-                )
-            with open(where, "rb") as fh:
-                return fh.read(_MAX_MANIFEST_BYTES + 1)
-        try:
-            with zipfile.ZipFile(where) as zf:
-                info = zf.getinfo(MANIFEST_NAME)
-                if info.file_size > _MAX_MANIFEST_BYTES:
-                    raise MetadataError(
-                        f"{where}: its manifest is {info.file_size} bytes, too large.",
-                        path=str(where),
-                    )
-                return zf.read(info)
-        except KeyError as exc:
-            raise MetadataError(
-                f"{where}: the archive holds no {MANIFEST_NAME}; it was not written by tdckpt.",
-                path=str(where),
-            ) from exc
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise MetadataError(
-                f"{where}: not a readable archive ({exc}); it is truncated or damaged.",
-                path=str(where),
-            ) from exc
-
-    def _entries(self) -> dict[int, dict[str, Path]]:
-        """Every step-named entry of the root, committed or not: step -> kind -> path."""
-        out: dict[int, dict[str, Path]] = {}
-        try:
-            scan = os.scandir(self.root)
-        except (FileNotFoundError, NotADirectoryError):
-            return out
-        with scan:
-            for entry in scan:
-                parsed = _atomic.parse_step_name(entry.name)
-                if parsed is None:
-                    continue
-                step, kind = parsed
-                try:
-                    ok = (
-                        entry.is_dir(follow_symlinks=False)
-                        if kind == "dir"
-                        else entry.is_file(follow_symlinks=False)
-                    )
-                except OSError:
-                    ok = False
-                if ok:
-                    out.setdefault(step, {})[kind] = Path(entry.path)
-        return out
-
-    def _committed(self) -> dict[int, dict[str, tuple[Path, Manifest]]]:
-        """Committed steps: step-named entries holding a valid manifest."""
-        out: dict[int, dict[str, tuple[Path, Manifest]]] = {}
-        for step, forms in self._entries().items():
-            for kind, path in forms.items():
-                try:
-                    manifest = self._manifest(path, kind)
-                except MetadataError:
-                    continue
-                out.setdefault(step, {})[kind] = (path, manifest)
-        return out
-
+    # -- listing ---------------------------------------------------------------------------
     def _preferred(self, forms: dict[str, Any]) -> Any:
-        first = "archive" if self.archive else "dir"
-        return forms[first] if first in forms else next(iter(forms.values()))
+        return preferred(forms, archive=self.archive)
 
     def steps(self) -> list[int]:
         """The committed steps, in increasing order (never a ``*.tmp-*`` or foreign entry)."""
-        return sorted(self._committed())
+        return sorted(self._index.committed())
 
     def latest_step(self) -> int | None:
         """The highest committed step, or None when there is none."""
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def _not_found(self, step: int) -> CheckpointNotFoundError:
-        steps = self.steps()
-        shown = ", ".join(map(str, steps[-10:])) if steps else "none"
-        return CheckpointNotFoundError(
-            f"{self.root}: no committed step {step} (committed steps: {shown}). Pick one of "
-            "steps(), or None for the latest.",
-            path=str(self.root),
-            step=step,
-        )
-
     def _resolve(self, step: int | None) -> tuple[int, Path, Manifest]:
-        committed = self._committed()
-        if step is None:
-            if not committed:
-                raise CheckpointNotFoundError(
-                    f"{self.root}: no committed checkpoint yet; save one first (or check the "
-                    "root path).",
-                    path=str(self.root),
-                )
-            step = max(committed)
-        step = _atomic.check_step(step)
-        forms = committed.get(step)
-        if forms is None:
-            existing = self._entries().get(step)
-            if existing:
-                path = self._preferred(existing)
-                kind = "archive" if path.name.endswith(_atomic.ARCHIVE_SUFFIX) else "dir"
-                try:
-                    self._manifest(path, kind)
-                except MetadataError as exc:
-                    raise IncompleteCheckpointError(
-                        f"{path}: step {step} is not a committed tdckpt checkpoint: "
-                        f"{exc.message} Restore or verify another step (see steps()).",
-                        path=str(path),
-                        step=step,
-                    ) from exc
-            raise self._not_found(step)
-        path, manifest = self._preferred(forms)
-        return step, path, manifest
+        return self._index.resolve(step, archive=self.archive)
 
     def path(self, step: int) -> Path:
         """The folder (or ``.tdz`` archive) of a committed step."""
@@ -550,7 +197,7 @@ class CheckpointManager:
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
         best: tuple[float, int] | None = None
-        for step, forms in sorted(self._committed().items()):
+        for step, forms in sorted(self._index.committed().items()):
             value = metric_value(self._preferred(forms)[1].user_metadata, key)
             if value is None:
                 continue
@@ -562,7 +209,7 @@ class CheckpointManager:
     def step_infos(self) -> list[StepInfo]:
         """What retention policies see: every committed step with its metadata, oldest first."""
         infos = []
-        for step, forms in sorted(self._committed().items()):
+        for step, forms in sorted(self._index.committed().items()):
             path, manifest = self._preferred(forms)
             infos.append(
                 StepInfo(
@@ -581,34 +228,7 @@ class CheckpointManager:
         manifest cannot be read: never restored, never listed by :meth:`steps`), and the
         leftovers of crashed saves (``*.tmp-*``: ``incomplete``, removed by :meth:`gc`).
         """
-        rows: list[StepStatus] = []
-        for step, forms in sorted(self._entries().items()):
-            for kind, path in sorted(forms.items()):
-                try:
-                    manifest = self._manifest(path, kind)
-                except MetadataError as exc:
-                    rows.append(StepStatus(step, path, kind, "damaged", detail=str(exc)))
-                    continue
-                rows.append(
-                    StepStatus(
-                        step,
-                        path,
-                        kind,
-                        "committed",
-                        size=sum(f.size for f in manifest.files),
-                        format_version=manifest.format_version,
-                        key_encoding=manifest.key_encoding,
-                        created=manifest.created,
-                        metadata=dict(manifest.user_metadata),
-                    )
-                )
-        if self.root.is_dir():
-            for name in sorted(os.listdir(self.root)):
-                if _atomic.is_tmp_name(name):
-                    rows.append(
-                        StepStatus(_atomic.tmp_step(name), self.root / name, "tmp", "incomplete")
-                    )
-        return rows
+        return self._index.statuses()
 
     @contextlib.contextmanager
     def _using(self, step: int | None) -> Iterator[tuple[int, Path, Manifest]]:
@@ -666,7 +286,7 @@ class CheckpointManager:
             check_json_data(metadata)  # before taking the lock or creating anything
         with self._writing:
             self._ensure_lock()
-            forms = self._entries().get(step, {})
+            forms = self._index.entries().get(step, {})
             if forms and not overwrite:
                 raise CheckpointExistsError(
                     f"{self._preferred(forms)}: step {step} already exists; a committed step "
@@ -764,7 +384,7 @@ class CheckpointManager:
                 keep.add(just_saved)
             keep.update(self._in_use)
             doomed = []
-            entries = self._entries()
+            entries = self._index.entries()
             for info in infos:
                 if info.step not in keep:
                     doomed += [(info.step, p) for p in entries.get(info.step, {}).values()]
@@ -820,172 +440,32 @@ class CheckpointManager:
         """
         if step is None:
             with self._using(None) as (resolved, path, manifest):
-                return self._verify(resolved, path, manifest, progress)
+                return verify_files(resolved, path, manifest, progress)
         step = _atomic.check_step(step)
         with self._state:
             while step in self._overwriting:
                 self._swapped.wait()
-            forms = self._entries().get(step)
+            forms = self._index.entries().get(step)
             if not forms:
-                raise self._not_found(step)
+                raise self._index.not_found(step)
             path = self._preferred(forms)
             self._in_use[step] += 1
         try:
             kind = "archive" if path.name.endswith(_atomic.ARCHIVE_SUFFIX) else "dir"
             try:
-                manifest = self._manifest(path, kind)
+                manifest = self._index.manifest(path, kind)
             except MetadataError as exc:
-                return VerifyReport(
-                    step=step,
-                    path=path,
-                    problems=[
-                        VerifyProblem(
-                            path=MANIFEST_NAME,
-                            key=None,
-                            kind="manifest",
-                            expected="a valid tdckpt manifest",
-                            found=exc.message,
-                        )
-                    ],
-                )
-            return self._verify(step, path, manifest, progress)
+                return manifest_problem(step, path, exc.message)
+            return verify_files(step, path, manifest, progress)
         finally:
             with self._state:
                 self._in_use[step] -= 1
                 if self._in_use[step] <= 0:
                     del self._in_use[step]
 
-    def _verify(
-        self, step: int, path: Path, manifest: Manifest, progress: Progress | None
-    ) -> VerifyReport:
-        report = VerifyReport(step=step, path=path)
-        hashing = _Hashing(progress, sum(r.size for r in manifest.files))
-        try:
-            if path.name.endswith(_atomic.ARCHIVE_SUFFIX) and path.is_file():
-                self._verify_archive(path, manifest, report, hashing)
-            else:
-                self._verify_dir(path, manifest, report, hashing)
-        finally:
-            hashing.close()
-        report.bytes_checked = hashing.done
-        return report
-
-    @staticmethod
-    def _verify_dir(
-        path: Path, manifest: Manifest, report: VerifyReport, hashing: _Hashing
-    ) -> None:
-        on_disk: dict[str, os.stat_result] = {}
-        for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
-            base = Path(dirpath)
-            for name in [*filenames, *(d for d in dirnames if (base / d).is_symlink())]:
-                full = base / name
-                with contextlib.suppress(OSError):
-                    on_disk[full.relative_to(path).as_posix()] = os.lstat(full)
-        expected = {record.path: record for record in manifest.files}
-        for rel in sorted(expected):
-            record = expected[rel]
-            key = tuple(record.key) if record.key is not None else _key_from_path(rel)
-            st = on_disk.get(rel)
-            if st is None:
-                # A record for a directory that is now a file, or vice versa.
-                found = "a directory" if (path / rel).is_dir() else None
-                kind: ProblemKind = "not_a_file" if found else "missing"
-                report.problems.append(VerifyProblem(rel, key, kind, f"{record.size} bytes", found))
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
-                report.problems.append(
-                    VerifyProblem(rel, key, "not_a_file", "a regular file", what)
-                )
-                continue
-            report.files_checked += 1
-            if st.st_size != record.size:
-                report.problems.append(
-                    VerifyProblem(
-                        rel,
-                        key,
-                        "short" if st.st_size < record.size else "long",
-                        f"{record.size} bytes",
-                        f"{st.st_size} bytes",
-                    )
-                )
-                continue
-            if record.checksum is None:
-                continue
-            try:
-                with open(path / rel, "rb", buffering=0) as fh:
-                    digest, _ = hashing.digest(fh, _algorithm(record.checksum))
-            except OSError as exc:
-                report.problems.append(
-                    VerifyProblem(rel, key, "unreadable", record.checksum, str(exc))
-                )
-                continue
-            if digest != record.checksum:
-                report.problems.append(VerifyProblem(rel, key, "changed", record.checksum, digest))
-        for rel in sorted(set(on_disk) - set(expected) - {MANIFEST_NAME}):
-            report.problems.append(
-                VerifyProblem(
-                    rel, _key_from_path(rel), "extra", None, f"{on_disk[rel].st_size} bytes"
-                )
-            )
-
-    @staticmethod
-    def _verify_archive(
-        path: Path, manifest: Manifest, report: VerifyReport, hashing: _Hashing
-    ) -> None:
-        try:
-            zf = zipfile.ZipFile(path)
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            report.problems.append(VerifyProblem("", None, "unreadable", "a zip archive", str(exc)))
-            return
-        with zf:
-            infos = {i.filename: i for i in zf.infolist() if not i.is_dir()}
-            expected = {record.path: record for record in manifest.files}
-            for rel in sorted(expected):
-                record = expected[rel]
-                key = tuple(record.key) if record.key is not None else _key_from_path(rel)
-                info = infos.get(rel)
-                if info is None:
-                    report.problems.append(
-                        VerifyProblem(rel, key, "missing", f"{record.size} bytes", None)
-                    )
-                    continue
-                report.files_checked += 1
-                if info.file_size != record.size:
-                    report.problems.append(
-                        VerifyProblem(
-                            rel,
-                            key,
-                            "short" if info.file_size < record.size else "long",
-                            f"{record.size} bytes",
-                            f"{info.file_size} bytes",
-                        )
-                    )
-                    continue
-                if record.checksum is None:
-                    continue
-                try:
-                    with zf.open(info) as fh:
-                        digest, _ = hashing.digest(_Reader(fh), _algorithm(record.checksum))
-                except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-                    report.problems.append(
-                        VerifyProblem(rel, key, "changed", record.checksum, f"unreadable ({exc})")
-                    )
-                    continue
-                if digest != record.checksum:
-                    report.problems.append(
-                        VerifyProblem(rel, key, "changed", record.checksum, digest)
-                    )
-            for rel in sorted(set(infos) - set(expected) - {MANIFEST_NAME}):
-                report.problems.append(
-                    VerifyProblem(
-                        rel, _key_from_path(rel), "extra", None, f"{infos[rel].file_size} bytes"
-                    )
-                )
-
     # -- restoring -------------------------------------------------------------------------
     def _verified(self, step: int, path: Path, manifest: Manifest) -> None:
-        report = self._verify(step, path, manifest, None)
+        report = verify_files(step, path, manifest, None)
         if not report.ok:
             raise IntegrityError(
                 f"{path}: step {step} failed verification, so nothing was restored and the "
@@ -1117,15 +597,3 @@ def _show_keys(keys: list[tuple[str, ...]], limit: int = 10) -> str:
         return "none"
     shown = ", ".join(repr(k if len(k) > 1 else k[0]) for k in keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
-class _Reader:
-    """readinto() over a zipfile entry (ZipExtFile has read(), not an efficient readinto)."""
-
-    def __init__(self, fh: Any) -> None:
-        self.fh = fh
-
-    def readinto(self, buf: bytearray) -> int:
-        data = self.fh.read(len(buf))
-        buf[: len(data)] = data
-        return len(data)

@@ -1,0 +1,280 @@
+"""The steps of a checkpoint root: its step-named entries, their manifests, their status.
+
+A root holds ``<step>/`` folders and ``<step>.tdz`` archives; an entry is a committed step
+when it holds a valid tdckpt manifest. :class:`StepIndex` scans the root, reads each
+manifest (bounded; cached by file identity, so a long-lived manager re-reads only what
+changed), resolves the step a caller asks for, and lists every entry - committed, damaged
+or left incomplete by a crash - as a :class:`StepStatus`. It only reads;
+:class:`tdckpt.manager.CheckpointManager` decides what to save, restore and delete.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import _atomic
+from .errors import CheckpointNotFoundError, IncompleteCheckpointError, MetadataError
+from .schema import MANIFEST_NAME, Manifest
+
+__all__ = ["StepIndex", "StepStatus", "preferred"]
+
+#: Manifests larger than this are refused (bounded parsing).
+_MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StepStatus:
+    """One entry of a checkpoint root, as ``tdckpt ls`` shows it.
+
+    Attributes:
+        step: the step number (None for a leftover whose name carries none).
+        path: the folder, archive or leftover.
+        kind: ``"dir"``, ``"archive"`` or ``"tmp"``.
+        status: ``"committed"``, ``"damaged"`` (unreadable manifest) or ``"incomplete"``.
+        size: bytes of the checkpoint's files, from the manifest.
+    """
+
+    step: int | None
+    path: Path
+    kind: str
+    status: str
+    size: int = 0
+    format_version: int | None = None
+    key_encoding: str | None = None
+    created: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    detail: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "path": str(self.path),
+            "kind": self.kind,
+            "status": self.status,
+            "size": self.size,
+            "format_version": self.format_version,
+            "key_encoding": self.key_encoding,
+            "created": self.created,
+            "metadata": self.metadata,
+            "detail": self.detail,
+        }
+
+
+def preferred(forms: dict[str, Any], *, archive: bool) -> Any:
+    """Of one step's forms (``"dir"``/``"archive"`` -> anything), the one to use.
+
+    The manager's own form (an archive when it saves archives) when the step has it,
+    else the other one.
+    """
+    first = "archive" if archive else "dir"
+    return forms[first] if first in forms else next(iter(forms.values()))
+
+
+class StepIndex:
+    """The step-named entries of one root and their manifests (cached by file identity).
+
+    Args:
+        root: the checkpoint root.
+        lock: guards the manifest cache; the manager passes the lock that also guards its
+            own state, so a reader never sees the cache in the middle of a change.
+    """
+
+    def __init__(self, root: Path, lock: threading.RLock) -> None:
+        self.root = root
+        self._lock = lock
+        self._manifests: dict[Path, tuple[tuple[int, ...], Manifest | MetadataError]] = {}
+
+    def manifest(self, path: Path, kind: str) -> Manifest:
+        """The manifest of a step entry (cached by file identity). Raises MetadataError."""
+        where = path / MANIFEST_NAME if kind == "dir" else path
+        try:
+            st = os.stat(where, follow_symlinks=False)
+        except FileNotFoundError as exc:
+            raise MetadataError(
+                f"{where}: missing; a step is committed only with its manifest. It was not "
+                "written by tdckpt, or it is damaged.",
+                path=str(where),
+            ) from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise MetadataError(
+                f"{where}: not a regular file (a symlink or directory?); expected the manifest.",
+                path=str(where),
+            )
+        signature = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            cached = self._manifests.get(path)
+        if cached is not None and cached[0] == signature:
+            if isinstance(cached[1], MetadataError):
+                raise cached[1]
+            return cached[1]
+        result: Manifest | MetadataError
+        try:
+            result = Manifest.model_validate_json(self._manifest_bytes(where, kind, st.st_size))
+        except MetadataError as exc:
+            result = exc
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
+            result = MetadataError(
+                f"{where}: the tdckpt manifest is invalid ({str(exc).splitlines()[0]}); "
+                "expected a manifest of schema version 1. The step is damaged or was written "
+                "by a newer tdckpt.",
+                path=str(where),
+            )
+        with self._lock:
+            self._manifests[path] = (signature, result)
+        if isinstance(result, MetadataError):
+            raise result
+        return result
+
+    @staticmethod
+    def _manifest_bytes(where: Path, kind: str, size: int) -> bytes:
+        if kind == "dir":
+            if size > _MAX_MANIFEST_BYTES:
+                raise MetadataError(
+                    f"{where}: {size} bytes, too large for a manifest.", path=str(where)
+                )
+            with open(where, "rb") as fh:
+                return fh.read(_MAX_MANIFEST_BYTES + 1)
+        try:
+            with zipfile.ZipFile(where) as zf:
+                info = zf.getinfo(MANIFEST_NAME)
+                if info.file_size > _MAX_MANIFEST_BYTES:
+                    raise MetadataError(
+                        f"{where}: its manifest is {info.file_size} bytes, too large.",
+                        path=str(where),
+                    )
+                return zf.read(info)
+        except KeyError as exc:
+            raise MetadataError(
+                f"{where}: the archive holds no {MANIFEST_NAME}; it was not written by tdckpt.",
+                path=str(where),
+            ) from exc
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise MetadataError(
+                f"{where}: not a readable archive ({exc}); it is truncated or damaged.",
+                path=str(where),
+            ) from exc
+
+    def entries(self) -> dict[int, dict[str, Path]]:
+        """Every step-named entry of the root, committed or not: step -> kind -> path."""
+        out: dict[int, dict[str, Path]] = {}
+        try:
+            scan = os.scandir(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return out
+        with scan:
+            for entry in scan:
+                parsed = _atomic.parse_step_name(entry.name)
+                if parsed is None:
+                    continue
+                step, kind = parsed
+                try:
+                    ok = (
+                        entry.is_dir(follow_symlinks=False)
+                        if kind == "dir"
+                        else entry.is_file(follow_symlinks=False)
+                    )
+                except OSError:
+                    ok = False
+                if ok:
+                    out.setdefault(step, {})[kind] = Path(entry.path)
+        return out
+
+    def committed(self) -> dict[int, dict[str, tuple[Path, Manifest]]]:
+        """Committed steps: step-named entries holding a valid manifest."""
+        out: dict[int, dict[str, tuple[Path, Manifest]]] = {}
+        for step, forms in self.entries().items():
+            for kind, path in forms.items():
+                try:
+                    manifest = self.manifest(path, kind)
+                except MetadataError:
+                    continue
+                out.setdefault(step, {})[kind] = (path, manifest)
+        return out
+
+    def statuses(self) -> list[StepStatus]:
+        """Every step-like entry of the root with its status (see ``list_steps``)."""
+        rows: list[StepStatus] = []
+        for step, forms in sorted(self.entries().items()):
+            for kind, path in sorted(forms.items()):
+                try:
+                    manifest = self.manifest(path, kind)
+                except MetadataError as exc:
+                    rows.append(StepStatus(step, path, kind, "damaged", detail=str(exc)))
+                    continue
+                rows.append(
+                    StepStatus(
+                        step,
+                        path,
+                        kind,
+                        "committed",
+                        size=sum(f.size for f in manifest.files),
+                        format_version=manifest.format_version,
+                        key_encoding=manifest.key_encoding,
+                        created=manifest.created,
+                        metadata=dict(manifest.user_metadata),
+                    )
+                )
+        if self.root.is_dir():
+            for name in sorted(os.listdir(self.root)):
+                if _atomic.is_tmp_name(name):
+                    rows.append(
+                        StepStatus(_atomic.tmp_step(name), self.root / name, "tmp", "incomplete")
+                    )
+        return rows
+
+    # -- resolving -----------------------------------------------------------------------------
+    def not_found(self, step: int) -> CheckpointNotFoundError:
+        """The error for a step that is not committed, listing the latest committed ones."""
+        steps = sorted(self.committed())
+        shown = ", ".join(map(str, steps[-10:])) if steps else "none"
+        return CheckpointNotFoundError(
+            f"{self.root}: no committed step {step} (committed steps: {shown}). Pick one of "
+            "steps(), or None for the latest.",
+            path=str(self.root),
+            step=step,
+        )
+
+    def resolve(self, step: int | None, *, archive: bool) -> tuple[int, Path, Manifest]:
+        """The committed ``step`` (None: the latest) as ``(step, path, manifest)``.
+
+        ``archive`` picks the form when the step is both a folder and an archive
+        (:func:`preferred`).
+
+        Raises:
+            CheckpointNotFoundError: no such committed step (or none at all).
+            IncompleteCheckpointError: a step-named entry without a valid manifest.
+        """
+        committed = self.committed()
+        if step is None:
+            if not committed:
+                raise CheckpointNotFoundError(
+                    f"{self.root}: no committed checkpoint yet; save one first (or check the "
+                    "root path).",
+                    path=str(self.root),
+                )
+            step = max(committed)
+        step = _atomic.check_step(step)
+        forms = committed.get(step)
+        if forms is None:
+            existing = self.entries().get(step)
+            if existing:
+                path = preferred(existing, archive=archive)
+                kind = "archive" if path.name.endswith(_atomic.ARCHIVE_SUFFIX) else "dir"
+                try:
+                    self.manifest(path, kind)
+                except MetadataError as exc:
+                    raise IncompleteCheckpointError(
+                        f"{path}: step {step} is not a committed tdckpt checkpoint: "
+                        f"{exc.message} Restore or verify another step (see steps()).",
+                        path=str(path),
+                        step=step,
+                    ) from exc
+            raise self.not_found(step)
+        path, manifest = preferred(forms, archive=archive)
+        return step, path, manifest

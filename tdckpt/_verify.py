@@ -1,0 +1,347 @@
+"""Verify a committed step: re-read every file and compare it with the step's manifest.
+
+:func:`verify_files` checksums every file a manifest lists, in a step folder or a ``.tdz``
+archive, hashing one chunk on a helper thread while it reads the next, and reports every
+missing, short, long, changed (checksum), misplaced (not a regular file) and extra file
+with the key it stores, in a :class:`VerifyReport`. It never writes.
+:meth:`tdckpt.manager.CheckpointManager.verify` picks the step and keeps retention from
+deleting it meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import zipfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from . import _atomic
+from ._checksum import CHUNK_BYTES, new_hasher
+from ._keys import decode_key
+from .schema import MANIFEST_NAME, Manifest
+
+__all__ = ["Progress", "VerifyProblem", "VerifyReport", "manifest_problem", "verify_files"]
+
+ProblemKind = Literal[
+    "missing", "short", "long", "changed", "extra", "not_a_file", "manifest", "unreadable"
+]
+Progress = Callable[[int, int], None]
+
+
+# -- verification reports -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerifyProblem:
+    """One file that does not match the manifest.
+
+    Attributes:
+        path: the file, relative to the step (POSIX; ``""`` for the step itself).
+        key: the nested key the file stores (lazy-stack members appear as their index,
+            a tensorclass's fields under the tensorclass's key), or None if unknown.
+        kind: ``"missing"``, ``"short"`` / ``"long"`` (size differs), ``"changed"``
+            (checksum differs), ``"extra"`` (not in the manifest), ``"not_a_file"``
+            (a directory, symlink or device where a file belongs), ``"manifest"`` (the
+            manifest itself is missing or invalid), ``"unreadable"`` (I/O or archive error).
+        expected: what the manifest records (size or checksum), if anything.
+        found: what is on disk.
+    """
+
+    path: str
+    key: tuple[str, ...] | None
+    kind: ProblemKind
+    expected: str | None = None
+    found: str | None = None
+
+    def __str__(self) -> str:
+        key = f" (key {self.key!r})" if self.key is not None else ""
+        detail = ""
+        if self.expected is not None or self.found is not None:
+            detail = f": expected {self.expected or '-'}, found {self.found or '-'}"
+        return f"{self.kind}: {self.path or '.'}{key}{detail}"
+
+
+@dataclass
+class VerifyReport:
+    """Every problem :meth:`~tdckpt.manager.CheckpointManager.verify` found, not just the first.
+
+    Attributes:
+        step: the step verified.
+        path: its folder or archive.
+        problems: every mismatch (empty when ``ok``).
+        files_checked: files compared with the manifest.
+        bytes_checked: bytes read and checksummed.
+    """
+
+    step: int
+    path: Path
+    problems: list[VerifyProblem] = field(default_factory=list)
+    files_checked: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when every file matches the manifest and nothing else is there."""
+        return not self.problems
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def summary(self, limit: int = 20) -> str:
+        """A human-readable description: one line per problem (at most ``limit``)."""
+        if self.ok:
+            return (
+                f"step {self.step} at {self.path}: OK ({self.files_checked} files, "
+                f"{self.bytes_checked} bytes checked)"
+            )
+        lines = [f"step {self.step} at {self.path}: {len(self.problems)} problem(s)"]
+        lines += [f"  - {p}" for p in self.problems[:limit]]
+        if len(self.problems) > limit:
+            lines.append(f"  ... and {len(self.problems) - limit} more")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON data (for the CLI)."""
+        return {
+            "step": self.step,
+            "path": str(self.path),
+            "ok": self.ok,
+            "files_checked": self.files_checked,
+            "bytes_checked": self.bytes_checked,
+            "problems": [
+                {
+                    "path": p.path,
+                    "key": list(p.key) if p.key is not None else None,
+                    "kind": p.kind,
+                    "expected": p.expected,
+                    "found": p.found,
+                }
+                for p in self.problems
+            ],
+        }
+
+
+def _key_from_path(rel: str) -> tuple[str, ...]:
+    """The nested key a file of the format belongs to, decoded from its path (for messages)."""
+    parts = rel.split("/")
+    keys = [decode_key(p) for p in parts[:-1] if p != "_tensordict"]
+    name = parts[-1]
+    for suffix in (".shape.memmap", ".memmap"):
+        if name.endswith(suffix):
+            keys.append(decode_key(name[: -len(suffix)]))
+            break
+    return tuple(keys)
+
+
+class _Hashing:
+    """Checksums files, hashing one chunk on a helper thread while reading the next."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress = progress
+        self.total = total
+        self.done = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._bufs = [bytearray(CHUNK_BYTES), bytearray(CHUNK_BYTES)]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _tick(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+    def digest(self, fh: Any, algorithm: str) -> tuple[str, int]:
+        """Checksum what ``fh`` (a binary file object) holds; return it and the byte count."""
+        hasher = new_hasher(algorithm)
+        size = 0
+        pending: Future[None] | None = None
+        turn = 0
+        try:
+            while True:
+                buf = self._bufs[turn]
+                n = fh.readinto(buf)
+                if pending is not None:
+                    pending.result()
+                    pending = None
+                if not n:
+                    break
+                view = memoryview(buf)[:n]
+                if n >= CHUNK_BYTES // 2:
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tdckpt-verify")
+                    pending = self._pool.submit(hasher.update, view)
+                else:
+                    hasher.update(view)
+                turn ^= 1
+                size += n
+                self._tick(n)
+        finally:
+            if pending is not None:
+                pending.result()
+        return f"{algorithm}:{hasher.hexdigest()}", size
+
+
+def _algorithm(checksum: str) -> str:
+    return checksum.split(":", 1)[0]
+
+
+def manifest_problem(step: int, path: Path, message: str) -> VerifyReport:
+    """The report on a step whose manifest is missing or invalid (``message`` says which)."""
+    return VerifyReport(
+        step=step,
+        path=path,
+        problems=[
+            VerifyProblem(
+                path=MANIFEST_NAME,
+                key=None,
+                kind="manifest",
+                expected="a valid tdckpt manifest",
+                found=message,
+            )
+        ],
+    )
+
+
+# -- re-reading a step -------------------------------------------------------------------------
+
+
+def verify_files(
+    step: int, path: Path, manifest: Manifest, progress: Progress | None = None
+) -> VerifyReport:
+    """Re-read every file of the step at ``path`` (folder or archive) against ``manifest``.
+
+    ``progress`` is called as ``progress(bytes_done, bytes_total)`` while reading.
+    """
+    report = VerifyReport(step=step, path=path)
+    hashing = _Hashing(progress, sum(r.size for r in manifest.files))
+    try:
+        if path.name.endswith(_atomic.ARCHIVE_SUFFIX) and path.is_file():
+            _verify_archive(path, manifest, report, hashing)
+        else:
+            _verify_dir(path, manifest, report, hashing)
+    finally:
+        hashing.close()
+    report.bytes_checked = hashing.done
+    return report
+
+
+def _verify_dir(path: Path, manifest: Manifest, report: VerifyReport, hashing: _Hashing) -> None:
+    on_disk: dict[str, os.stat_result] = {}
+    for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+        base = Path(dirpath)
+        for name in [*filenames, *(d for d in dirnames if (base / d).is_symlink())]:
+            full = base / name
+            with contextlib.suppress(OSError):
+                on_disk[full.relative_to(path).as_posix()] = os.lstat(full)
+    expected = {record.path: record for record in manifest.files}
+    for rel in sorted(expected):
+        record = expected[rel]
+        key = tuple(record.key) if record.key is not None else _key_from_path(rel)
+        st = on_disk.get(rel)
+        if st is None:
+            # A record for a directory that is now a file, or vice versa.
+            found = "a directory" if (path / rel).is_dir() else None
+            kind: ProblemKind = "not_a_file" if found else "missing"
+            report.problems.append(VerifyProblem(rel, key, kind, f"{record.size} bytes", found))
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            report.problems.append(VerifyProblem(rel, key, "not_a_file", "a regular file", what))
+            continue
+        report.files_checked += 1
+        if st.st_size != record.size:
+            report.problems.append(
+                VerifyProblem(
+                    rel,
+                    key,
+                    "short" if st.st_size < record.size else "long",
+                    f"{record.size} bytes",
+                    f"{st.st_size} bytes",
+                )
+            )
+            continue
+        if record.checksum is None:
+            continue
+        try:
+            with open(path / rel, "rb", buffering=0) as fh:
+                digest, _ = hashing.digest(fh, _algorithm(record.checksum))
+        except OSError as exc:
+            report.problems.append(VerifyProblem(rel, key, "unreadable", record.checksum, str(exc)))
+            continue
+        if digest != record.checksum:
+            report.problems.append(VerifyProblem(rel, key, "changed", record.checksum, digest))
+    for rel in sorted(set(on_disk) - set(expected) - {MANIFEST_NAME}):
+        report.problems.append(
+            VerifyProblem(rel, _key_from_path(rel), "extra", None, f"{on_disk[rel].st_size} bytes")
+        )
+
+
+def _verify_archive(
+    path: Path, manifest: Manifest, report: VerifyReport, hashing: _Hashing
+) -> None:
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        report.problems.append(VerifyProblem("", None, "unreadable", "a zip archive", str(exc)))
+        return
+    with zf:
+        infos = {i.filename: i for i in zf.infolist() if not i.is_dir()}
+        expected = {record.path: record for record in manifest.files}
+        for rel in sorted(expected):
+            record = expected[rel]
+            key = tuple(record.key) if record.key is not None else _key_from_path(rel)
+            info = infos.get(rel)
+            if info is None:
+                report.problems.append(
+                    VerifyProblem(rel, key, "missing", f"{record.size} bytes", None)
+                )
+                continue
+            report.files_checked += 1
+            if info.file_size != record.size:
+                report.problems.append(
+                    VerifyProblem(
+                        rel,
+                        key,
+                        "short" if info.file_size < record.size else "long",
+                        f"{record.size} bytes",
+                        f"{info.file_size} bytes",
+                    )
+                )
+                continue
+            if record.checksum is None:
+                continue
+            try:
+                with zf.open(info) as fh:
+                    digest, _ = hashing.digest(_Reader(fh), _algorithm(record.checksum))
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+                report.problems.append(
+                    VerifyProblem(rel, key, "changed", record.checksum, f"unreadable ({exc})")
+                )
+                continue
+            if digest != record.checksum:
+                report.problems.append(VerifyProblem(rel, key, "changed", record.checksum, digest))
+        for rel in sorted(set(infos) - set(expected) - {MANIFEST_NAME}):
+            report.problems.append(
+                VerifyProblem(
+                    rel, _key_from_path(rel), "extra", None, f"{infos[rel].file_size} bytes"
+                )
+            )
+
+
+class _Reader:
+    """readinto() over a zipfile entry (ZipExtFile has read(), not an efficient readinto)."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh = fh
+
+    def readinto(self, buf: bytearray) -> int:
+        data = self.fh.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
