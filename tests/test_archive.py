@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict, pack_memmap
 
 import tdckpt._archive as archive_mod
+import tdckpt._archive_write as archive_write_mod
 from tdckpt._archive import ALIGNMENT, ArchiveStorage, write_archive
 from tdckpt._keys import encode_key
 from tdckpt._storage import DirectoryStorage, open_storage
@@ -339,7 +340,7 @@ def test_write_archive_is_deterministic_and_replaces(tmp_path: Path) -> None:
 
 
 def test_write_archive_streams_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(archive_mod, "_COPY_CHUNK", 1000)
+    monkeypatch.setattr(archive_write_mod, "_COPY_CHUNK", 1000)
     td = TensorDict({"big": torch.arange(10_000, dtype=torch.int64)}, [])
     td.memmap(tmp_path / "ckpt")
     write_archive(tmp_path / "ckpt", tmp_path / "out.tdz")
@@ -360,7 +361,7 @@ def test_write_archive_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
             raise OSError("disk full")
         shutil.copyfileobj(src, dst)
 
-    monkeypatch.setattr(archive_mod, "_copy", crash)
+    monkeypatch.setattr(archive_write_mod, "_copy", crash)
     with pytest.raises(OSError, match="disk full"):
         write_archive(source, dest)
     assert dest.read_bytes() == b"previous archive"
