@@ -2,61 +2,38 @@
 
 ``upgrade(prefix)`` runs the read path's stages - storage, metadata, detect, migrate (the
 same ``migrations/`` chain as an in-memory read), names, validate - and refuses before
-touching the disk when anything is wrong. Then it **materializes** the migrated tree
-beside the prefix and swaps it in:
-
-1. a journal ``<prefix>.tdckpt-upgrade.journal`` is created (it is also the lock: one
-   upgrade per prefix at a time);
-2. the new tree is built in ``<prefix>.tdckpt-upgrade-<id>/``: every ``meta.json`` written
-   as tensordict 0.15.3 writes it (stdlib ``json.dumps`` defaults; NonTensorStack
-   compact), every leaf file **hard-linked** from the old prefix (no byte is copied or
-   read; a copy only where a link is impossible, e.g. across devices, and reported), new
-   side files written, tdckpt's manifest last; files and directories fsynced;
-3. the journal records the inode of the old prefix and of the staged tree (``staged``);
-4. swap: the two names are exchanged atomically (``renameat2(RENAME_EXCHANGE)``) where the
-   kernel can, else the old prefix is renamed to the backup name and the staged tree into
-   place; the old tree ends as ``<prefix>.tdckpt-backup-<UTC time>`` (an existing backup is
-   never overwritten) and is deleted only with ``backup=False``;
-5. the journal is removed.
-
-A crash at any instant leaves the old prefix intact (at its name, or, between the two
-renames of the fallback, at the backup name with the journal saying so) or the new one in
-place; the next ``upgrade`` of the prefix reads the journal first and finishes the swap or
-removes the partial staging (:func:`recover`), comparing inodes rather than trusting names.
-Re-running on an upgraded prefix is a no-op.
-
-``.tdz`` archives follow the same protocol with files: the entries are streamed out of the
-archive into the staging directory, the tree is migrated there and packed by
-:func:`tdckpt._archive.write_archive` into ``<prefix>.tdckpt-upgrade-<id>.tdz``; the old
-archive is hard-linked to the backup name and the new one ``os.replace``-d onto the prefix.
+touching the disk when anything is wrong. Then it plans the new tree - every ``meta.json``
+written as tensordict 0.15.3 writes it (stdlib ``json.dumps`` defaults; NonTensorStack
+compact), every leaf kept as it is, tdckpt's manifest - and the list of file operations
+that materialize it beside the prefix and swap it in, crash-safely and with a backup
+(:mod:`tdckpt._journal` carries the plan out, and finishes or undoes an interrupted
+upgrade first). Re-running on an upgraded prefix is a no-op.
 
 ``dry_run=True`` performs no write at all and returns the very operation list a real run
 performs (:attr:`UpgradeReport.operations`). ``convert_pickles=True`` (the user trusts the
 data, as with ``allow_pickle=True``) unpickles ``other.pickle``/``pickle.pkl`` and moves
-plain JSON data into meta.json; without it nothing is ever unpickled.
+plain JSON data into meta.json (:mod:`tdckpt._convert`); without it nothing is ever
+unpickled.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import os
-import pickle
 import platform
-import shutil
-import uuid
-import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from . import schema
+from ._convert import convert_tree_pickles
 from ._detect import class_id_for, level_kind
+from ._journal import BACKUP_MARK, execute, journal_path, journal_tmp, recover, upgrade_lock
+from ._journal import JOURNAL_SUFFIX as JOURNAL_SUFFIX  # re-exported: the upgrade's file names
+from ._journal import STAGING_MARK as STAGING_MARK
 from ._keys import encode_key
 from ._migrate import migrate_tree
 from ._report import Problem, ValidationReport
@@ -66,9 +43,6 @@ from ._version import __version__
 from .errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
-    LockError,
-    MigrationError,
-    TdckptError,
     UnsafePathError,
     ValidationError,
 )
@@ -76,18 +50,6 @@ from .errors import (
 __all__ = ["FileOp", "UpgradeReport", "recover", "upgrade"]
 
 Progress = Callable[[int, int, str], None]
-
-JOURNAL_SUFFIX = ".tdckpt-upgrade.journal"
-STAGING_MARK = ".tdckpt-upgrade-"
-BACKUP_MARK = ".tdckpt-backup-"
-_JOURNAL_VERSION = 1
-_COPY_CHUNK = 16 << 20
-#: ``_metadata`` entries tensordict 0.5-0.14 pickled by accident (memmap bookkeeping).
-_BOOKKEEPING = frozenset({"memmap_prefix", "memmaped", "_share_non_tensor"})
-#: errno values for which a hard link is impossible and a copy is made instead.
-_NO_LINK = frozenset(
-    {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}
-)
 
 
 @dataclass(frozen=True)
@@ -235,7 +197,7 @@ def upgrade(
         )
     if dry_run:
         return _upgrade_locked(path, dry_run=True, backup=backup, convert=convert_pickles)
-    with _upgrade_lock(path):
+    with upgrade_lock(path):
         return _upgrade_locked(
             path, dry_run=False, backup=backup, convert=convert_pickles, progress=progress
         )
@@ -250,8 +212,8 @@ def _upgrade_locked(
     progress: Progress | None = None,
 ) -> UpgradeReport:
     recovered = None
-    journal = _journal_path(path)
-    if journal.exists() or _journal_tmp(path).exists():
+    journal = journal_path(path)
+    if journal.exists() or journal_tmp(path).exists():
         if dry_run:
             raise IncompleteCheckpointError(
                 f"{path}: an earlier upgrade was interrupted ({journal.name} exists). Run "
@@ -273,51 +235,24 @@ def _upgrade_locked(
         plan.storage.close()
         return report
     try:
-        _execute(plan, keep_backup=backup, progress=progress)
+        execute(plan, keep_backup=backup, progress=progress)
     finally:
         plan.storage.close()
     return report
-
-
-@contextlib.contextmanager
-def _upgrade_lock(prefix: Path) -> Iterator[None]:
-    """One upgrade at a time in the prefix's directory (``flock`` on the directory).
-
-    The kernel drops the lock when its holder dies, so a crashed upgrade never blocks the
-    re-run that recovers it. Without flock (some network file systems) the journal's
-    create-if-absent still refuses a second upgrade of the same prefix.
-    """
-    parent = prefix.parent if str(prefix.parent) else Path(".")
-    try:
-        fd = os.open(
-            parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
-        )
-    except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(
-            f"{prefix}: its directory does not exist.", path=str(prefix)
-        ) from exc
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            raise LockError(
-                f"{prefix}: another tdckpt upgrade is running in {parent}; wait for it to "
-                "finish, then run this one again.",
-                path=str(prefix),
-            ) from exc
-        except OSError as exc:
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
-                raise
-        yield
-    finally:
-        os.close(fd)  # releases the flock
 
 
 # -- planning ----------------------------------------------------------------------------------
 
 
 @dataclass
-class _Plan:
+class UpgradePlan:
+    """What an upgrade writes, for :func:`tdckpt._journal.execute` to carry out.
+
+    The migrated tree, every ``meta.json`` and new file by its path in the new layout, the
+    manifest, the directories (parents first), and the report whose ``operations`` list
+    every step in order.
+    """
+
     prefix: Path
     storage: Storage
     tree: VDir
@@ -328,7 +263,7 @@ class _Plan:
     dirs: list[str] = field(default_factory=list)
 
 
-def _plan(path: Path, *, convert_pickles: bool, keep_backup: bool) -> _Plan:
+def _plan(path: Path, *, convert_pickles: bool, keep_backup: bool) -> UpgradePlan:
     from ._names import normalize_names
     from ._validate import build_nodes
 
@@ -348,7 +283,9 @@ def _plan(path: Path, *, convert_pickles: bool, keep_backup: bool) -> _Plan:
             steps=list(migrated.applied),
             lost=[*migrated.lost, *(p.message for p in names.problems if p.code == "lost-key")],
         )
-        _pickles(tree, storage, report, convert=convert_pickles)
+        report.converted_pickles, report.kept_pickles = convert_tree_pickles(
+            tree, storage, convert=convert_pickles
+        )
         _root, more = build_nodes(tree, storage)
         problems += more + _clashes(tree)
         problems = _dedupe(problems)
@@ -368,7 +305,7 @@ def _plan(path: Path, *, convert_pickles: bool, keep_backup: bool) -> _Plan:
                 ),
             )
         report.problems = [p for p in problems if p.severity != "error"]
-        plan = _Plan(path, storage, tree, report)
+        plan = UpgradePlan(path, storage, tree, report)
         lost_keys = any(p.code == "lost-key" for p in names.problems)
         if (
             not report.steps
@@ -444,7 +381,7 @@ def dump_meta(meta: dict[str, Any]) -> bytes:
 
 
 def _layout(
-    plan: _Plan, old_manifest: dict[str, Any] | None, from_gen: str, *, keep_backup: bool
+    plan: UpgradePlan, old_manifest: dict[str, Any] | None, from_gen: str, *, keep_backup: bool
 ) -> None:
     """Fill the plan: directories, meta.json bytes, files, manifest, and the op list."""
     report, storage = plan.report, plan.storage
@@ -596,431 +533,3 @@ def _leaf_key(node: VDir, name: str) -> str | None:
                 if isinstance(v, dict) and "dtype" in v and encode_key(k) == stem:
                     return k
     return None
-
-
-# -- pickles -----------------------------------------------------------------------------------
-
-
-def is_json_data(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` round-trips through JSON unchanged (tuples do not: they are lists).
-
-    >>> is_json_data({"a": [1, 2.5, None, True, "x"]}), is_json_data((1, 2)), is_json_data({1: 2})
-    (True, False, False)
-    """
-    if depth > 500:
-        return False
-    t = type(value)
-    if value is None or t in (str, int, float, bool):
-        return True
-    if t is list:
-        return all(is_json_data(v, depth + 1) for v in value)
-    if t is dict:
-        return all(type(k) is str and is_json_data(v, depth + 1) for k, v in value.items())
-    return False
-
-
-def _pickles(tree: VDir, storage: Storage, report: UpgradeReport, *, convert: bool) -> None:
-    """Convert (``convert``) or inventory every pickle of the tree."""
-    for node in tree.walk():
-        meta = node.meta
-        if meta is None:
-            continue
-        kind = level_kind(meta)
-        name = "pickle.pkl" if kind == "non-tensor-stack" else "other.pickle"
-        vfile = node.files.get(name)
-        if vfile is None or kind not in ("non-tensor", "tensorclass", "non-tensor-stack"):
-            continue
-        where = join(node.source, name) if vfile.source is None else vfile.source
-        if not convert:
-            report.kept_pickles.append(f"{where}: not converted (convert_pickles=False)")
-            continue
-        reason = _convert_one(node, kind, name, vfile, storage)
-        if reason is None:
-            report.converted_pickles.append(where)
-        else:
-            report.kept_pickles.append(f"{where}: {reason}")
-
-
-def _convert_one(node: VDir, kind: str, name: str, vfile: VFile, storage: Storage) -> str | None:
-    """Move a pickle's values into meta.json; return why not, or None when done."""
-    meta = node.meta
-    assert meta is not None
-    try:
-        raw = (
-            vfile.data
-            if vfile.data is not None
-            else storage.read_bytes(vfile.source or "", max_bytes=max(vfile.size, 1))
-        )
-        value = pickle.loads(raw)  # the caller trusts this checkpoint (convert_pickles=True)
-    except Exception as exc:
-        return f"cannot be unpickled here ({type(exc).__name__}: {exc})"
-    if kind == "non-tensor-stack":
-        if not is_json_data(value) or not isinstance(value, list):
-            return f"holds {_type_of(value)} values, which are not plain JSON data"
-        meta["data"] = value
-        del node.files[name]
-        return None
-    if not isinstance(value, dict):
-        return f"holds a {_type_of(value)}, expected a dict of fields"
-    updates: dict[str, Any] = {}
-    for field_name, field_value in value.items():
-        if kind == "non-tensor" and field_name == "_metadata":
-            field_value = _strip_bookkeeping(field_value)
-        if not isinstance(field_name, str) or not is_json_data(field_value):
-            return f"{field_name!r} is a {_type_of(field_value)}, not plain JSON data"
-        updates[field_name] = field_value
-    if kind == "non-tensor":
-        order = ["_type", "data", "_metadata", "_is_non_tensor"]
-        merged = {**meta, **updates}
-        node.meta = {k: merged[k] for k in order if k in merged}
-        node.meta.update({k: v for k, v in merged.items() if k not in node.meta})
-    else:
-        meta.update(updates)
-    del node.files[name]
-    node.files.pop("json_types.json", None)  # described the pickle, now gone
-    return None
-
-
-def _strip_bookkeeping(value: Any) -> Any:
-    if isinstance(value, dict) and value and set(value) & _BOOKKEEPING:
-        rest = {k: v for k, v in value.items() if k not in _BOOKKEEPING}
-        return rest or None
-    return value
-
-
-def _type_of(value: Any) -> str:
-    t = type(value)
-    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
-
-
-# -- executing ---------------------------------------------------------------------------------
-
-
-def _journal_path(prefix: Path) -> Path:
-    return prefix.parent / f"{prefix.name}{JOURNAL_SUFFIX}"
-
-
-def _journal_tmp(prefix: Path) -> Path:
-    return prefix.parent / f".{prefix.name}{JOURNAL_SUFFIX}.tmp"
-
-
-def _backup_name(prefix: Path) -> Path:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    base = f"{prefix.name}{BACKUP_MARK}{stamp}"
-    candidate, n = prefix.parent / base, 1
-    while os.path.lexists(candidate):
-        candidate = prefix.parent / f"{base}-{n}"
-        n += 1
-    return candidate
-
-
-def _write_journal(prefix: Path, state: dict[str, Any], *, create: bool) -> None:
-    """Write the journal durably; ``create`` refuses an existing one (the lock)."""
-    tmp = _journal_tmp(prefix)
-    data = json.dumps(state, indent=1).encode("utf-8")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    journal = _journal_path(prefix)
-    if create:
-        try:
-            os.link(tmp, journal)  # atomic create-if-absent, with the content already there
-        except FileExistsError as exc:
-            tmp.unlink(missing_ok=True)
-            raise IncompleteCheckpointError(
-                f"{prefix}: another upgrade holds {journal.name}; wait for it, or run "
-                "`tdckpt upgrade` again to finish an interrupted one.",
-                path=str(prefix),
-            ) from exc
-        tmp.unlink()
-    else:
-        os.replace(tmp, journal)
-    _fsync_dir(prefix.parent)
-
-
-def _read_journal(prefix: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(_journal_path(prefix).read_bytes())
-    except (FileNotFoundError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _remove_journal(prefix: Path) -> None:
-    _journal_path(prefix).unlink(missing_ok=True)
-    _journal_tmp(prefix).unlink(missing_ok=True)
-    _fsync_dir(prefix.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    from ._atomic import fsync_dir
-
-    fsync_dir(path)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _ino(path: Path) -> list[int] | None:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return None
-    return [st.st_dev, st.st_ino]
-
-
-def _rmtree(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-class _Runner:
-    """Performs the planned operations in order, reporting each."""
-
-    def __init__(self, plan: _Plan, progress: Progress | None) -> None:
-        self.plan = plan
-        self.progress = progress
-        self.total = len(plan.report.operations)
-        self.done = 0
-
-    def step(self, kind: str) -> None:
-        op = self.plan.report.operations[self.done]
-        assert op.kind == kind, f"operation {self.done}: planned {op.kind}, performing {kind}"
-        self.done += 1
-        if self.progress is not None:
-            self.progress(self.done, self.total, f"{op.kind} {op.path}")
-
-
-def _execute(plan: _Plan, *, keep_backup: bool, progress: Progress | None) -> None:
-    prefix = plan.prefix
-    archive = plan.storage.kind == "archive"
-    token = uuid.uuid4().hex[:12]
-    staging = prefix.parent / f"{prefix.name}{STAGING_MARK}{token}"
-    new_archive = prefix.parent / f"{prefix.name}{STAGING_MARK}{token}.tdz"
-    backup = _backup_name(prefix)
-    state: dict[str, Any] = {
-        "version": _JOURNAL_VERSION,
-        "kind": "archive" if archive else "directory",
-        "prefix": prefix.name,
-        "staging": staging.name,
-        "new_archive": new_archive.name if archive else None,
-        "backup": backup.name,
-        "keep_backup": keep_backup,
-        "phase": "staging",
-        "old": _ino(prefix),
-        "new": None,
-    }
-    _write_journal(prefix, state, create=True)
-    runner = _Runner(plan, progress)
-    try:
-        _build_staging(plan, staging, runner)
-        if archive:
-            from ._archive import write_archive
-
-            write_archive(staging, new_archive, compression="stored", fsync=True)
-            runner.step("write")
-            state["new"] = _ino(new_archive)
-        else:
-            state["new"] = _ino(staging)
-    except BaseException:
-        # Nothing was swapped: the old prefix is untouched. Undo the staging.
-        with contextlib.suppress(OSError):
-            _rmtree(staging)
-            _rmtree(new_archive)
-            _remove_journal(prefix)
-        raise
-    state["phase"] = "staged"
-    _write_journal(prefix, state, create=False)
-    _swap(prefix, state, runner)
-    plan.report.backup = str(backup) if keep_backup else None
-
-
-def _build_staging(plan: _Plan, staging: Path, runner: _Runner) -> None:
-    storage = plan.storage
-    archive = storage.kind == "archive"
-    staging.mkdir()
-    for rel in plan.dirs:
-        if rel:
-            (staging / rel).mkdir()
-    metas = dict(plan.metas)
-    files = {rel: vfile for rel, vfile in plan.new_files}
-    zf = zipfile.ZipFile(storage.location) if archive else None
-    try:
-        for op in plan.report.operations:
-            if op.kind == "write-meta":
-                _write_file(staging / op.path, metas[op.path])
-                runner.step("write-meta")
-            elif op.kind in ("link", "write") and op.path in files:
-                vfile = files[op.path]
-                dst = staging / op.path
-                if vfile.data is not None:
-                    _write_file(dst, vfile.data)
-                elif zf is not None:
-                    _extract(zf, vfile, dst)
-                else:
-                    _link(storage, vfile, dst, plan.report)
-                runner.step(op.kind)
-            elif op.kind == "write" and op.path == schema.MANIFEST_NAME:
-                _write_file(staging / schema.MANIFEST_NAME, plan.manifest)
-                runner.step("write")
-                break
-    finally:
-        if zf is not None:
-            zf.close()
-    for rel in reversed(plan.dirs):  # children before parents
-        _fsync_dir(staging / rel if rel else staging)
-    _fsync_dir(staging.parent)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _link(storage: Storage, vfile: VFile, dst: Path, report: UpgradeReport) -> None:
-    assert vfile.source is not None
-    src = storage.physical_path(vfile.source)
-    assert src is not None
-    try:
-        os.link(src, dst)
-    except OSError as exc:
-        if exc.errno not in _NO_LINK:
-            raise
-        shutil.copyfile(src, dst)
-        report.copied.append(f"{vfile.source}: {os.strerror(exc.errno or 0)}; copied instead")
-    _fsync_file(dst)
-
-
-def _extract(zf: zipfile.ZipFile, vfile: VFile, dst: Path) -> None:
-    """Stream one entry out of the archive (bounded memory; CRC checked by zipfile)."""
-    assert vfile.source is not None
-    with zf.open(vfile.source) as src, open(dst, "xb") as out:
-        while True:
-            chunk = src.read(_COPY_CHUNK)
-            if not chunk:
-                break
-            out.write(chunk)
-        out.flush()
-        os.fsync(out.fileno())
-
-
-def _swap(prefix: Path, state: dict[str, Any], runner: _Runner | None) -> None:
-    """Put the staged tree in place and the old one at the backup name (idempotent)."""
-    parent = prefix.parent
-    staging = parent / state["staging"]
-    backup = parent / state["backup"]
-    old, new = state["old"], state["new"]
-    if state["kind"] == "archive":
-        new_archive = parent / state["new_archive"]
-        if _ino(prefix) == old and _ino(backup) is None:
-            os.link(prefix, backup)
-            _fsync_dir(parent)
-        if runner:
-            runner.step("backup")
-        if _ino(prefix) == old and _ino(new_archive) == new:
-            os.replace(new_archive, prefix)
-            _fsync_dir(parent)
-        if runner:
-            runner.step("swap")
-        with contextlib.suppress(OSError):
-            _rmtree(staging)
-    else:
-        from ._atomic import _exchange, rename_noreplace
-
-        if _ino(prefix) == old and _ino(staging) == new:
-            if _exchange(staging, prefix):
-                _fsync_dir(parent)
-            else:
-                rename_noreplace(prefix, backup)
-                _fsync_dir(parent)
-        if runner:
-            runner.step("backup")
-        if _ino(staging) == old and _ino(backup) is None:
-            rename_noreplace(staging, backup)  # after an exchange
-            _fsync_dir(parent)
-        if _ino(prefix) is None and _ino(staging) == new:
-            os.rename(staging, prefix)
-            _fsync_dir(parent)
-        if runner:
-            runner.step("swap")
-    if _ino(prefix) != new:
-        raise MigrationError(
-            f"{prefix}: the upgraded tree could not be put in place (journal "
-            f"{_journal_path(prefix).name} kept); run `tdckpt upgrade` again to finish.",
-            script=None,
-        )
-    state["phase"] = "swapped"
-    _write_journal(prefix, state, create=False)
-    if not state["keep_backup"]:
-        if runner:
-            runner.step("remove")
-        if _ino(backup) == old:
-            _rmtree(backup)
-            _fsync_dir(parent)
-    _remove_journal(prefix)
-
-
-def recover(prefix: str | os.PathLike[str]) -> str | None:
-    """Finish or undo an upgrade of ``prefix`` that was interrupted; describe what was done.
-
-    Reads the journal beside the prefix. Before the staged tree was complete, the staging
-    is removed and the old prefix stays. Once it was complete (``staged``), the swap is
-    finished: the new tree ends at the prefix and the old one at the backup name. Inodes
-    recorded in the journal decide which tree is where, so a re-run after a crash at any
-    instant converges. Returns None when there was nothing to recover.
-    """
-    path = Path(prefix)
-    state = _read_journal(path)
-    if state is None:
-        if _journal_path(path).exists() or _journal_tmp(path).exists():
-            # created but never completed: nothing else was done yet
-            _remove_journal(path)
-            return "an upgrade that had not started writing; its journal was removed"
-        return None
-    if state.get("version") != _JOURNAL_VERSION or state.get("prefix") != path.name:
-        raise IncompleteCheckpointError(
-            f"{_journal_path(path)}: an upgrade journal tdckpt cannot read (version "
-            f"{state.get('version')!r}); inspect it and remove it by hand.",
-            path=str(path),
-        )
-    parent = path.parent
-    staging = parent / str(state["staging"])
-    if state.get("phase") == "staging":
-        _rmtree(staging)
-        if state.get("new_archive"):
-            _rmtree(parent / str(state["new_archive"]))
-            for tmp in parent.glob(f".{state['new_archive']}.*.tmp"):
-                tmp.unlink(missing_ok=True)
-        _fsync_dir(parent)
-        _remove_journal(path)
-        return "an upgrade interrupted while staging: the partial staging was removed"
-    try:
-        _swap(path, state, None)
-    except TdckptError:
-        raise
-    except OSError as exc:
-        raise IncompleteCheckpointError(
-            f"{path}: cannot finish the interrupted upgrade recorded in "
-            f"{_journal_path(path).name} ({exc}). The old tree is at {path} or "
-            f"{parent / str(state['backup'])}.",
-            path=str(path),
-        ) from exc
-    return "an upgrade interrupted after staging: the swap was finished"

@@ -32,6 +32,7 @@ tensordict = pytest.importorskip("tensordict")
 import fixture_types  # noqa: E402, F401  (the corpus's classes; tests/ is on sys.path)
 from tensordict import TensorDict  # noqa: E402
 
+import tdckpt._journal as journal_mod  # noqa: E402
 import tdckpt._upgrade as upgrade_mod  # noqa: E402
 from tdckpt import schema  # noqa: E402
 from tdckpt._upgrade import BACKUP_MARK, JOURNAL_SUFFIX, STAGING_MARK, upgrade  # noqa: E402
@@ -236,12 +237,12 @@ def test_existing_backup_is_never_overwritten(
 ) -> None:
     prefix = copy_case(tmp_path, "0.8.3", "flat")
 
-    class Frozen(upgrade_mod.datetime):  # type: ignore[name-defined,misc]
+    class Frozen(journal_mod.datetime):  # type: ignore[name-defined,misc]
         @classmethod
         def now(cls, tz: Any = None) -> Any:
-            return upgrade_mod.datetime(2030, 1, 2, 3, 4, 5, tzinfo=tz)
+            return journal_mod.datetime(2030, 1, 2, 3, 4, 5, tzinfo=tz)
 
-    monkeypatch.setattr(upgrade_mod, "datetime", Frozen)
+    monkeypatch.setattr(journal_mod, "datetime", Frozen)
     taken = prefix.parent / f"{prefix.name}{BACKUP_MARK}20300102T030405Z"
     taken.mkdir()
     (taken / "keep.txt").write_text("mine")
@@ -392,7 +393,7 @@ def test_without_the_flag_nothing_is_unpickled(
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("upgrade unpickled without convert_pickles=True")
 
-    monkeypatch.setattr(upgrade_mod.pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "load", refuse)
     report = upgrade(prefix)
     assert report.converted_pickles == []
