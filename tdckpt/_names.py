@@ -25,7 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ._keys import LEAF_SUFFIX, NESTED_SHAPE_SUFFIX, encode_key, is_safe_legacy_key, legacy_components
+from ._keys import (
+    LEAF_SUFFIX,
+    NESTED_SHAPE_SUFFIX,
+    encode_key,
+    is_safe_legacy_key,
+    legacy_components,
+)
 from ._report import Problem
 from ._storage import Storage, join
 from ._tree import VDir, VFile

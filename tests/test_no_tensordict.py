@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import copy_case, load_manifest
 
 _BLOCK = "import sys; sys.modules['tensordict'] = None\n"

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import copy_case, tree_digest
+from fixture_types import FixtureTC
 
 import tdckpt
-from conftest import copy_case, tree_digest
 from tdckpt.errors import RestoreError
-from fixture_types import FixtureTC
 
 
 def _with_extra_field(tmp_path: Path) -> Path:
