@@ -15,10 +15,12 @@ touches the file system for reading, and it guarantees:
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import stat
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -75,8 +77,16 @@ class Listing:
     unsafe: dict[str, str] = field(default_factory=dict)
 
 
-def parse_json(data: bytes, *, where: str) -> Any:
-    """Parse JSON bytes; every failure (bad UTF-8, syntax, depth, huge ints) -> MetadataError."""
+def parse_json(data: bytes, *, where: str | Callable[[], str]) -> Any:
+    """Parse JSON bytes; every failure (bad UTF-8, syntax, depth, huge ints) -> MetadataError.
+
+    ``where`` names the file in messages; a callable is only called on failure.
+    """
+    if callable(where):
+        try:
+            return json.loads(data)
+        except (RecursionError, ValueError, UnicodeDecodeError):
+            where = where()
     try:
         return json.loads(data)
     except RecursionError as exc:
@@ -126,7 +136,7 @@ class Storage(ABC):
 
     def read_json(self, rel: str) -> Any:
         """Read and parse a JSON file (bounded size and depth)."""
-        return parse_json(self.read_bytes(rel), where=self.display(rel))
+        return parse_json(self.read_bytes(rel), where=lambda: self.display(rel))
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (archives unmap their file)."""
@@ -148,12 +158,16 @@ class DirectoryStorage(Storage):
         self.root = Path(prefix)
         self._root_str = os.fspath(prefix)
         self._abs_root = os.path.abspath(self._root_str)
-        self._real_root = os.path.realpath(self.root)
         # Files seen as regular (not symlinks) by listdir: mapping them needs no new
         # symlink check, which keeps a 10,000-leaf restore free of 10,000 extra lstat calls.
         self._regular: dict[str, str] = {}
         # Paths whose every component was checked (no symlink out of the tree, no cycle).
         self._safe_dirs: set[str] = set()
+
+    @functools.cached_property
+    def _real_root(self) -> str:
+        # Resolved on first use: only symlinks need it, and most checkpoints have none.
+        return os.path.realpath(self.root)
 
     # -- path resolution -------------------------------------------------------------
     def _resolve(self, rel: str) -> str:
@@ -260,7 +274,9 @@ class DirectoryStorage(Storage):
                         "tdckpt reads for a metadata file. The file is damaged or hostile.",
                         path=self.display(rel),
                     )
-                return fh.read(max_bytes + 1)
+                # Read what fstat promised (plus one byte, to notice a file growing under
+                # us); never ask for max_bytes, which would allocate that much up front.
+                return fh.read(size + 1)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"{self.display(rel)}: no such file.", path=self.display(rel)
