@@ -85,15 +85,15 @@ def read_manifest(storage: Storage, tree: VDir) -> tuple[dict[str, Any] | None, 
 
 def open_checkpoint(prefix: str | os.PathLike[str], *, robust_key: bool | None) -> OpenedCheckpoint:
     """Run storage -> ... -> validate on ``prefix``; raise only if it is not a checkpoint."""
-    from ._detect import detect_tree
     from ._migrate import migrate_tree
 
     storage = open_storage(prefix)
     try:
         tree = read_tree(storage)
         manifest, problems = read_manifest(storage, tree)
-        generation = detect_tree(tree, storage=storage)
+        # Detection runs inside the migration runner (every directory gets its generation).
         migrated = migrate_tree(tree, storage=storage)
+        generation = migrated.from_generation
         problems += migrated.problems
         names = normalize_names(migrated.tree, robust_key=robust_key, storage=storage)
         problems += names.problems
