@@ -1,0 +1,29 @@
+"""The examples in docstrings run and print what they say."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "tdckpt._atomic",
+    "tdckpt._checksum",
+    "tdckpt._convert",
+    "tdckpt._detect",
+    "tdckpt._inspect",
+    "tdckpt._keys",
+    "tdckpt._restore",
+    "tdckpt._save",
+    "tdckpt.manager",
+    "tdckpt.retention",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name: str) -> None:
+    module = importlib.import_module(name)
+    failures, tried = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert tried > 0, f"{name} has no examples"
+    assert failures == 0
