@@ -161,6 +161,8 @@ class DirectoryStorage(Storage):
         # Files seen as regular (not symlinks) by listdir: mapping them needs no new
         # symlink check, which keeps a 10,000-leaf restore free of 10,000 extra lstat calls.
         self._regular: dict[str, str] = {}
+        # Their sizes as listed: map() checks a file is long enough without a second stat.
+        self._sizes: dict[str, int] = {}
         # Paths whose every component was checked (no symlink out of the tree, no cycle).
         self._safe_dirs: set[str] = set()
 
@@ -251,6 +253,7 @@ class DirectoryStorage(Storage):
                     listing.files[name] = st.st_size
                     if not is_link:
                         self._regular[join(rel, name)] = entry.path
+                        self._sizes[join(rel, name)] = st.st_size
                 else:
                     listing.unsafe[name] = "not a regular file or directory"
         return listing
@@ -300,7 +303,7 @@ class DirectoryStorage(Storage):
             )
         need = numel * dtype.itemsize
         try:
-            size = os.stat(path).st_size
+            size = self._sizes[rel] if rel in self._sizes else os.stat(path).st_size
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"{self.display(rel)}: no such file.", path=self.display(rel)
