@@ -26,11 +26,11 @@ def _first_line(func: Callable[..., Any]) -> str:
 
 
 class _Progress:
-    """A one-line progress bar on stderr, only when attached to a terminal."""
+    """A one-line progress bar (on stderr) when stdout is a terminal; quiet in pipes."""
 
     def __init__(self, label: str) -> None:
         self.label = label
-        self.enabled = sys.stderr.isatty()
+        self.enabled = sys.stdout.isatty() and sys.stderr.isatty()
 
     def __call__(self, done: int, total: int, what: str = "") -> None:
         if not self.enabled or total <= 0:
@@ -114,7 +114,7 @@ def _cmd_upgrade(args: argparse.Namespace) -> int:
         progress=_Progress("upgrade"),
     )
     if args.json:
-        _print_json(report.to_json() if hasattr(report, "to_json") else report.__dict__)
+        _print_json(report.to_json())
         return 0
     print(str(report))
     return 0
