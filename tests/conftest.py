@@ -20,6 +20,7 @@ pickles and tensorclass refer to) works in every test; :func:`subprocess_env` / 
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -39,24 +40,33 @@ if str(TESTS_DIR) not in sys.path:
 
 #: Root of the copied tensordict fixture corpus.
 FIXTURES = TESTS_DIR / "fixtures" / "tensordict"
+#: Root of the cross-version corpus: the same cases, written by the releases FIXTURES lacks
+#: (``fixtures/extra/README.md``; ``fixtures/extra/generate.py`` wrote it).
+EXTRA_FIXTURES = TESTS_DIR / "fixtures" / "extra"
 
 
 def _version_key(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("."))
 
 
-#: Every tensordict release in the corpus, oldest first.
-VERSIONS: tuple[str, ...] = tuple(
-    sorted(
-        (p.name for p in FIXTURES.iterdir() if (p / "manifest.json").is_file()), key=_version_key
+def _corpus_versions(root: Path) -> tuple[str, ...]:
+    return tuple(
+        sorted(
+            (p.name for p in root.iterdir() if (p / "manifest.json").is_file()), key=_version_key
+        )
     )
-)
+
+
+#: Every tensordict release in the corpus, oldest first.
+VERSIONS: tuple[str, ...] = _corpus_versions(FIXTURES)
+#: Every tensordict release in the cross-version corpus, oldest first.
+EXTRA_VERSIONS: tuple[str, ...] = _corpus_versions(EXTRA_FIXTURES)
 
 
 @functools.cache
-def load_manifest(version: str) -> dict[str, Any]:
-    """Return ``<version>/manifest.json`` (parsed once; treat it as read-only)."""
-    return json.loads((FIXTURES / version / "manifest.json").read_text(encoding="utf-8"))
+def load_manifest(version: str, root: Path = FIXTURES) -> dict[str, Any]:
+    """Return ``<root>/<version>/manifest.json`` (parsed once; treat it as read-only)."""
+    return json.loads((root / version / "manifest.json").read_text(encoding="utf-8"))
 
 
 class FixtureCase(NamedTuple):
@@ -93,26 +103,29 @@ def fixture_cases(
     *,
     versions: Iterable[str] | None = None,
     where: Callable[[FixtureCase], bool] | None = None,
+    root: Path = FIXTURES,
 ) -> list[FixtureCase]:
     """Every case whose status is ``written``, oldest version first, in manifest order.
 
     Args:
-        versions: restrict to these tensordict versions (default: all of :data:`VERSIONS`).
+        versions: restrict to these tensordict versions (default: every version under root).
         where: keep only the cases for which this returns True.
+        root: the corpus, :data:`FIXTURES` (default) or :data:`EXTRA_FIXTURES`.
 
     Use with ``pytest.mark.parametrize("fc", fixture_cases(...), ids=case_id)``, or see
     :func:`fixture_params` for one argument per field.
     """
-    chosen = VERSIONS if versions is None else tuple(versions)
-    unknown = set(chosen) - set(VERSIONS)
+    have = VERSIONS if root == FIXTURES else _corpus_versions(root)
+    chosen = have if versions is None else tuple(versions)
+    unknown = set(chosen) - set(have)
     if unknown:
-        raise ValueError(f"no fixtures for tensordict {sorted(unknown)}; have {list(VERSIONS)}")
+        raise ValueError(f"no fixtures for tensordict {sorted(unknown)}; have {list(have)}")
     out = []
     for version in chosen:
-        for name, case in load_manifest(version)["cases"].items():
+        for name, case in load_manifest(version, root)["cases"].items():
             if case.get("status") != "written":
                 continue
-            fc = FixtureCase(version, name, case, FIXTURES / version / name / case["target"])
+            fc = FixtureCase(version, name, case, root / version / name / case["target"])
             if where is None or where(fc):
                 out.append(fc)
     return out
@@ -142,11 +155,13 @@ def copy_case(tmp_path: Path, version: str | FixtureCase, name: str | None = Non
     if isinstance(version, FixtureCase):
         if name is not None:
             raise TypeError("copy_case(tmp_path, fixture_case) takes no name")
-        version, name = version.version, version.name
-    if name is None:
+        fc = version
+        version, name, case, src = fc.version, fc.name, fc.case, fc.target.parent
+    elif name is None:
         raise TypeError("copy_case(tmp_path, version, name) needs a case name")
-    case = load_manifest(version)["cases"][name]
-    src = FIXTURES / version / name
+    else:
+        case = load_manifest(version)["cases"][name]
+        src = FIXTURES / version / name
     dst = Path(tmp_path) / version / name
     shutil.copytree(src, dst, symlinks=True)
     for root, dirs, files in os.walk(dst):
@@ -155,6 +170,49 @@ def copy_case(tmp_path: Path, version: str | FixtureCase, name: str | None = Non
             if not path.is_symlink():
                 path.chmod(path.stat().st_mode | stat.S_IWUSR | stat.S_IRUSR)
     return dst / case["target"]
+
+
+#: The writers whose JSON went through orjson (compact files; NaN and +-inf written as null).
+ORJSON_WRITERS = ((0, 5, 0), (0, 15, 1))
+
+
+def writer_losses(fc: FixtureCase) -> tuple[dict[str, Any], list[Any]]:
+    """The case's ``expected`` as its writer could store it, and the ``lost=`` paths.
+
+    ``expected`` is what the writer was asked to save. Some releases destroyed part of it on
+    disk (fixtures/tensordict/README.md; format-notes.md §2.3, §3.1, G1), from the release's
+    version and the case alone:
+
+    * a child collection named ``".."`` or ``"."`` under raw (legacy) directory names (the
+      writer then put files outside the prefix): ``".."`` went outside the checkpoint and
+      ``"."`` over its parent's own files, so both keys are gone. Under ``meta.pt`` (<= 0.2)
+      nothing lists the children either, so the leaves of ``"."`` read as the parent's;
+    * ``non_tensor_lossy``: a tuple is stored as a JSON list; orjson writers
+      (:data:`ORJSON_WRITERS`) stored NaN and +-inf as null;
+    * a tensorclass written by a ``meta.pt`` release (<= 0.2): neither its class nor its
+      non-tensor fields were stored.
+
+    Returns a deep copy of ``expected`` without the destroyed entries, and the paths for
+    ``assert_matches_expected(..., lost=...)``.
+    """
+    exp = copy.deepcopy(dict(fc.expected))
+    release = _version_key(fc.version)
+    meta_pt = release < (0, 3)
+    lost: list[Any] = []
+    if fc.name.startswith("odd_nested") and fc.case.get("files_outside_target"):
+        entries = exp["entries"]
+        entries.pop("..", None)
+        dot = entries.pop(".", None)
+        if meta_pt and dot is not None:
+            entries.update(dot["entries"])
+    if fc.name == "non_tensor_lossy":
+        orjson = ORJSON_WRITERS[0] <= release <= ORJSON_WRITERS[1]
+        lost = ["tuple", *(["f_nan", "f_inf"] if orjson else [])]
+    if meta_pt and fc.name == "tensorclass":
+        lost = [(), "label", "extra"]
+    if meta_pt and fc.name == "tensorclass_in_td":
+        lost = [("tc",), ("tc", "label"), ("tc", "extra")]
+    return exp, lost
 
 
 def tree_digest(path: Path | str) -> dict[str, str]:

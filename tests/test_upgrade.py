@@ -26,7 +26,15 @@ from typing import Any
 import pytest
 import torch
 from _expected import diff_expected
-from conftest import FixtureCase, case_id, copy_case, fixture_cases, subprocess_env, tree_digest
+from conftest import (
+    FixtureCase,
+    case_id,
+    copy_case,
+    fixture_cases,
+    subprocess_env,
+    tree_digest,
+    writer_losses,
+)
 
 tensordict = pytest.importorskip("tensordict")
 import fixture_types  # noqa: E402, F401  (the corpus's classes; tests/ is on sys.path)
@@ -45,7 +53,6 @@ from tdckpt.errors import (  # noqa: E402
 )
 
 TESTS = Path(__file__).resolve().parent
-ORJSON_ERA = {"0.8.3", "0.12.4", "0.13.0", "0.14.3"}
 #: Cases no current layout can hold: a child collection named "meta.json" (tensordict <= 0.2).
 REFUSED = {"0.2.1-odd_nested__default": "'meta.json'"}
 
@@ -60,19 +67,7 @@ def load(prefix: Path, **kwargs: Any) -> Any:
 
 def expected_after_upgrade(fc: FixtureCase) -> tuple[dict[str, Any], list[Any]]:
     """The manifest's ``expected``, minus what the *writer* destroyed (documented losses)."""
-    exp = copy.deepcopy(dict(fc.expected))
-    lost: list[Any] = []
-    if fc.name.startswith("odd_nested") and fc.case["files_outside_target"]:
-        # legacy directory names: '..' was written outside the prefix, '.' over its parent
-        for key in (".", ".."):
-            exp["entries"].pop(key, None)
-    if fc.name == "non_tensor_lossy":
-        lost = ["tuple", *(["f_nan", "f_inf"] if fc.version in ORJSON_ERA else [])]
-    if fc.version == "0.2.1" and fc.name == "tensorclass":
-        lost = [(), "label", "extra"]  # meta.pt never stored the class or its non-tensor fields
-    if fc.version == "0.2.1" and fc.name == "tensorclass_in_td":
-        lost = [("tc",), ("tc", "label"), ("tc", "extra")]
-    return exp, lost
+    return writer_losses(fc)
 
 
 def leftovers(prefix: Path) -> list[str]:
