@@ -11,6 +11,7 @@ plain nested ``dict`` objects otherwise (``_backend.py`` decides).
 
 from __future__ import annotations
 
+import collections
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,22 +142,20 @@ def non_tensor_value(node: NonTensorNode, storage: Storage, unpickle: bool) -> t
             fields.update(loaded)
             value = fields.pop("data", value)
     elif node.json_types:
-        value = _apply_json_type(value, node.json_types.get("data"))
+        # json_types.json (tensordict 0.15.0+) names the classes that other.pickle holds:
+        # each field's value *is* that class (``{"data": tuple}``: the value is ``tuple``).
+        fields.update({name: _JSON_TYPES[cls] for name, cls in node.json_types.items()})
+        value = fields.pop("data", value)
     return value, fields
 
 
-_JSON_TYPES = {"dict": dict, "list": list, "tuple": tuple}
-
-
-def _apply_json_type(value: Any, name: str | None) -> Any:
-    if name is None:
-        return value
-    if name == "OrderedDict":
-        import collections
-
-        return collections.OrderedDict(value)
-    cls = _JSON_TYPES.get(name)
-    return cls(value) if cls is not None else value
+#: tensorclass._JSON_TYPES: the classes json_types.json may name, by name.
+_JSON_TYPES: dict[str, type] = {
+    "dict": dict,
+    "OrderedDict": collections.OrderedDict,
+    "list": list,
+    "tuple": tuple,
+}
 
 
 def nt_stack_value(node: NonTensorStackNode, storage: Storage, unpickle: bool) -> list[Any]:
