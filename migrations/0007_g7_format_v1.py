@@ -24,7 +24,8 @@ tensordict's ``setdefault`` does):
   ``torch.device(device)`` on anything else);
 * sub-tensordicts and lazy views: the two fields, in tensordict's order;
 * NonTensorData/MetaData: ``"_metadata": null`` and ``"_is_non_tensor": true`` when
-  missing (0.5-0.9 omitted the latter), nothing else.
+  missing (0.5-0.9 omitted the latter, or wrote it as ``null``: the containers that
+  ``from_pytree`` records), nothing else.
 
 Lost content is recorded, naming the key: ``null`` values in files written by orjson
 (0.5-0.15.1: NaN and +-inf were written as ``null``, so which ``null`` was NaN cannot be
@@ -96,7 +97,8 @@ def upgrade(tree: VDir, ctx: MigrationContext) -> VDir:
         elif kind == "non-tensor":
             if "_metadata" not in meta and "other.pickle" not in target.node.files:
                 meta["_metadata"] = None
-            meta.setdefault("_is_non_tensor", True)
+            if meta.get("_is_non_tensor") is None:  # absent, or null (0.5-0.9)
+                meta["_is_non_tensor"] = True
             # 0.15.3's order (0.12-0.15.2 wrote _is_non_tensor before _metadata)
             target.node.meta = meta = _ordered(
                 meta, {k: meta[k] for k in _NON_TENSOR_ORDER if k in meta}

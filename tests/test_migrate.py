@@ -445,6 +445,14 @@ def test_0007_format_fields_where_0153_writes_them() -> None:
     assert any(p.code == "names-not-saved" and p.severity == "info" for p in ctx.problems)
 
 
+def test_0007_null_is_non_tensor_becomes_true() -> None:
+    # tensordict 0.5-0.9 wrote the containers of from_pytree with "_is_non_tensor": null
+    p = vdir("p", {"_type": NTD, "_metadata": None, "_is_non_tensor": None})
+    tree = vdir("", td({"p": {"type": "NonTensorData"}}), p=p)
+    run_step(7, tree)
+    assert p.meta == {"_type": NTD, "_metadata": None, "_is_non_tensor": True}
+
+
 def test_0007_key_named_like_a_format_field_keeps_its_entry() -> None:
     meta = td({"_class": leaf(is_nested=False)})
     tree = vdir("", meta)
