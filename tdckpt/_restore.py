@@ -142,7 +142,14 @@ class _Builder:
         except RuntimeError as exc:
             raise RestoreError(f"{self.opened.prefix}: unknown device {saved!r} in metadata.") from exc
 
-    def build(self, node: Node, batch: tuple[int, ...] = ()) -> Any:
+    def build(
+        self, node: Node, batch: tuple[int, ...] = (), parent_device: torch.device | None = None
+    ) -> Any:
+        """Build ``node``; a non-tensor without a saved device takes ``parent_device``.
+
+        NonTensorData (and NonTensorStack from 0.15.3) record no device of their own:
+        tensordict's loader moves them to the device of the tensordict that holds them.
+        """
         if isinstance(node, LeafNode):
             return self.mapper.leaf(node)
         if isinstance(node, TensorDictNode):
@@ -163,14 +170,15 @@ class _Builder:
             value, fields = non_tensor_value(node, self.opened.storage, self.unpickle)
             if not self.td:
                 return value
-            return self._non_tensor(node, value, fields)
+            return self._non_tensor(node, value, fields, parent_device)
         if isinstance(node, NonTensorStackNode):
             data = nt_stack_value(node, self.opened.storage, self.unpickle)
             if not self.td:
                 return data
             from tensordict import NonTensorStack
 
-            return NonTensorStack._from_list(data, device=self._device(node.device))
+            device = self._device(node.device)
+            return NonTensorStack._from_list(data, device=parent_device if device is None else device)
         if isinstance(node, TensorClassNode):
             inner = self.tensordict(node.inner)
             fields = tensorclass_fields(node, self.opened.storage, self.unpickle)
@@ -182,23 +190,27 @@ class _Builder:
             return cls._from_tensordict(inner, fields)
         raise AssertionError(type(node))  # pragma: no cover
 
-    def _non_tensor(self, node: NonTensorNode, value: Any, fields: dict[str, Any]) -> Any:
+    def _non_tensor(
+        self, node: NonTensorNode, value: Any, fields: dict[str, Any], parent_device: torch.device | None
+    ) -> Any:
         from tensordict import TensorDict
         from tensordict.tensorclass import MetaData, NonTensorData
 
         cls = MetaData if node.class_name == "MetaData" else NonTensorData
-        td = TensorDict(batch_size=node.batch_size, device=self._device(node.device))
+        device = self._device(node.device)
+        td = TensorDict(batch_size=node.batch_size, device=parent_device if device is None else device)
         non_td = {"data": value, **fields}
         non_td.setdefault("_is_non_tensor", True)
         return cls._from_tensordict(td, non_td)
 
     def tensordict(self, node: TensorDictNode) -> Any:
-        entries = {k: self.build(v, node.batch_size) for k, v in node.entries.items()}
         if not self.td:
-            return entries
+            return {k: self.build(v, node.batch_size) for k, v in node.entries.items()}
         from tensordict import TensorDict
 
-        td = TensorDict(batch_size=node.batch_size, device=self._device(node.device))
+        device = self._device(node.device)
+        entries = {k: self.build(v, node.batch_size, device) for k, v in node.entries.items()}
+        td = TensorDict(batch_size=node.batch_size, device=device)
         if node.names is not None:
             td._set_names(node.names)
         td._tensordict.update(entries)

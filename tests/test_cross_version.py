@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _expected import assert_matches_expected
+from _restore_helpers import objects
 from conftest import (
     EXTRA_FIXTURES,
     EXTRA_VERSIONS,
@@ -64,6 +66,15 @@ def _restore(prefix: Path) -> tuple[Any, list[warnings.WarningMessage]]:
         warnings.simplefilter("always")
         obj = tdckpt.load_memmap(prefix, robust_key=None, allow_pickle=True)
     return obj, caught
+
+
+def _devices(obj: Any) -> dict[tuple[Any, ...], str]:
+    """The device of every collection and non-tensor wrapper of ``obj``, by key path."""
+    return {
+        path: str(o.device)
+        for path, o in objects(obj).items()
+        if not isinstance(o, torch.Tensor) and hasattr(o, "device")
+    }
 
 
 def _refused_upgrade(fc: FixtureCase) -> str | None:
@@ -173,6 +184,7 @@ def test_restore_validate_inspect(fc: FixtureCase, tmp_path: Path) -> None:
 @pytest.mark.parametrize("fc", CASES, ids=case_id)
 def test_upgrade_then_tensordict_restores(fc: FixtureCase, tmp_path: Path) -> None:
     prefix = copy_case(tmp_path, fc)
+    ours, _ = _restore(copy_case(tmp_path / "ours", fc))
     refused = _refused_upgrade(fc)
     if refused:
         with pytest.raises(ValidationError, match=refused):
@@ -191,7 +203,10 @@ def test_upgrade_then_tensordict_restores(fc: FixtureCase, tmp_path: Path) -> No
     exp, lost = writer_losses(fc)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert_matches_expected(TensorDict.load_memmap(prefix, allow_pickle=True), exp, lost=lost)
+        theirs = TensorDict.load_memmap(prefix, allow_pickle=True)
+    assert_matches_expected(theirs, exp, lost=lost)
+    # the same objects on the same devices (a NonTensorData takes its tensordict's device)
+    assert _devices(ours) == _devices(theirs)
     assert tdckpt.upgrade(prefix).operations == [], "a second upgrade is a no-op"
 
 
