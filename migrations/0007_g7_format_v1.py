@@ -95,8 +95,10 @@ def upgrade(tree: VDir, ctx: MigrationContext) -> VDir:
             meta.setdefault("_format_version", 1)
             meta.setdefault("_class", class_id_for(meta))
         elif kind == "non-tensor":
-            if "_metadata" not in meta and "other.pickle" not in target.node.files:
-                meta["_metadata"] = None
+            # also beside an other.pickle (0.15.3 writes it there too; a pickled _metadata
+            # still wins on load): a level left without it would keep the 0.5-0.14 marker
+            # of the accidental _metadata pickle and be migrated again by every upgrade
+            meta.setdefault("_metadata", None)
             if meta.get("_is_non_tensor") is None:  # absent, or null (0.5-0.9)
                 meta["_is_non_tensor"] = True
             # 0.15.3's order (0.12-0.15.2 wrote _is_non_tensor before _metadata)

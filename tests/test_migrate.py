@@ -13,6 +13,7 @@ import torch
 from conftest import FixtureCase, case_id, copy_case, fixture_cases, tree_digest
 
 import tdckpt._migrate as migrate_mod
+from tdckpt._detect import detect_tree
 from tdckpt._migrate import (
     MigrationContext,
     MigrationScript,
@@ -451,6 +452,18 @@ def test_0007_null_is_non_tensor_becomes_true() -> None:
     tree = vdir("", td({"p": {"type": "NonTensorData"}}), p=p)
     run_step(7, tree)
     assert p.meta == {"_type": NTD, "_metadata": None, "_is_non_tensor": True}
+
+
+def test_0007_metadata_null_beside_an_accidental_pickle() -> None:
+    # 0.5-0.14 re-saves: inline data, no _metadata, other.pickle holding the bookkeeping
+    s = vdir("s", {"_type": NTD, "data": "hello"})
+    s.files["other.pickle"] = VFile("s/other.pickle", 90)
+    tree = vdir("", td({"s": {"type": "NonTensorData"}}), s=s)
+    run_step(7, tree)
+    # 0.15.3's form (the pickled _metadata still wins on load), and no longer the 0.5-0.14
+    # marker: the upgraded tree detects as G8, so a second upgrade has nothing to do
+    assert s.meta == {"_type": NTD, "data": "hello", "_metadata": None, "_is_non_tensor": True}
+    assert detect_tree(tree) == "G8"
 
 
 def test_0007_key_named_like_a_format_field_keeps_its_entry() -> None:
