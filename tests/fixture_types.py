@@ -17,7 +17,12 @@ import typing
 import torch
 from tensordict import tensorclass
 
-__all__ = ["FixtureTC", "Point"]
+try:  # the TensorClass subclass syntax (tensordict 0.7+; the cross-version generator runs older)
+    from tensordict import TensorClass
+except ImportError:  # pragma: no cover - tensordict < 0.7
+    TensorClass = None  # type: ignore[assignment,misc]
+
+__all__ = ["FixtureTC", "FixtureTCSub", "Point"]
 
 
 class Point:
@@ -45,3 +50,16 @@ class FixtureTC:
     reward: torch.Tensor
     label: str
     extra: typing.Any
+
+
+if TensorClass is not None:
+
+    class FixtureTCSub(TensorClass):  # type: ignore[misc,valid-type]
+        """A tensorclass written with the subclass syntax (saved as a plain TensorDict by
+        tensordict 0.10-0.13, format-notes.md G4); used by ``fixtures/extra`` only."""
+
+        obs: torch.Tensor
+        label: str
+
+else:  # pragma: no cover - tensordict < 0.7
+    FixtureTCSub = None

@@ -2,7 +2,9 @@
 
 ``tests/fixtures/extra/<version>/`` holds the main corpus's case set written by tensordict
 0.1.2, 0.5.0, 0.6.2, 0.7.2, 0.9.1, 0.10.0, 0.11.0, 0.14.0, 0.15.0, 0.15.1 and 0.15.2 themselves
-(``fixtures/extra/README.md``; ``generate.py`` wrote it). For every case:
+(``fixtures/extra/README.md``; ``generate.py`` wrote it), plus four cases for layouts only these
+releases write (from_pytree containers, NonTensorStacks, re-saved NonTensorData, the
+``TensorClass`` subclass syntax). For every case:
 
 * ``tdckpt.load_memmap(prefix, robust_key=None, allow_pickle=True)`` restores the manifest's
   ``expected``, excusing only what the writer destroyed (``conftest.writer_losses``), and warns
