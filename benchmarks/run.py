@@ -56,8 +56,9 @@ def _flat_td(n: int) -> Any:
 
 
 def bench_restore(work: Path, quick: bool) -> None:
-    import tdckpt
     from tensordict import TensorDict
+
+    import tdckpt
 
     print("restore: tdckpt.load_memmap_ vs tensordict td.load_memmap_ (same checkpoint, fresh target)")
     sizes = (10, 1000) if quick else (10, 1000, 10000)
@@ -117,8 +118,9 @@ def bench_save(work: Path, quick: bool) -> None:
 
 
 def bench_verify(work: Path, quick: bool) -> None:
-    from tdckpt import CheckpointManager
     from tensordict import TensorDict
+
+    from tdckpt import CheckpointManager
 
     print("verify: CheckpointManager.verify vs sha256sum of the same files")
     total = 256 * 1024**2 if quick else GiB

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tdckpt._migrate import LAZY_STACK_TYPE, TENSORDICT_TYPE, MigrationContext, Target, VDir
+from tdckpt._read.migrate import LAZY_STACK_TYPE, TENSORDICT_TYPE, MigrationContext, Target, VDir
 
 FROM_VERSION = 1
 TO_VERSION = 2

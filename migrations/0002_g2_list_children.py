@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tdckpt._migrate import (
+from tdckpt._read.migrate import (
     NON_TENSOR_STACK_TYPE,
     MigrationContext,
     Target,

@@ -26,7 +26,7 @@ What this step does, per G3 directory:
 
 from __future__ import annotations
 
-from tdckpt._migrate import (
+from tdckpt._read.migrate import (
     MigrationContext,
     Target,
     VDir,

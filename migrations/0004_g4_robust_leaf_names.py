@@ -8,7 +8,7 @@ which breaks for keys such as ``"a/b"`` (issue #1440). 0.11.0 added an opt-in
 meta.json keys were always the raw keys, so the metadata itself did not change.
 
 What this step does: nothing to the metadata. The file names are not touched here: the
-names stage (:mod:`tdckpt._names`) maps every key to its file after the chain, deciding
+names stage (:mod:`tdckpt._read.names`) maps every key to its file after the chain, deciding
 the convention per directory. For a G4 directory the leaf convention cannot be known from
 the version alone (0.5-0.10 wrote raw names, 0.11-0.12 raw by default or encoded with
 ``robust_key=True``), so ``leaf_encoding`` stays as earlier steps left it: ``"legacy"``
@@ -18,7 +18,7 @@ when both names exist) for 0.5-0.12 ones.
 
 from __future__ import annotations
 
-from tdckpt._migrate import MigrationContext, VDir
+from tdckpt._read.migrate import MigrationContext, VDir
 
 FROM_VERSION = 4
 TO_VERSION = 5

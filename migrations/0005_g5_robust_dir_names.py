@@ -25,7 +25,7 @@ What this step does, per G5 directory:
 
 from __future__ import annotations
 
-from tdckpt._migrate import (
+from tdckpt._read.migrate import (
     CLASS_IDS,
     LAZY_STACK_NAMES,
     NON_TENSOR_NAMES,

@@ -23,7 +23,7 @@ not synthesized: writing it needs the pickle's content.
 
 from __future__ import annotations
 
-from tdckpt._migrate import MigrationContext, VDir, level_kind
+from tdckpt._read.migrate import MigrationContext, VDir, level_kind
 
 FROM_VERSION = 6
 TO_VERSION = 7

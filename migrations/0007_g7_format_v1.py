@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tdckpt._migrate import MigrationContext, Problem, Target, VDir, class_id_for, level_kind
+from tdckpt._read.migrate import MigrationContext, Problem, Target, VDir, class_id_for, level_kind
 
 FROM_VERSION = 7
 TO_VERSION = 8

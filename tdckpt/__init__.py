@@ -13,14 +13,22 @@ Manage a run's checkpoints::
         mgr.restore_into(td)
 """
 
-from ._export import save
-from ._inspect import inspect, validate
-from ._report import Inspection, NodeInfo, Problem, ValidationReport
-from ._restore import load_memmap, load_memmap_
-from ._upgrade import UpgradeReport, upgrade
-from ._version import __version__
-from .manager import CheckpointManager, StepStatus, VerifyProblem, VerifyReport
-from .retention import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLast, RetentionPolicy, StepInfo
+from tdckpt._read.inspect import inspect, validate
+from tdckpt._report import Inspection, NodeInfo, Problem, ValidationReport
+from tdckpt._restore.engine import load_memmap, load_memmap_
+from tdckpt._upgrade.upgrade import UpgradeReport, upgrade
+from tdckpt._version import __version__
+from tdckpt._write.export import save
+from tdckpt.manager import CheckpointManager, StepStatus, VerifyProblem, VerifyReport
+from tdckpt.retention import (
+    AnyOf,
+    KeepAll,
+    KeepBest,
+    KeepEvery,
+    KeepLast,
+    RetentionPolicy,
+    StepInfo,
+)
 
 __all__ = [
     "AnyOf",

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import TdckptError
+from tdckpt.errors import TdckptError
 
 __all__ = ["main"]
 
@@ -48,7 +48,7 @@ def _print_json(data: Any) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from ._inspect import inspect
+    from tdckpt._read.inspect import inspect
 
     result = inspect(args.prefix, robust_key=_robust(args.robust_key))
     if args.json:
@@ -90,7 +90,7 @@ def _print_tree(info: Any, indent: str) -> None:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from ._inspect import validate
+    from tdckpt._read.inspect import validate
 
     report = validate(args.prefix, robust_key=_robust(args.robust_key))
     if args.json:
@@ -104,7 +104,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
-    from ._upgrade import upgrade
+    from tdckpt._upgrade.upgrade import upgrade
 
     report = upgrade(
         args.prefix,
@@ -121,7 +121,7 @@ def _cmd_upgrade(args: argparse.Namespace) -> int:
 
 
 def _manager(root: str) -> Any:
-    from .manager import CheckpointManager
+    from tdckpt.manager import CheckpointManager
 
     return CheckpointManager(root)
 
@@ -165,13 +165,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ._demo_run import run_demo
+    from tdckpt._demo_run import run_demo
 
     return run_demo()
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ._inspect import inspect, validate
+    from tdckpt._read.inspect import inspect, validate
 
     parser = argparse.ArgumentParser(prog="tdckpt", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")

@@ -3,13 +3,13 @@
 A root holds one entry per committed step - ``<root>/<step>/`` (or ``<root>/<step>.tdz``)
 in tensordict 0.15.3's format plus ``tdckpt.manifest.json`` - and nothing else that the
 manager lists. Every entry is committed by one atomic rename after its files, directories
-and manifest are durable (:mod:`tdckpt._atomic`), so a process killed at any instant leaves
+and manifest are durable (:mod:`tdckpt._write.atomic`), so a process killed at any instant leaves
 every committed step intact; what it leaves half-written is a ``*.tmp-*`` name that is
 never listed and that :meth:`CheckpointManager.gc` removes.
 
 The manager decides what is saved, restored and deleted, and when; it finds the root's
-steps and reads their manifests through :mod:`tdckpt._steps`, and re-reads a step against
-its manifest through :mod:`tdckpt._verify`.
+steps and reads their manifests through :mod:`tdckpt._manage.steps`, and re-reads a step against
+its manifest through :mod:`tdckpt._manage.verify`.
 
 Example:
     >>> import tempfile, torch
@@ -37,20 +37,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from . import _atomic
-from ._checksum import DEFAULT_CHECKSUM, new_hasher
-from ._lock import RootLock
-from ._save import check_json_data, write_checkpoint
-from ._steps import StepIndex, StepStatus, preferred
-from ._verify import Progress, VerifyProblem, VerifyReport, manifest_problem, verify_files
-from .errors import (
+from tdckpt._manage.steps import StepIndex, StepStatus, preferred
+from tdckpt._manage.verify import (
+    Progress,
+    VerifyProblem,
+    VerifyReport,
+    manifest_problem,
+    verify_files,
+)
+from tdckpt._write import atomic as _atomic
+from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
+from tdckpt._write.lock import RootLock
+from tdckpt._write.save import check_json_data, write_checkpoint
+from tdckpt.errors import (
     CheckpointExistsError,
     IntegrityError,
     MetadataError,
     RestoreError,
 )
-from .retention import KeepAll, RetentionPolicy, StepInfo, metric_value
-from .schema import Manifest
+from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
+from tdckpt.schema import Manifest
 
 __all__ = ["CheckpointManager", "StepStatus", "VerifyProblem", "VerifyReport"]
 
@@ -520,7 +526,7 @@ class CheckpointManager:
             IntegrityError: ``verify=True`` and the step is damaged (every problem listed).
             RestoreError: ``strict=True`` and the keys differ (``.missing``/``.unexpected``).
         """
-        from ._restore import load_memmap, load_memmap_
+        from tdckpt._restore.engine import load_memmap, load_memmap_
 
         with self._using(step) as (resolved, path, manifest):
             if verify:
@@ -562,7 +568,7 @@ class CheckpointManager:
             CheckpointNotFoundError: no such step.
             IntegrityError: ``verify=True`` and the step is damaged.
         """
-        from ._restore import load_memmap
+        from tdckpt._restore.engine import load_memmap
 
         with self._using(step) as (resolved, path, manifest):
             if verify:

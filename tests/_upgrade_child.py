@@ -34,11 +34,11 @@ def main() -> None:
     parser.add_argument("--no-backup", action="store_true")
     args = parser.parse_args()
 
-    import tdckpt._atomic
-    from tdckpt._upgrade import upgrade
+    import tdckpt._write.atomic
+    from tdckpt._upgrade.upgrade import upgrade
 
     if args.no_exchange:
-        tdckpt._atomic._exchange = lambda a, b: False  # type: ignore[assignment]
+        tdckpt._write.atomic._exchange = lambda a, b: False  # type: ignore[assignment]
 
     def progress(done: int, total: int, what: str) -> None:
         print(f"op {done} {total} {what}", flush=True)

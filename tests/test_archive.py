@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict, pack_memmap
 
-import tdckpt._archive as archive_mod
-import tdckpt._archive_write as archive_write_mod
-from tdckpt._archive import ALIGNMENT, ArchiveStorage, write_archive
+import tdckpt._read.archive as archive_mod
+import tdckpt._write.archive_write as archive_write_mod
 from tdckpt._keys import encode_key
-from tdckpt._storage import DirectoryStorage, open_storage
+from tdckpt._read.archive import ALIGNMENT, ArchiveStorage, write_archive
+from tdckpt._read.storage import DirectoryStorage, open_storage
 from tdckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,

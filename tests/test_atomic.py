@@ -17,8 +17,8 @@ import torch
 from conftest import subprocess_env
 from tensordict import TensorDict
 
-from tdckpt import _atomic
-from tdckpt._atomic import (
+from tdckpt._write import atomic as _atomic
+from tdckpt._write.atomic import (
     commit_archive,
     commit_directory,
     is_tmp_name,
@@ -29,7 +29,7 @@ from tdckpt._atomic import (
     step_name,
     tmp_name,
 )
-from tdckpt._save import write_checkpoint
+from tdckpt._write.save import write_checkpoint
 from tdckpt.errors import CheckpointExistsError
 from tdckpt.manager import CheckpointManager
 from tdckpt.warnings import TdckptWarning

@@ -45,9 +45,9 @@ import fixture_types  # noqa: E402,F401  (the corpus's pickled Point and tensorc
 from tensordict import TensorDict  # noqa: E402
 
 import tdckpt  # noqa: E402
-from tdckpt._detect import detect, gen_name, gen_number  # noqa: E402
-from tdckpt._storage import open_storage  # noqa: E402
-from tdckpt._tree import read_tree  # noqa: E402
+from tdckpt._read.detect import detect, gen_name, gen_number  # noqa: E402
+from tdckpt._read.storage import open_storage  # noqa: E402
+from tdckpt._read.tree import read_tree  # noqa: E402
 from tdckpt.errors import ValidationError  # noqa: E402
 from tdckpt.warnings import TdckptWarning  # noqa: E402
 

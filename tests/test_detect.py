@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from conftest import FixtureCase, case_id, copy_case, fixture_cases
 
-from tdckpt._detect import (
+from tdckpt._read.detect import (
     Detection,
     class_id_for,
     detect,
@@ -21,8 +21,8 @@ from tdckpt._detect import (
     parse_type,
     type_name,
 )
-from tdckpt._storage import open_storage
-from tdckpt._tree import VDir, VFile, read_tree
+from tdckpt._read.storage import open_storage
+from tdckpt._read.tree import VDir, VFile, read_tree
 from tdckpt.errors import UnsupportedFormatError
 
 #: The generation each corpus release belongs to (format-notes.md §7).

@@ -8,14 +8,14 @@ import importlib
 import pytest
 
 MODULES = [
-    "tdckpt._atomic",
-    "tdckpt._checksum",
-    "tdckpt._convert",
-    "tdckpt._detect",
-    "tdckpt._inspect",
+    "tdckpt._write.atomic",
+    "tdckpt._write.checksum",
+    "tdckpt._upgrade.convert",
+    "tdckpt._read.detect",
+    "tdckpt._read.inspect",
     "tdckpt._keys",
-    "tdckpt._restore",
-    "tdckpt._save",
+    "tdckpt._restore.engine",
+    "tdckpt._write.save",
     "tdckpt.manager",
     "tdckpt.retention",
 ]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import subprocess_env
 
-from tdckpt import _lock
-from tdckpt._lock import LOCK_NAME, LockInfo, RootLock, read_lock_info
+from tdckpt._write import lock as _lock
+from tdckpt._write.lock import LOCK_NAME, LockInfo, RootLock, read_lock_info
 from tdckpt.errors import LockError, TdckptError
 from tdckpt.warnings import TdckptWarning
 

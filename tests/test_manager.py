@@ -16,7 +16,7 @@ import torch
 from conftest import tree_digest
 from tensordict import NonTensorData, TensorDict
 
-from tdckpt._atomic import tmp_name
+from tdckpt._write.atomic import tmp_name
 from tdckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -30,7 +30,7 @@ from tdckpt.manager import CheckpointManager, VerifyProblem, VerifyReport
 from tdckpt.schema import MANIFEST_NAME
 
 needs_engine = pytest.mark.skipif(
-    importlib.util.find_spec("tdckpt._restore") is None,
+    importlib.util.find_spec("tdckpt._restore.engine") is None,
     reason="the restore engine (tdckpt/_restore.py) is not there yet",
 )
 
@@ -156,7 +156,7 @@ def test_sha256_checksums(tmp_path: Path) -> None:
 
 
 def test_an_unsupported_object_leaves_nothing(mgr: CheckpointManager) -> None:
-    from tdckpt._save import UnsupportedContentError
+    from tdckpt._write.save import UnsupportedContentError
 
     with pytest.raises(UnsupportedContentError, match="'shape'"):
         mgr.save(1, TensorDict(shape=torch.zeros(1)))

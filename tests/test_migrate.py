@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import FixtureCase, case_id, copy_case, fixture_cases, tree_digest
 
-import tdckpt._migrate as migrate_mod
-from tdckpt._detect import detect_tree
-from tdckpt._migrate import (
+import tdckpt._read.migrate as migrate_mod
+from tdckpt._read.detect import detect_tree
+from tdckpt._read.migrate import (
     MigrationContext,
     MigrationScript,
     check_chain,
@@ -23,10 +23,10 @@ from tdckpt._migrate import (
     migrate_tree,
     migrations_dir,
 )
-from tdckpt._names import normalize_names
-from tdckpt._storage import open_storage
-from tdckpt._tree import VDir, VFile, read_tree
-from tdckpt._validate import build_nodes
+from tdckpt._read.names import normalize_names
+from tdckpt._read.storage import open_storage
+from tdckpt._read.tree import VDir, VFile, read_tree
+from tdckpt._read.validate import build_nodes
 from tdckpt.errors import MigrationChainError, MigrationError
 
 TD = "<class 'tensordict._td.TensorDict'>"

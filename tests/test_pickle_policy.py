@@ -5,7 +5,7 @@
   unpickles anything (``pickle.loads`` / ``pickle.load`` / ``pickle.Unpickler`` are booby-trapped);
 * ``None`` (the default) loads with exactly one ``TdckptDeprecationWarning`` (a ``FutureWarning``)
   per call, which lists the keys, names tensordict 0.16 and both ways to opt in or out, and
-  points at the caller's line; from tensordict 0.16 on (``tdckpt._policy.policy_version``
+  points at the caller's line; from tensordict 0.16 on (``tdckpt._restore.policy.policy_version``
   monkeypatched) it refuses like ``False``, with a message a user can act on;
 * a checkpoint without pickles loads with every setting and no warning;
 * a payload that would run code on unpickling (``os.mkdir`` of a marker) never runs under
@@ -34,7 +34,7 @@ import fixture_types  # noqa: E402
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 
 import tdckpt  # noqa: E402
-import tdckpt._policy  # noqa: E402
+import tdckpt._restore.policy  # noqa: E402
 from tdckpt.errors import PickleNotAllowedError, TdckptError  # noqa: E402
 from tdckpt.warnings import TdckptDeprecationWarning  # noqa: E402
 
@@ -114,7 +114,7 @@ def no_unpickling(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 @pytest.fixture
 def flipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend tensordict 0.16 is installed: the default allow_pickle=None now refuses."""
-    monkeypatch.setattr(tdckpt._policy, "policy_version", lambda: Version("0.16.0"))
+    monkeypatch.setattr(tdckpt._restore.policy, "policy_version", lambda: Version("0.16.0"))
 
 
 def _line() -> int:
@@ -325,8 +325,8 @@ def test_after_the_flip_true_still_loads_and_false_still_refuses(
 def test_the_flip_is_one_version_comparison(
     installed: str, refuses: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert Version("0.16") == tdckpt._policy.PICKLE_DEFAULT_FLIP
-    monkeypatch.setattr(tdckpt._policy, "policy_version", lambda: Version(installed))
+    assert Version("0.16") == tdckpt._restore.policy.PICKLE_DEFAULT_FLIP
+    monkeypatch.setattr(tdckpt._restore.policy, "policy_version", lambda: Version(installed))
     prefix = write(tmp_path / "ckpt", pickled_td())
     if refuses:
         with pytest.raises(PickleNotAllowedError, match=r"since tensordict 0\.16"):
@@ -338,7 +338,7 @@ def test_the_flip_is_one_version_comparison(
 
 
 def test_policy_version_is_the_installed_tensordict() -> None:
-    assert tdckpt._policy.policy_version() == Version(tensordict.__version__)
+    assert tdckpt._restore.policy.policy_version() == Version(tensordict.__version__)
 
 
 # ---------------------------------------------------------------------------- no pickles
@@ -354,7 +354,7 @@ def test_no_pickles_loads_with_every_setting(
     no_unpickling: list[str],
 ) -> None:
     if flip:
-        monkeypatch.setattr(tdckpt._policy, "policy_version", lambda: Version("0.16.0"))
+        monkeypatch.setattr(tdckpt._restore.policy, "policy_version", lambda: Version("0.16.0"))
     prefix = write(tmp_path / "ckpt", plain_td())
     target = make_target(plain_td())
     tdckpt.load_memmap_(target, prefix, allow_pickle=allow_pickle)  # and no warning

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tdckpt import _atomic
+from tdckpt._write import atomic as _atomic
 from tdckpt.manager import CheckpointManager
 from tdckpt.retention import (
     AnyOf,

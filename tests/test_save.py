@@ -30,8 +30,8 @@ from tensordict import (
 )
 
 import tdckpt
-from tdckpt import _save
-from tdckpt._save import (
+from tdckpt._write import save as _save
+from tdckpt._write.save import (
     CHUNK_BYTES,
     UnsupportedContentError,
     check_json_data,

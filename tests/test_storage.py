@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tree_digest
 
-from tdckpt._storage import (
+from tdckpt._read.storage import (
     MAX_JSON_BYTES,
     DirectoryStorage,
     check_component,
@@ -357,7 +357,7 @@ def test_invalid_json_is_a_metadata_error(tmp_path: Path, data: bytes) -> None:
 @pytest.mark.parametrize("doc", [[1, 2], "text", 3, None, True])
 def test_non_object_json_parses_but_is_not_metadata(tmp_path: Path, doc: object) -> None:
     # parse_json returns whatever JSON holds; the metadata stage refuses non-objects.
-    from tdckpt._tree import read_tree
+    from tdckpt._read.tree import read_tree
 
     assert parse_json(json.dumps(doc).encode(), where="x") == doc
     prefix = tmp_path / "ckpt"

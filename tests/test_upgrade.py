@@ -40,10 +40,10 @@ tensordict = pytest.importorskip("tensordict")
 import fixture_types  # noqa: E402, F401  (the corpus's classes; tests/ is on sys.path)
 from tensordict import TensorDict  # noqa: E402
 
-import tdckpt._journal as journal_mod  # noqa: E402
-import tdckpt._upgrade as upgrade_mod  # noqa: E402
-from tdckpt import schema  # noqa: E402
-from tdckpt._upgrade import BACKUP_MARK, JOURNAL_SUFFIX, STAGING_MARK, upgrade  # noqa: E402
+import tdckpt._upgrade.journal as journal_mod  # noqa: E402
+import tdckpt._upgrade.upgrade as upgrade_mod  # noqa: E402
+from tdckpt import schema  # noqa: E402  # noqa: E402
+from tdckpt._upgrade.upgrade import BACKUP_MARK, JOURNAL_SUFFIX, STAGING_MARK, upgrade  # noqa: E402
 from tdckpt.errors import (  # noqa: E402
     IncompleteCheckpointError,
     LockError,

@@ -24,7 +24,7 @@ tensordict = pytest.importorskip("tensordict")
 from fixture_types import FixtureTC  # noqa: E402
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict  # noqa: E402
 
-from tdckpt import CheckpointManager  # noqa: E402
+from tdckpt import CheckpointManager  # noqa: E402  # noqa: E402
 
 EXAMPLES = int(os.environ.get("TDCKPT_HYPOTHESIS_EXAMPLES", "15"))
 KEYS = ["a", "b c", "p%q", ".hidden", "ü", "..", "x/y", "meta.json", "other.pickle"]

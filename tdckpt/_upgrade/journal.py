@@ -21,7 +21,7 @@ place; the next ``upgrade`` of the prefix reads the journal first and finishes t
 removes the partial staging (:func:`recover`), comparing inodes rather than trusting names.
 
 ``.tdz`` archives follow the same protocol with files: the entries are streamed out of the
-archive into the staging directory and packed by :func:`tdckpt._archive.write_archive` into
+archive into the staging directory and packed by :func:`tdckpt._read.archive.write_archive` into
 ``<prefix>.tdckpt-upgrade-<id>.tdz``; the old archive is hard-linked to the backup name and
 the new one ``os.replace``-d onto the prefix.
 """
@@ -41,10 +41,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import schema
-from ._storage import Storage
-from ._tree import VFile
-from .errors import (
+from tdckpt import schema
+from tdckpt._read.storage import Storage
+from tdckpt._read.tree import VFile
+from tdckpt.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     LockError,
@@ -53,7 +53,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from ._upgrade import Progress, UpgradePlan, UpgradeReport
+    from tdckpt._upgrade.upgrade import Progress, UpgradePlan, UpgradeReport
 
 __all__ = [
     "BACKUP_MARK",
@@ -179,7 +179,7 @@ def _remove_journal(prefix: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    from ._atomic import fsync_dir
+    from tdckpt._write.atomic import fsync_dir
 
     fsync_dir(path)
 
@@ -257,7 +257,7 @@ def execute(plan: UpgradePlan, *, keep_backup: bool, progress: Progress | None) 
     try:
         _build_staging(plan, staging, runner)
         if archive:
-            from ._archive import write_archive
+            from tdckpt._read.archive import write_archive
 
             write_archive(staging, new_archive, compression="stored", fsync=True)
             runner.step("write")
@@ -374,7 +374,7 @@ def _swap(prefix: Path, state: dict[str, Any], runner: _Runner | None) -> None:
         with contextlib.suppress(OSError):
             _rmtree(staging)
     else:
-        from ._atomic import _exchange, rename_noreplace
+        from tdckpt._write.atomic import _exchange, rename_noreplace
 
         if _ino(prefix) == old and _ino(staging) == new:
             if _exchange(staging, prefix):

@@ -11,7 +11,7 @@ mapped or inflated:
   (the "overlapping files" zip bomb) (``MetadataError``).
 
 What it returns - every file entry with its checked payload offset, and every directory,
-explicit or implied - is what :class:`tdckpt._archive.ArchiveStorage` reads through.
+explicit or implied - is what :class:`tdckpt._read.archive.ArchiveStorage` reads through.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import struct
 import zipfile
 from dataclasses import dataclass, field
 
-from .errors import MetadataError, UnsafePathError
+from tdckpt.errors import MetadataError, UnsafePathError
 
 __all__ = [
     "FLAG_LZMA_EOS",

@@ -18,9 +18,9 @@ from typing import Any
 import pydantic
 import torch
 
-from . import schema
-from ._keys import LEAF_SUFFIX, NESTED_SHAPE_SUFFIX, encode_key
-from ._nodes import (
+from tdckpt import schema
+from tdckpt._keys import LEAF_SUFFIX, NESTED_SHAPE_SUFFIX, encode_key
+from tdckpt._read.nodes import (
     DTYPES,
     LazyStackNode,
     LeafNode,
@@ -30,10 +30,10 @@ from ._nodes import (
     TensorClassNode,
     TensorDictNode,
 )
-from ._report import Problem
-from ._storage import Storage, join
-from ._tree import VDir, VFile
-from .errors import TdckptError
+from tdckpt._read.storage import Storage, join
+from tdckpt._read.tree import VDir, VFile
+from tdckpt._report import Problem
+from tdckpt.errors import TdckptError
 
 __all__ = ["MAX_BYTES", "build_nodes", "class_kind"]
 

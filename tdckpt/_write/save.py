@@ -14,9 +14,9 @@ which tensordict ignores. Unlike ``memmap`` it:
   checksums those same bytes while they are written (one pass; files are never re-read);
 * fsyncs every file, then the directories bottom-up, then writes the manifest last.
 
-What to write, and how that mirrors tensordict, is planned by :mod:`tdckpt._save_plan`;
+What to write, and how that mirrors tensordict, is planned by :mod:`tdckpt._write.save_plan`;
 this module executes the plan. The checksum algorithms, and the measurements behind the
-CRC-32 default, are in :mod:`tdckpt._checksum`.
+CRC-32 default, are in :mod:`tdckpt._write.checksum`.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from ._checksum import CHECKSUM_ALGORITHMS, CHUNK_BYTES, DEFAULT_CHECKSUM, new_hasher
-from ._save_plan import class_id, plan_checkpoint
-from ._version import __version__
-from .errors import CheckpointExistsError, MetadataError, UnsupportedContentError
-from .schema import (
+from tdckpt._version import __version__
+from tdckpt._write.checksum import CHECKSUM_ALGORITHMS, CHUNK_BYTES, DEFAULT_CHECKSUM, new_hasher
+from tdckpt._write.save_plan import class_id, plan_checkpoint
+from tdckpt.errors import CheckpointExistsError, MetadataError, UnsupportedContentError
+from tdckpt.schema import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     MANIFEST_SCHEMA_VERSION,
@@ -255,7 +255,7 @@ class _Writer:
         """fsync the directories bottom-up (children were created after their parents)."""
         if not self.fsync:
             return
-        from ._atomic import fsync_dir
+        from tdckpt._write.atomic import fsync_dir
 
         for path in reversed(self.dirs):
             fsync_dir(path)
@@ -383,7 +383,7 @@ def write_checkpoint(
         # The manifest is the last file: its presence means every other file is complete.
         _write_small(dest / MANIFEST_NAME, text.encode("utf-8"), fsync=fsync)
         if fsync:
-            from ._atomic import fsync_dir
+            from tdckpt._write.atomic import fsync_dir
 
             fsync_dir(dest)
     except BaseException:

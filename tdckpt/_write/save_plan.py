@@ -4,7 +4,7 @@
 without writing anything, every directory, ``meta.json`` (the exact bytes 0.15.3 writes),
 pickle and leaf tensor of format v1, plus every key the format cannot store faithfully (a
 key named ``shape``, two keys sharing a file, jagged nested tensors, names too long, ...).
-:func:`tdckpt._save.write_checkpoint` refuses a plan with problems and executes the others.
+:func:`tdckpt._write.save.write_checkpoint` refuses a plan with problems and executes the others.
 
 How it mirrors tensordict (``_td_memmap.py``, ``TensorDict._memmap_``,
 ``LazyStackedTensorDict._memmap_``, the tensorclass / ``NonTensorData`` /
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ._keys import encode_key
-from .schema import FORMAT_VERSION, MANIFEST_NAME, PickleRecord
+from tdckpt._keys import encode_key
+from tdckpt.schema import FORMAT_VERSION, MANIFEST_NAME, PickleRecord
 
 __all__ = ["Op", "Plan", "class_id", "plan_checkpoint"]
 

@@ -1,7 +1,7 @@
 """Checksum algorithms: the one default, every algorithm a manifest may name, and hashers.
 
-A checkpoint's files are checksummed once, while they are written (:mod:`tdckpt._save`), and
-again when a step is verified (:mod:`tdckpt._verify`); both get their hashers here.
+A checkpoint's files are checksummed once, while they are written (:mod:`tdckpt._write.save`), and
+again when a step is verified (:mod:`tdckpt._manage.verify`); both get their hashers here.
 
 Checksums default to CRC-32 (``"crc32:<8 hex>"``), computed on a helper thread while the
 main thread writes the same bytes. Measured on the project's 2-vCPU machine (SHA-NI,

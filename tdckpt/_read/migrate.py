@@ -4,12 +4,12 @@
 script per pair of adjacent layout generations (format-notes.md §7). Each declares
 ``FROM_VERSION = k`` and ``TO_VERSION = k + 1`` (generation numbers: 1 = ``meta.pt``, ...,
 8 = tensordict 0.15.3 format v1) and ``upgrade(tree, ctx) -> tree``, which rewrites the
-virtual tree (:class:`~tdckpt._tree.VDir`) **in memory**: metadata dicts and directory
+virtual tree (:class:`~tdckpt._read.tree.VDir`) **in memory**: metadata dicts and directory
 structure only. Scripts never write to disk, never unpickle, never rename key-named
-files (the names stage, :mod:`tdckpt._names`, does that after the chain, guided by
+files (the names stage, :mod:`tdckpt._read.names`, does that after the chain, guided by
 ``VDir.leaf_encoding``/``dir_encoding``), and import only the helper API below.
 
-The runner works **per directory**: detection (:mod:`tdckpt._detect`) sets
+The runner works **per directory**: detection (:mod:`tdckpt._read.detect`) sets
 ``VDir.generation`` on every directory; step ``k -> k+1`` is given the whole tree and
 rewrites the directories whose generation is ``k`` (:meth:`MigrationContext.targets`);
 then those directories, and any the step created, are marked ``k+1``. A tree written by
@@ -34,7 +34,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ._detect import (
+from tdckpt._keys import encode_key, legacy_components
+from tdckpt._read.detect import (
     CLASS_IDS,
     CURRENT_GENERATION,
     LAZY_STACK_NAMES,
@@ -49,11 +50,10 @@ from ._detect import (
     parse_type,
     type_name,
 )
-from ._keys import encode_key, legacy_components
-from ._report import Problem
-from ._storage import Storage
-from ._tree import VDir, VFile
-from .errors import MigrationChainError, MigrationError
+from tdckpt._read.storage import Storage
+from tdckpt._read.tree import VDir, VFile
+from tdckpt._report import Problem
+from tdckpt.errors import MigrationChainError, MigrationError
 
 __all__ = [
     # the helper API for migration scripts (keep it small and stable)
@@ -124,7 +124,7 @@ class MigrationScript:
 
 def migrations_dir() -> Path:
     """The folder of step scripts: the repository's ``migrations/`` or the wheel's copy."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the tdckpt package (this is tdckpt/_read)
     for candidate in (here / "_migrations", here.parent / "migrations"):
         if candidate.is_dir():
             return candidate
@@ -402,7 +402,7 @@ def migrate_tree(
     """Detect each directory's generation and run every step from there to G8.
 
     Args:
-        root: the tree from :func:`tdckpt._tree.read_tree`; rewritten in place.
+        root: the tree from :func:`tdckpt._read.tree.read_tree`; rewritten in place.
         storage: lets detection read the raw meta.json bytes (JSON spacing).
         scripts: the chain to run (default: the shipped ``migrations/``, checked).
 

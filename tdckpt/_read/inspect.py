@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ._nodes import (
+from tdckpt._read.nodes import (
     LazyStackNode,
     LeafNode,
     Node,
@@ -18,10 +18,10 @@ from ._nodes import (
     TensorDictNode,
     pickled_nodes,
 )
-from ._pipeline import open_checkpoint
-from ._report import Inspection, NodeInfo, Problem, ValidationReport
-from .errors import TdckptError
-from .schema import FORMAT_VERSION
+from tdckpt._read.pipeline import open_checkpoint
+from tdckpt._report import Inspection, NodeInfo, Problem, ValidationReport
+from tdckpt.errors import TdckptError
+from tdckpt.schema import FORMAT_VERSION
 
 __all__ = ["inspect", "validate"]
 

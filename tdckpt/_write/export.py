@@ -14,10 +14,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ._atomic import fsync_dir, rename_noreplace
-from ._save import write_checkpoint
-from .errors import CheckpointExistsError
-from .schema import Manifest
+from tdckpt._write.atomic import fsync_dir, rename_noreplace
+from tdckpt._write.save import write_checkpoint
+from tdckpt.errors import CheckpointExistsError
+from tdckpt.schema import Manifest
 
 __all__ = ["save"]
 
@@ -60,7 +60,7 @@ def save(
     try:
         manifest = write_checkpoint(obj, staging, user_metadata=metadata, fsync=fsync)
         if dest.suffix == ".tdz":
-            from ._archive import write_archive
+            from tdckpt._read.archive import write_archive
 
             if dest.exists() and not overwrite:
                 raise CheckpointExistsError(f"{dest}: appeared while saving; not replaced.", path=str(dest))

@@ -25,16 +25,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ._keys import (
+from tdckpt._keys import (
     LEAF_SUFFIX,
     NESTED_SHAPE_SUFFIX,
     encode_key,
     is_safe_legacy_key,
     legacy_components,
 )
-from ._report import Problem
-from ._storage import Storage, join
-from ._tree import VDir, VFile
+from tdckpt._read.storage import Storage, join
+from tdckpt._read.tree import VDir, VFile
+from tdckpt._report import Problem
 
 __all__ = ["SIDECARS", "NamesResult", "normalize_names", "key_entries"]
 

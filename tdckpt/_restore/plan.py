@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ._nodes import LeafNode, NonTensorNode, NonTensorStackNode, TensorClassNode
-from ._storage import MapMode, Storage
-from .errors import RestoreError, TdckptError
+from tdckpt._read.nodes import LeafNode, NonTensorNode, NonTensorStackNode, TensorClassNode
+from tdckpt._read.storage import MapMode, Storage
+from tdckpt.errors import RestoreError, TdckptError
 
 __all__ = [
     "Mapper",

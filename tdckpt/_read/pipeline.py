@@ -13,14 +13,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import schema
-from ._names import normalize_names
-from ._nodes import Node
-from ._report import Problem
-from ._storage import Storage, open_storage
-from ._tree import VDir, read_tree
-from ._validate import build_nodes
-from .errors import TdckptError
+from tdckpt import schema
+from tdckpt._read.names import normalize_names
+from tdckpt._read.nodes import Node
+from tdckpt._read.storage import Storage, open_storage
+from tdckpt._read.tree import VDir, read_tree
+from tdckpt._read.validate import build_nodes
+from tdckpt._report import Problem
+from tdckpt.errors import TdckptError
 
 __all__ = ["OpenedCheckpoint", "open_checkpoint", "read_manifest"]
 
@@ -85,7 +85,7 @@ def read_manifest(storage: Storage, tree: VDir) -> tuple[dict[str, Any] | None, 
 
 def open_checkpoint(prefix: str | os.PathLike[str], *, robust_key: bool | None) -> OpenedCheckpoint:
     """Run storage -> ... -> validate on ``prefix``; raise only if it is not a checkpoint."""
-    from ._migrate import migrate_tree
+    from tdckpt._read.migrate import migrate_tree
 
     storage = open_storage(prefix)
     try:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._nodes import (
+from tdckpt._read.nodes import (
     LazyStackNode,
     LeafNode,
     Node,
@@ -33,8 +33,9 @@ from ._nodes import (
     TensorDictNode,
     pickled_nodes,
 )
-from ._pipeline import OpenedCheckpoint, open_checkpoint
-from ._plan import (
+from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
+from tdckpt._report import ValidationReport
+from tdckpt._restore.plan import (
     Mapper,
     check_tensorclass_fields,
     has_tensordict,
@@ -43,10 +44,9 @@ from ._plan import (
     resolve_tensorclass,
     tensorclass_fields,
 )
-from ._policy import check_allow_pickle, resolve_pickle_policy, user_stacklevel
-from ._report import ValidationReport
-from .errors import RestoreError, ValidationError
-from .warnings import TdckptWarning
+from tdckpt._restore.policy import check_allow_pickle, resolve_pickle_policy, user_stacklevel
+from tdckpt.errors import RestoreError, ValidationError
+from tdckpt.warnings import TdckptWarning
 
 __all__ = ["load_memmap", "load_memmap_", "open_for_restore"]
 
@@ -307,7 +307,7 @@ def load_memmap_(
         unpickle,
     ):
         assert opened.root is not None
-        from ._apply import restore_into_target
+        from tdckpt._restore.apply import restore_into_target
 
         restore_into_target(target, opened, mode=mode, unpickle=unpickle, builder_factory=_Builder)
     return target

@@ -7,11 +7,11 @@ on a 64-byte boundary; the whole file can then be mapped once and every leaf is 
 view into that mapping.
 
 Archives come from anywhere, so :class:`ArchiveStorage` opens one only after
-:mod:`tdckpt._archive_index` has checked its whole zip structure (names, headers, bounds,
+:mod:`tdckpt._read.archive_index` has checked its whole zip structure (names, headers, bounds,
 overlaps). Inflating never produces more than the size the central directory declares,
 and a size is checked against the caller's limit before a byte is inflated.
 
-The writer, :func:`write_archive`, lives in :mod:`tdckpt._archive_write`.
+The writer, :func:`write_archive`, lives in :mod:`tdckpt._write.archive_write`.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import NoReturn, Protocol
 
 import torch
 
-from ._archive_index import FLAG_LZMA_EOS, METHOD_NAMES, Entry, read_index, where
-from ._archive_write import ALIGNMENT, write_archive
-from ._storage import MAX_JSON_BYTES, Listing, MapMode, Storage, check_component
-from .errors import CheckpointNotFoundError, MetadataError
+from tdckpt._read.archive_index import FLAG_LZMA_EOS, METHOD_NAMES, Entry, read_index, where
+from tdckpt._read.storage import MAX_JSON_BYTES, Listing, MapMode, Storage, check_component
+from tdckpt._write.archive_write import ALIGNMENT, write_archive
+from tdckpt.errors import CheckpointNotFoundError, MetadataError
 
 __all__ = ["ALIGNMENT", "ArchiveStorage", "write_archive"]
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _atomic
-from .errors import CheckpointNotFoundError, IncompleteCheckpointError, MetadataError
-from .schema import MANIFEST_NAME, Manifest
+from tdckpt._write import atomic as _atomic
+from tdckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, MetadataError
+from tdckpt.schema import MANIFEST_NAME, Manifest
 
 __all__ = ["StepIndex", "StepStatus", "preferred"]
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 from packaging.version import Version
 
-from .errors import PickleNotAllowedError
-from .warnings import TdckptDeprecationWarning
+from tdckpt.errors import PickleNotAllowedError
+from tdckpt.warnings import TdckptDeprecationWarning
 
 __all__ = [
     "PICKLE_DEFAULT_FLIP",
@@ -42,7 +42,8 @@ PICKLE_WARNING_SINCE = "0.1"
 #: The newest tensordict release whose format this tdckpt knows.
 KNOWN_TENSORDICT = Version("0.15.3")
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+#: The tdckpt package directory (this module is tdckpt/_restore/policy.py).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Frames of the stdlib context-manager machinery that tdckpt's own ``with`` blocks run
 #: through (``@contextmanager`` generators are entered from ``contextlib``).
 _GLUE_FILES = frozenset({os.path.abspath(contextlib.__file__)})

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from ._detect import level_kind
-from ._storage import Storage, join
-from ._tree import VDir, VFile
+from tdckpt._read.detect import level_kind
+from tdckpt._read.storage import Storage, join
+from tdckpt._read.tree import VDir, VFile
 
 __all__ = ["convert_tree_pickles", "is_json_data"]
 

@@ -13,7 +13,7 @@ from typing import Any, Union
 
 import torch
 
-from ._tree import VFile
+from tdckpt._read.tree import VFile
 
 __all__ = [
     "DTYPES",

@@ -6,7 +6,7 @@ A step of a checkpoint root is committed when, and only when, its final name exi
   fsyncs every file, then the directories bottom-up, writes the manifest last and fsyncs it;
   then the staging folder is renamed to ``<root>/<step>`` and ``<root>`` is fsynced;
 * an archive step ``<root>/<step>.tdz`` is staged the same way, then packed by
-  :func:`tdckpt._archive.write_archive`, whose own ``os.replace`` is the commit.
+  :func:`tdckpt._read.archive.write_archive`, whose own ``os.replace`` is the commit.
 
 So a crash at any instant leaves either the old state or the new one, plus names that
 :func:`is_tmp_name` recognises and ``gc`` removes. Names are plain decimal step numbers
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from .errors import CheckpointExistsError
+from tdckpt.errors import CheckpointExistsError
 
 __all__ = [
     "ARCHIVE_SUFFIX",
@@ -68,7 +68,7 @@ StepKind = str  # "dir" | "archive"
 _STEP_RE = re.compile(r"(0|[1-9][0-9]*)")
 # <step>[.tdz].tmp-<32 hex>[.<tag>]: staging, retired and replaced folders of this module.
 _TMP_RE = re.compile(r"(0|[1-9][0-9]*)(\.tdz)?\.tmp-[0-9a-f]{32}(\.[a-z]+)?")
-# .<step>.tdz.<hex>.tmp: the temporary file of tdckpt._archive.write_archive.
+# .<step>.tdz.<hex>.tmp: the temporary file of tdckpt._read.archive.write_archive.
 _ARCHIVE_TMP_RE = re.compile(r"\.(0|[1-9][0-9]*)\.tdz\.[0-9a-f]+\.tmp")
 
 
@@ -326,7 +326,7 @@ def commit_archive(
     Raises:
         CheckpointExistsError: the archive exists and ``overwrite`` is False.
     """
-    from ._archive import write_archive
+    from tdckpt._read.archive import write_archive
 
     final = root / step_archive_name(step)
     if not overwrite and os.path.lexists(final):

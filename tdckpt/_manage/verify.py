@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from . import _atomic
-from ._checksum import CHUNK_BYTES, new_hasher
-from ._keys import decode_key
-from .schema import MANIFEST_NAME, Manifest
+from tdckpt._keys import decode_key
+from tdckpt._write import atomic as _atomic
+from tdckpt._write.checksum import CHUNK_BYTES, new_hasher
+from tdckpt.schema import MANIFEST_NAME, Manifest
 
 __all__ = ["Progress", "VerifyProblem", "VerifyReport", "manifest_problem", "verify_files"]
 

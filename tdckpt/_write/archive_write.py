@@ -18,9 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, BinaryIO
 
-from ._archive_index import LOCAL_HEADER
-from ._storage import DirectoryStorage, join
-from .errors import CheckpointExistsError, CheckpointNotFoundError, MetadataError, UnsafePathError
+from tdckpt._read.archive_index import LOCAL_HEADER
+from tdckpt._read.storage import DirectoryStorage, join
+from tdckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    MetadataError,
+    UnsafePathError,
+)
 
 __all__ = ["ALIGNMENT", "write_archive"]
 

@@ -1,7 +1,7 @@
 """Detection: which tensordict layout generation wrote each directory of a checkpoint.
 
 format-notes.md §1/§7 names nine generations; every directory of a virtual tree
-(:func:`tdckpt._tree.read_tree`) gets ``VDir.generation`` = ``"G1"`` .. ``"G8"``:
+(:func:`tdckpt._read.tree.read_tree`) gets ``VDir.generation`` = ``"G1"`` .. ``"G8"``:
 
 ====  ==================  ===============================================================
 G1    0.0.3 - 0.2.1       ``meta.pt`` / ``<key>.meta.pt`` (torch.save metadata)
@@ -33,7 +33,7 @@ formatting evidence (compact orjson output means 0.5 - 0.15.1). Without it, dete
 uses the parsed metadata only, which is all an in-memory tree keeps.
 
 The level-classification helpers here (:func:`level_kind`, :func:`type_name`, ...) are
-shared with the migration scripts through :mod:`tdckpt._migrate`.
+shared with the migration scripts through :mod:`tdckpt._read.migrate`.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._keys import LEAF_SUFFIX, encode_key
-from ._storage import Storage, join
-from ._tree import VDir
-from .errors import TdckptError, UnsupportedFormatError
+from tdckpt._keys import LEAF_SUFFIX, encode_key
+from tdckpt._read.storage import Storage, join
+from tdckpt._read.tree import VDir
+from tdckpt.errors import TdckptError, UnsupportedFormatError
 
 __all__ = [
     "CURRENT_GENERATION",

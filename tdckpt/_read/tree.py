@@ -21,9 +21,9 @@ import io
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._report import Problem
-from ._storage import Storage, join
-from .errors import CheckpointNotFoundError, MetadataError, TdckptError
+from tdckpt._read.storage import Storage, join
+from tdckpt._report import Problem
+from tdckpt.errors import CheckpointNotFoundError, MetadataError, TdckptError
 
 __all__ = ["MAX_DEPTH", "VDir", "VFile", "read_tree"]
 

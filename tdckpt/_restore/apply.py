@@ -20,17 +20,24 @@ from typing import Any
 
 import torch
 
-from ._nodes import LazyStackNode, LeafNode, Node, NonTensorNode, TensorClassNode, TensorDictNode
-from ._pipeline import OpenedCheckpoint
-from ._plan import (
+from tdckpt._read.nodes import (
+    LazyStackNode,
+    LeafNode,
+    Node,
+    NonTensorNode,
+    TensorClassNode,
+    TensorDictNode,
+)
+from tdckpt._read.pipeline import OpenedCheckpoint
+from tdckpt._read.storage import MapMode
+from tdckpt._restore.plan import (
     Mapper,
     check_tensorclass_fields,
     has_tensordict,
     non_tensor_value,
     tensorclass_fields,
 )
-from ._storage import MapMode
-from .errors import RestoreError
+from tdckpt.errors import RestoreError
 
 __all__ = ["restore_into_target"]
 

@@ -6,13 +6,13 @@ touching the disk when anything is wrong. Then it plans the new tree - every ``m
 written as tensordict 0.15.3 writes it (stdlib ``json.dumps`` defaults; NonTensorStack
 compact), every leaf kept as it is, tdckpt's manifest - and the list of file operations
 that materialize it beside the prefix and swap it in, crash-safely and with a backup
-(:mod:`tdckpt._journal` carries the plan out, and finishes or undoes an interrupted
+(:mod:`tdckpt._upgrade.journal` carries the plan out, and finishes or undoes an interrupted
 upgrade first). Re-running on an upgraded prefix is a no-op.
 
 ``dry_run=True`` performs no write at all and returns the very operation list a real run
 performs (:attr:`UpgradeReport.operations`). ``convert_pickles=True`` (the user trusts the
 data, as with ``allow_pickle=True``) unpickles ``other.pickle``/``pickle.pkl`` and moves
-plain JSON data into meta.json (:mod:`tdckpt._convert`); without it nothing is ever
+plain JSON data into meta.json (:mod:`tdckpt._upgrade.convert`); without it nothing is ever
 unpickled.
 """
 
@@ -28,19 +28,28 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from . import schema
-from ._convert import convert_tree_pickles
-from ._detect import class_id_for, level_kind
-from ._journal import BACKUP_MARK, execute, journal_path, journal_tmp, recover, upgrade_lock
-from ._journal import JOURNAL_SUFFIX as JOURNAL_SUFFIX  # re-exported: the upgrade's file names
-from ._journal import STAGING_MARK as STAGING_MARK
-from ._keys import encode_key
-from ._migrate import migrate_tree
-from ._report import Problem, ValidationReport
-from ._storage import Storage, join, open_storage
-from ._tree import VDir, VFile, read_tree
-from ._version import __version__
-from .errors import (
+from tdckpt import schema
+from tdckpt._keys import encode_key
+from tdckpt._read.detect import class_id_for, level_kind
+from tdckpt._read.migrate import migrate_tree
+from tdckpt._read.storage import Storage, join, open_storage
+from tdckpt._read.tree import VDir, VFile, read_tree
+from tdckpt._report import Problem, ValidationReport
+from tdckpt._upgrade.convert import convert_tree_pickles
+from tdckpt._upgrade.journal import (
+    BACKUP_MARK,
+    execute,
+    journal_path,
+    journal_tmp,
+    recover,
+    upgrade_lock,
+)
+from tdckpt._upgrade.journal import (
+    JOURNAL_SUFFIX as JOURNAL_SUFFIX,  # re-exported: the upgrade's file names
+)
+from tdckpt._upgrade.journal import STAGING_MARK as STAGING_MARK
+from tdckpt._version import __version__
+from tdckpt.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     UnsafePathError,
@@ -246,7 +255,7 @@ def _upgrade_locked(
 
 @dataclass
 class UpgradePlan:
-    """What an upgrade writes, for :func:`tdckpt._journal.execute` to carry out.
+    """What an upgrade writes, for :func:`tdckpt._upgrade.journal.execute` to carry out.
 
     The migrated tree, every ``meta.json`` and new file by its path in the new layout, the
     manifest, the directories (parents first), and the report whose ``operations`` list
@@ -264,8 +273,8 @@ class UpgradePlan:
 
 
 def _plan(path: Path, *, convert_pickles: bool, keep_backup: bool) -> UpgradePlan:
-    from ._names import normalize_names
-    from ._validate import build_nodes
+    from tdckpt._read.names import normalize_names
+    from tdckpt._read.validate import build_nodes
 
     storage = open_storage(path)
     try:

@@ -37,8 +37,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .errors import LockError
-from .warnings import TdckptWarning
+from tdckpt.errors import LockError
+from tdckpt.warnings import TdckptWarning
 
 __all__ = ["LOCK_NAME", "LockInfo", "RootLock", "read_lock_info"]
 
@@ -244,7 +244,7 @@ class RootLock:
             return False
         self._write_info(fd)
         if self.fsync:
-            from ._atomic import fsync_dir
+            from tdckpt._write.atomic import fsync_dir
 
             fsync_dir(self.root)
         self._hold(fd)

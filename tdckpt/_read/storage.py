@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from .errors import CheckpointNotFoundError, MetadataError, UnsafePathError
+from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsafePathError
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -342,7 +342,7 @@ def open_storage(prefix: str | os.PathLike[str]) -> Storage:
     if path.is_dir():
         return DirectoryStorage(path)
     if path.is_file():
-        from ._archive import ArchiveStorage
+        from tdckpt._read.archive import ArchiveStorage
 
         return ArchiveStorage(path)
     raise CheckpointNotFoundError(

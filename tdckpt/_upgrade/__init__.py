@@ -1,0 +1,6 @@
+"""Upgrading a checkpoint on disk: plan on the read path, then a crash-safe swap.
+
+* ``upgrade``: the plan (the same migrations as an in-memory read) and ``tdckpt.upgrade``.
+* ``convert``: ``convert_pickles`` - plain pickled values rewritten as JSON.
+* ``journal``: staging with hard links, the journal, the swap with a backup, recovery.
+"""
