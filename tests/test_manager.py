@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -28,11 +27,6 @@ from tdckpt.errors import (
 )
 from tdckpt.manager import CheckpointManager, VerifyProblem, VerifyReport
 from tdckpt.schema import MANIFEST_NAME
-
-needs_engine = pytest.mark.skipif(
-    importlib.util.find_spec("tdckpt._restore.engine") is None,
-    reason="the restore engine (tdckpt/_restore.py) is not there yet",
-)
 
 
 def make_td(step: int = 0) -> TensorDict:
@@ -357,7 +351,6 @@ def _same(td: Any, leaves: dict[Any, Any]) -> bool:
     return now.keys() == leaves.keys() and all(torch.equal(now[k], v) for k, v in leaves.items())
 
 
-@needs_engine
 def test_restore_into_round_trip(mgr: CheckpointManager) -> None:
     mgr.save(1, make_td(1))
     mgr.save(2, make_td(2))
@@ -371,7 +364,6 @@ def test_restore_into_round_trip(mgr: CheckpointManager) -> None:
     assert _same(target, _leaves(make_td(1)))
 
 
-@needs_engine
 def test_default_mode_is_copy_on_write(mgr: CheckpointManager) -> None:
     mgr.save(1, make_td(1))
     before = tree_digest(mgr.path(1))
@@ -384,7 +376,6 @@ def test_default_mode_is_copy_on_write(mgr: CheckpointManager) -> None:
     assert _same(fresh, _leaves(make_td(1)))
 
 
-@needs_engine
 def test_verified_restore_refuses_a_damaged_step_and_leaves_the_target(
     mgr: CheckpointManager,
 ) -> None:
@@ -404,7 +395,6 @@ def test_verified_restore_refuses_a_damaged_step_and_leaves_the_target(
     mgr.restore_into(target, allow_pickle=False)
 
 
-@needs_engine
 def test_strict_restore_refuses_other_keys_and_leaves_the_target(mgr: CheckpointManager) -> None:
     mgr.save(1, make_td(1))
     target = make_td(0)
@@ -420,7 +410,6 @@ def test_strict_restore_refuses_other_keys_and_leaves_the_target(mgr: Checkpoint
     assert "extra" not in target and torch.equal(target["b"], make_td(1)["b"])
 
 
-@needs_engine
 def test_restore_a_new_object_and_from_an_archive(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, archive=True, fsync=False) as mgr:
         mgr.save(7, make_td(7))
@@ -431,7 +420,6 @@ def test_restore_a_new_object_and_from_an_archive(tmp_path: Path) -> None:
             mgr.restore(8)
 
 
-@needs_engine
 def test_restore_of_an_uncommitted_step_is_refused(mgr: CheckpointManager) -> None:
     path = _saved(mgr)
     (path / MANIFEST_NAME).unlink()
@@ -439,7 +427,6 @@ def test_restore_of_an_uncommitted_step_is_refused(mgr: CheckpointManager) -> No
         mgr.restore(1)
 
 
-@needs_engine
 def test_a_restore_waits_for_an_overwrite_of_its_step(
     mgr: CheckpointManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,6 +1,6 @@
 """The validated checkpoint: a typed tree of what each level holds.
 
-Validation (``_validate.py``) turns the current-form virtual tree into these nodes, and
+Validation (``validate.py``) turns the current-form virtual tree into these nodes, and
 the planner and the restore engine consume them. Nodes carry no tensor data: leaves
 point at their files, non-tensor values are either inline JSON data or a pickle file
 that has not been read.

@@ -9,7 +9,7 @@ touches the file system for reading, and it guarantees:
   is not the directory that holds it or one of its ancestors (no cycles);
 * nothing is ever written: files are mapped, never grown, never created.
 
-``open_storage(path)`` picks the implementation. Archives live in ``_archive.py``.
+``open_storage(path)`` picks the implementation. Archives live in ``archive.py``.
 """
 
 from __future__ import annotations

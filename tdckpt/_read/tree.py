@@ -4,7 +4,7 @@
 every ``meta.pt``) of a prefix, and lists every file with its size. No leaf byte is
 read. The result is a tree of :class:`VDir` that mirrors the directory tree.
 
-The same tree is what migrations rewrite (``_migrate.py``): a migration edits
+The same tree is what migrations rewrite (``migrate.py``): a migration edits
 ``VDir.meta``, renames entries of ``files``/``dirs``, or adds files with inline
 ``data``. A :class:`VFile` always remembers the physical file it came from
 (``source``), so an in-memory migration never copies data, and an on-disk upgrade can
