@@ -79,8 +79,8 @@ class ChildEntry(_Model):
 Entry = LeafEntry | ChildEntry
 
 
-def _split_entries(raw: Any, fields: set[str]) -> Any:
-    """Move dict-valued items that are not format fields into ``entries``.
+def _split_entries(raw: Any) -> Any:
+    """Move every dict-valued item into ``entries``: those are the level's keys.
 
     tensordict mixes the keys of a level with its format fields in one JSON object. Every
     dict value is a key's entry (a key named ``_names`` or ``_format_version`` keeps its
@@ -91,15 +91,12 @@ def _split_entries(raw: Any, fields: set[str]) -> Any:
     out: dict[str, Any] = {}
     entries: dict[str, Any] = {}
     for name, value in raw.items():
-        if isinstance(value, dict) and not (name in fields and name in _DICT_FIELDS):
+        if isinstance(value, dict):
             entries[name] = value
         else:
             out[name] = value
     out["entries"] = entries
     return out
-
-
-_DICT_FIELDS = {"_metadata", "index", "custom_op_kwargs", "inv_op_kwargs"}
 
 
 class TensorDictMeta(_Model):
@@ -116,7 +113,7 @@ class TensorDictMeta(_Model):
     @model_validator(mode="before")
     @classmethod
     def _split(cls, raw: Any) -> Any:
-        return _split_entries(raw, {"shape", "device", "_type", "_format_version", "_class"})
+        return _split_entries(raw)
 
     @field_validator("device", mode="before")
     @classmethod

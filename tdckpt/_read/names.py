@@ -32,18 +32,17 @@ from tdckpt._keys import (
     is_safe_legacy_key,
     legacy_components,
 )
+from tdckpt._read.detect import entries_of, level_kind
 from tdckpt._read.storage import Storage, join
 from tdckpt._read.tree import VDir, VFile
 from tdckpt._report import Problem
 
-__all__ = ["SIDECARS", "NamesResult", "normalize_names", "key_entries"]
+__all__ = ["SIDECARS", "NamesResult", "is_keyed_level", "normalize_names"]
 
 #: Files that belong to a level itself, never to a key.
 SIDECARS = frozenset(
     {"meta.json", "other.pickle", "pickle.pkl", "json_types.json", "tdckpt.manifest.json"}
 )
-#: meta.json fields whose value is a dict but that are not keys.
-_DICT_FIELDS = frozenset({"_metadata", "index", "custom_op_kwargs", "inv_op_kwargs"})
 
 ROBUST = "robust"
 LEGACY = "legacy"
@@ -60,25 +59,8 @@ class NamesResult:
 
 
 def is_keyed_level(meta: dict[str, object] | None) -> bool:
-    """Whether a meta.json describes a level whose dict entries are keys (a TensorDict)."""
-    if not meta or "shape" not in meta:
-        return False
-    type_ = str(meta.get("_type", ""))
-    return "NonTensor" not in type_ and "MetaData" not in type_
-
-
-def key_entries(meta: dict[str, object]) -> tuple[list[str], list[str]]:
-    """Split the keys of a TensorDict level into (leaf keys, child keys), in file order."""
-    leaves: list[str] = []
-    children: list[str] = []
-    for key, value in meta.items():
-        if not isinstance(value, dict) or key in _DICT_FIELDS:
-            continue
-        if "type" in value and "dtype" not in value:
-            children.append(key)
-        else:
-            leaves.append(key)
-    return leaves, children
+    """Whether a meta.json describes a TensorDict level, whose dict entries are keys."""
+    return level_kind(meta) == "tensordict"  # type: ignore[arg-type]
 
 
 def normalize_names(tree: VDir, *, robust_key: bool | None, storage: Storage) -> NamesResult:
@@ -234,7 +216,7 @@ def _choose(
 def _normalize_dir(node: VDir, robust_key: bool | None, result: NamesResult) -> None:
     meta = node.meta
     assert meta is not None
-    leaves, children = key_entries(meta)
+    leaves, children = entries_of(meta)
 
     def needs(k: str) -> bool:
         entry = meta[k]

@@ -20,6 +20,7 @@ import torch
 
 from tdckpt import schema
 from tdckpt._keys import LEAF_SUFFIX, NESTED_SHAPE_SUFFIX, encode_key
+from tdckpt._read.detect import level_kind
 from tdckpt._read.nodes import (
     DTYPES,
     LazyStackNode,
@@ -50,25 +51,13 @@ _TD_CLASSES = {
 
 
 def class_kind(meta: dict[str, Any]) -> str:
-    """What kind of level a meta.json describes, from ``_class`` then ``_type``."""
-    class_id = meta.get("_class")
-    type_str = str(meta.get("_type", ""))
-    name = class_id.rpartition(":")[2] if isinstance(class_id, str) else ""
-    if not name:
-        name = type_str.removeprefix("<class '").removesuffix("'>").rpartition(".")[2]
-    if name == "LazyStackedTensorDict":
-        return "lazy-stack"
-    if name == "NonTensorStack":
-        return "non-tensor-stack"
-    if name in ("NonTensorData", "MetaData"):
-        return "non-tensor"
-    if name == "_SubTensorDict":
-        return "sub-tensordict"
-    if name.startswith("_") and name.endswith("TensorDict") and "custom_op" in meta:
-        return "lazy-view"
-    if "shape" in meta:
-        return "tensordict"
-    return "tensorclass"
+    """What kind of level a meta.json describes (detection's classification).
+
+    A level detection cannot place is validated as a tensorclass, whose model then says
+    what is missing.
+    """
+    kind = level_kind(meta)
+    return "tensorclass" if kind == "unknown" else kind
 
 
 class _Ctx:
