@@ -96,6 +96,15 @@ def _split_entries(raw: Any) -> Any:
         else:
             out[name] = value
     out["entries"] = entries
+    # A key named like a format field keeps its entry and tensordict then writes no such
+    # field: the level "reads as version 0" there, and its content is still the current
+    # layout. Fill the field in, so the key does not make the level invalid.
+    if "_format_version" in entries and "_format_version" not in out:
+        out["_format_version"] = FORMAT_VERSION
+    if "_class" in entries and "_class" not in out:
+        type_str = str(out.get("_type", ""))
+        module, _, name = type_str.removeprefix("<class '").removesuffix("'>").rpartition(".")
+        out["_class"] = f"{module}:{name}"
     return out
 
 
