@@ -146,7 +146,7 @@ def _build(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, parent_batch: tuple[int,
     if kind == "non-tensor":
         return _build_non_tensor(vdir, key, ctx, parent_batch or ())
     if kind == "non-tensor-stack":
-        return _build_nt_stack(vdir, key, ctx)
+        return _build_nt_stack(vdir, key, ctx, parent_batch or ())
     if kind == "tensorclass":
         return _build_tensorclass(vdir, key, ctx)
     ctx.add(
@@ -158,6 +158,33 @@ def _build(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, parent_batch: tuple[int,
         "saving (e.g. `td.to_tensordict()`).",
     )
     return None
+
+
+def _check_device(ctx: _Ctx, vdir: VDir, key: tuple[str, ...], device: str | None) -> bool:
+    """A level's device must be one torch knows (leaf devices are ignored by every loader)."""
+    if device is None:
+        return True
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError):
+        ctx.add(
+            "bad-device",
+            join(vdir.source, "meta.json"),
+            key,
+            f"device {device!r} is not a torch device (expected e.g. 'cpu' or 'cuda:0'). The "
+            "metadata is damaged or was edited.",
+        )
+        return False
+    return True
+
+
+def _list_depth(data: list[Any], limit: int) -> int:
+    """How deeply ``data`` nests lists (first elements only), up to ``limit + 1``."""
+    depth, cur = 0, data
+    while isinstance(cur, list) and depth <= limit:
+        depth += 1
+        cur = cur[0] if cur else None
+    return depth
 
 
 def _build_td(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> TensorDictNode | None:
@@ -177,6 +204,8 @@ def _build_td(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> TensorDictNode | N
             "class'). The metadata is damaged, or was written by a newer tensordict: upgrade "
             "tdckpt.",
         )
+        return None
+    if not _check_device(ctx, vdir, key, model.device):
         return None
     batch = tuple(model.shape)
     node = TensorDictNode(
@@ -431,14 +460,37 @@ def _build_non_tensor(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, batch: tuple[
     return node
 
 
-def _build_nt_stack(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> NonTensorStackNode | None:
+def _build_nt_stack(
+    vdir: VDir, key: tuple[str, ...], ctx: _Ctx, parent_batch: tuple[int, ...]
+) -> NonTensorStackNode | None:
     try:
         model = schema.NonTensorStackMeta.model_validate(vdir.meta)
     except pydantic.ValidationError as exc:
         _schema_problems(ctx, exc, vdir.source, key)
         return None
+    if not _check_device(ctx, vdir, key, model.device):
+        return None
     node = NonTensorStackNode(key=key, path=vdir.source, stack_dim=model.stack_dim, device=model.device)
     if isinstance(model.data, list):
+        # Every level of list nesting becomes a batch dimension when the stack is rebuilt.
+        if _list_depth(model.data, 64) > 64:
+            ctx.add(
+                "bad-shape",
+                join(vdir.source, "meta.json"),
+                key,
+                "the stacked values nest lists more than 64 levels deep, more batch dimensions "
+                "than a tensordict can have. The metadata is damaged or hostile.",
+            )
+            return None
+        if parent_batch and len(model.data) != parent_batch[0]:
+            ctx.add(
+                "batch-mismatch",
+                join(vdir.source, "meta.json"),
+                key,
+                f"a stack of {len(model.data)} values in a level of batch size "
+                f"{list(parent_batch)}. The metadata is damaged or was edited.",
+            )
+            return None
         node.data = model.data
     else:
         node.pickle = vdir.files.get("pickle.pkl")

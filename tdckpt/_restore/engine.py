@@ -137,10 +137,17 @@ class _Builder:
             return self.mapper.device
         if saved is None:
             return None
-        try:
-            return torch.device(saved)
-        except RuntimeError as exc:
-            raise RestoreError(f"{self.opened.prefix}: unknown device {saved!r} in metadata.") from exc
+        device = torch.device(saved)  # validation checked it parses
+        if device.type != "cpu":
+            # The leaves are CPU maps of the files: a tensordict that says it lives on
+            # another device would be inconsistent (tensordict itself builds one).
+            raise RestoreError(
+                f"{self.opened.prefix}: the checkpoint records device {saved!r}, but its data "
+                "is loaded as CPU memory maps. Pass device='cpu' (or the device to move the "
+                "data to) to tdckpt.load_memmap, or restore into a tensordict on that device.",
+                device=saved,
+            )
+        return device
 
     def build(
         self, node: Node, batch: tuple[int, ...] = (), parent_device: torch.device | None = None

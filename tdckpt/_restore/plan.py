@@ -79,6 +79,10 @@ class Mapper:
         return self.storage.physical_path(rel)
 
     def leaf(self, node: LeafNode) -> torch.Tensor:
+        if self.device is not None and self.device.type == "meta":
+            # A structure-only load: no file is read, as with tensordict's device="meta".
+            shape = node.shape[:1] if node.is_nested else node.shape
+            return torch.empty(shape, dtype=node.dtype, device="meta")
         if node.file is None:
             tensor = torch.empty(node.shape, dtype=node.dtype)
         else:
