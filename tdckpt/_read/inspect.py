@@ -10,10 +10,12 @@ import os
 
 from tdckpt._read.nodes import (
     LazyStackNode,
+    LazyViewNode,
     LeafNode,
     Node,
     NonTensorNode,
     NonTensorStackNode,
+    SubTensorDictNode,
     TensorClassNode,
     TensorDictNode,
     pickled_nodes,
@@ -185,6 +187,16 @@ def _info(node: Node, key: tuple[str, ...]) -> NodeInfo:
             batch_size=inner.batch_size,
             pickled=node.pickle is not None,
             children=inner.children,
+        )
+    if isinstance(node, (SubTensorDictNode, LazyViewNode)):
+        # The one child is the source the view reads (the _source directory).
+        return NodeInfo(
+            key=node.key,
+            kind="sub-tensordict" if isinstance(node, SubTensorDictNode) else "lazy-view",
+            path=node.path,
+            class_name=node.class_id,
+            batch_size=list(node.batch_size),
+            children=[_info(node.source, key)],
         )
     if isinstance(node, NonTensorNode):
         return NodeInfo(

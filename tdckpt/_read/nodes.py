@@ -22,6 +22,8 @@ __all__ = [
     "Node",
     "NonTensorNode",
     "NonTensorStackNode",
+    "LazyViewNode",
+    "SubTensorDictNode",
     "TensorClassNode",
     "TensorDictNode",
 ]
@@ -125,7 +127,49 @@ class TensorClassNode:
     pickle: VFile | None = None
 
 
-Node = Union[TensorDictNode, LazyStackNode, NonTensorNode, NonTensorStackNode, TensorClassNode, LeafNode]
+@dataclass
+class SubTensorDictNode:
+    """A saved ``_SubTensorDict``: ``index`` (decoded as tensordict decodes it) over ``source``.
+
+    ``index`` holds only ints, None, Ellipsis, slices, ranges, lists of ints/bools and CPU
+    index tensors; ``batch_size`` is the batch size of the view.
+    """
+
+    key: tuple[str, ...]
+    path: str
+    class_id: str
+    index_json: Any
+    index: Any
+    batch_size: tuple[int, ...]
+    source: Node
+
+
+@dataclass
+class LazyViewNode:
+    """A saved lazy view (``_UnsqueezedTensorDict``, ...): ``op(**kwargs)`` over ``source``."""
+
+    key: tuple[str, ...]
+    path: str
+    class_id: str
+    op: str
+    kwargs: dict[str, Any]
+    inv_op: str | None
+    inv_kwargs: dict[str, Any]
+    batch_size: tuple[int, ...]
+    device: str | None
+    source: Node
+
+
+Node = Union[
+    TensorDictNode,
+    LazyStackNode,
+    NonTensorNode,
+    NonTensorStackNode,
+    TensorClassNode,
+    LeafNode,
+    SubTensorDictNode,
+    LazyViewNode,
+]
 
 
 def pickled_nodes(node: Node) -> list[Node]:
@@ -142,4 +186,6 @@ def pickled_nodes(node: Node) -> list[Node]:
             stack.extend(reversed(cur.members))
         elif isinstance(cur, TensorClassNode):
             stack.append(cur.inner)
+        elif isinstance(cur, (SubTensorDictNode, LazyViewNode)):
+            stack.append(cur.source)
     return out

@@ -25,15 +25,18 @@ import torch
 
 from tdckpt._read.nodes import (
     LazyStackNode,
+    LazyViewNode,
     LeafNode,
     Node,
     NonTensorNode,
     NonTensorStackNode,
+    SubTensorDictNode,
     TensorClassNode,
     TensorDictNode,
     pickled_nodes,
 )
 from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
+from tdckpt._read.validate import node_batch
 from tdckpt._report import ValidationReport
 from tdckpt._restore.plan import (
     Mapper,
@@ -195,7 +198,41 @@ class _Builder:
             cls = resolve_tensorclass(node.type_str, where)
             check_tensorclass_fields(cls, fields, inner.keys(), where)
             return cls._from_tensordict(inner, fields)
+        if isinstance(node, (SubTensorDictNode, LazyViewNode)):
+            return self._view(node)
         raise AssertionError(type(node))  # pragma: no cover
+
+    def _view(self, node: SubTensorDictNode | LazyViewNode) -> Any:
+        """A sub-tensordict or lazy view over its built source, as tensordict 0.15.3 loads it.
+
+        Without tensordict, the view's values are materialized (the index or the operation
+        applied to every tensor), as nested dicts; refused where that would not be what
+        tensordict shows (non-tensor data, stacks or nested tensors in the source, a
+        ``squeeze()`` without dim, negative dims).
+        """
+        where = self.opened.storage.display(node.path)
+        if not self.td:
+            _check_plain_view(node, where)
+        source = self.build(node.source)
+        if isinstance(node, SubTensorDictNode):
+            if self.td:
+                from tensordict._td import _SubTensorDict
+
+                return _SubTensorDict(source, node.index)
+            index = _expand_ellipsis(node.index, len(node_batch(node.source) or ()))
+            return _plain_apply(source, lambda t: t[index])
+        if self.td:
+            import tensordict._lazy as lazy
+
+            cls = getattr(lazy, node.class_id.rpartition(":")[2])
+            return cls(
+                source,
+                custom_op=node.op,
+                inv_op=node.inv_op,
+                custom_op_kwargs=dict(node.kwargs),
+                inv_op_kwargs=dict(node.inv_kwargs),
+            )
+        return _plain_apply(source, _leaf_op(node.op, node.kwargs, len(node_batch(node.source) or ())))
 
     def _non_tensor(
         self, node: NonTensorNode, value: Any, fields: dict[str, Any], parent_device: torch.device | None
@@ -223,6 +260,68 @@ class _Builder:
         td._tensordict.update(entries)
         td._memmap_prefix = self.mapper.dir_path(node.path)
         return td
+
+
+def _check_plain_view(node: SubTensorDictNode | LazyViewNode, where: str) -> None:
+    if isinstance(node, LazyViewNode):
+        values = [v for v in node.kwargs.values()]
+        flat = [d for v in values for d in (v if isinstance(v, list) else [v])]
+        if (node.op == "squeeze" and not node.kwargs) or any(d < 0 for d in flat if node.op != "view"):
+            raise RestoreError(
+                f"{where}: without tensordict, a lazy {node.op}({node.kwargs}) cannot be "
+                "materialized faithfully (tensordict applies it to each tensor as is). Install "
+                "tensordict to load it."
+            )
+    stack: list[Node] = [node.source]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, TensorDictNode):
+            stack.extend(cur.entries.values())
+        elif isinstance(cur, (SubTensorDictNode, LazyViewNode)):
+            stack.append(cur.source)
+        elif not (isinstance(cur, LeafNode) and not cur.is_nested):
+            raise RestoreError(
+                f"{where}: without tensordict, a saved {type(node).__name__.removesuffix('Node')} "
+                f"is materialized as nested dicts of tensors, but its source holds a "
+                f"{type(cur).__name__.removesuffix('Node')} at {'.'.join(cur.key)!r} that cannot "
+                "be viewed that way. Install tensordict to load it.",
+                key=cur.key,
+            )
+
+
+def _expand_ellipsis(index: Any, batch_dims: int) -> tuple[Any, ...]:
+    """The index as _SubTensorDict holds it: a tuple, Ellipsis spanning the batch only."""
+    items = tuple(index) if isinstance(index, (tuple, list)) else (index,)
+    if not any(i is Ellipsis for i in items):
+        return items
+    used = sum(
+        (i.ndim if isinstance(i, torch.Tensor) and i.dtype == torch.bool else 1)
+        for i in items
+        if i is not None and i is not Ellipsis
+    )
+    out: list[Any] = []
+    for i in items:
+        out.extend([slice(None)] * (batch_dims - used) if i is Ellipsis else [i])
+    return tuple(out)
+
+
+def _leaf_op(op: str, kwargs: dict[str, Any], batch_dims: int) -> Any:
+    """The operation tensordict's lazy view applies to one tensor of its source."""
+    if op == "view":
+        return lambda t: t.view(*kwargs["size"], *t.shape[batch_dims:])
+    if op == "permute":
+        dims = list(kwargs["dims"])
+        return lambda t: t.permute(*dims, *range(len(dims), t.ndim))
+    if op == "squeeze" and isinstance(kwargs["dim"], list):
+        dims = tuple(kwargs["dim"])
+        return lambda t: t.squeeze(dims)
+    return lambda t: getattr(t, op)(**kwargs)
+
+
+def _plain_apply(value: Any, fn: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain_apply(v, fn) for k, v in value.items()}
+    return fn(value)
 
 
 # -- public API ----------------------------------------------------------------------------
