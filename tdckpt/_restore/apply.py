@@ -166,7 +166,16 @@ class _Preparer:
                 )
             self._into_td(target, node)
             return
-        raise RestoreError(f"{self.where(node)}: cannot restore a {type(node).__name__} in place.", key=node.key)
+        what = {
+            "SubTensorDictNode": "a sub-tensordict (a view of another tensordict)",
+            "LazyViewNode": "a lazy view (unsqueeze/permute/... of another tensordict)",
+        }.get(type(node).__name__, f"a {type(node).__name__.removesuffix('Node')}")
+        raise RestoreError(
+            f"{self.where(node)}: the checkpoint holds {what}, which cannot be loaded in place "
+            f"into a {_kind(target)}; nothing was changed. Use tdckpt.load_memmap to get a new "
+            "object.",
+            key=node.key,
+        )
 
     def _into_dict(self, target: dict[str, Any], node: TensorDictNode) -> None:
         new: dict[str, Any] = {}
