@@ -176,9 +176,10 @@ def bench_upgrade(work: Path, quick: bool) -> None:
         def setup(nbytes: int = nbytes) -> Path:
             prefix = work / f"legacy{nbytes}-{next(counter)}"
             _legacy_checkpoint(prefix, nbytes)
+            os.sync()  # the upgrade's own fsyncs should not flush the setup's writes
             return prefix
 
-        times[label] = best_of(lambda p: upgrade(p, backup=False), 3, setup)
+        times[label] = best_of(lambda p: upgrade(p, backup=False), 7, setup)
         print(f"  {label:<14} {times[label] * 1e3:8.2f} ms")
     small, large = times.values()
     print(f"  ratio big/small: {large / small:.2f} (no data copied: ~1)")
