@@ -6,6 +6,7 @@
 * ``detect``, ``migrate`` (+ the scripts in ``migrations/``): which generation wrote each
   directory, and the in-memory upgrade of the tree to the current format.
 * ``names``: which file holds each key (robust / legacy names, decided per directory).
-* ``nodes``, ``validate``: the typed tree and every problem, collected at once.
+* ``nodes``, ``validate`` (+ ``views`` for sub-tensordicts and lazy views): the typed tree
+  and every problem, collected at once.
 * ``pipeline``: the stages chained (``open_checkpoint``); ``inspect``: ``validate``/``inspect``.
 """

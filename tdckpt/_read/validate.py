@@ -35,6 +35,7 @@ from tdckpt._read.nodes import (
 )
 from tdckpt._read.storage import Storage, join
 from tdckpt._read.tree import VDir, VFile
+from tdckpt._read.views import build_sub_td, build_view
 from tdckpt._report import Problem
 from tdckpt.errors import TdckptError
 
@@ -62,11 +63,17 @@ def class_kind(meta: dict[str, Any]) -> str:
     return "tensorclass" if kind == "unknown" else kind
 
 
-class _Ctx:
+class Ctx:
+    """What one validation run collects: problems, claimed files; ``build`` recurses."""
+
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self.problems: list[Problem] = []
         self.claimed: dict[int, tuple[str, ...]] = {}
+
+    def build(self, vdir: VDir, key: tuple[str, ...], parent_batch: tuple[int, ...] | None) -> Node | None:
+        """Validate a nested level (views validate their ``_source`` through this)."""
+        return _build(vdir, key, self, parent_batch)
 
     def add(self, code: str, path: str, key: tuple[str, ...], message: str, sev: str = "error") -> None:
         self.problems.append(Problem(code, sev, path, key, message))  # type: ignore[arg-type]
@@ -74,7 +81,7 @@ class _Ctx:
 
 def build_nodes(tree: VDir, storage: Storage) -> tuple[Node | None, list[Problem]]:
     """Validate ``tree`` and return its typed root node (None if unusable) and problems."""
-    ctx = _Ctx(storage)
+    ctx = Ctx(storage)
     for vdir in tree.walk():
         ctx.problems.extend(vdir.problems)
     node = _build(tree, (), ctx, parent_batch=None)
@@ -82,7 +89,7 @@ def build_nodes(tree: VDir, storage: Storage) -> tuple[Node | None, list[Problem
 
 
 def _schema_problems(
-    ctx: _Ctx,
+    ctx: Ctx,
     exc: pydantic.ValidationError,
     path: str,
     key: tuple[str, ...],
@@ -112,7 +119,7 @@ def _schema_problems(
         )
 
 
-def _build(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, parent_batch: tuple[int, ...] | None) -> Node | None:
+def _build(vdir: VDir, key: tuple[str, ...], ctx: Ctx, parent_batch: tuple[int, ...] | None) -> Node | None:
     meta = vdir.meta
     if meta is None:
         own = [p for p in vdir.problems if p.severity == "error" and not p.key]
@@ -152,9 +159,9 @@ def _build(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, parent_batch: tuple[int,
     if kind == "tensorclass":
         return _build_tensorclass(vdir, key, ctx)
     if kind == "sub-tensordict":
-        return _build_sub_td(vdir, key, ctx)
+        return build_sub_td(vdir, key, ctx)
     if kind == "lazy-view":
-        return _build_view(vdir, key, ctx)
+        return build_view(vdir, key, ctx)
     ctx.add(
         "unsupported-class",
         join(vdir.source, "meta.json"),
@@ -166,7 +173,7 @@ def _build(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, parent_batch: tuple[int,
     return None
 
 
-def _check_device(ctx: _Ctx, vdir: VDir, key: tuple[str, ...], device: str | None) -> bool:
+def _check_device(ctx: Ctx, vdir: VDir, key: tuple[str, ...], device: str | None) -> bool:
     """A level's device must be one torch knows (leaf devices are ignored by every loader)."""
     if device is None:
         return True
@@ -193,7 +200,7 @@ def _list_depth(data: list[Any], limit: int) -> int:
     return depth
 
 
-def _build_td(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> TensorDictNode | None:
+def _build_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorDictNode | None:
     try:
         model = schema.TensorDictMeta.model_validate(vdir.meta)
     except pydantic.ValidationError as exc:
@@ -259,7 +266,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _build_leaf(
-    vdir: VDir, key: tuple[str, ...], name: str, entry: schema.LeafEntry, batch: tuple[int, ...], ctx: _Ctx
+    vdir: VDir, key: tuple[str, ...], name: str, entry: schema.LeafEntry, batch: tuple[int, ...], ctx: Ctx
 ) -> LeafNode | None:
     fname = encode_key(name) + LEAF_SUFFIX
     path = join(vdir.source, fname)
@@ -380,7 +387,7 @@ def _read_sizes(storage: Storage, vfile: VFile, shape: tuple[int, ...]) -> torch
     return torch.frombuffer(bytearray(raw[: n * 8]), dtype=torch.int64).reshape(shape).clone() if n else torch.zeros(shape, dtype=torch.int64)
 
 
-def _check_batch_prefix(node: Node, batch: tuple[int, ...], ctx: _Ctx) -> None:
+def _check_batch_prefix(node: Node, batch: tuple[int, ...], ctx: Ctx) -> None:
     child_batch: tuple[int, ...] | None = None
     if isinstance(node, TensorDictNode):
         child_batch = node.batch_size
@@ -397,7 +404,7 @@ def _check_batch_prefix(node: Node, batch: tuple[int, ...], ctx: _Ctx) -> None:
         )
 
 
-def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> LazyStackNode | None:
+def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyStackNode | None:
     try:
         model = schema.LazyStackMeta.model_validate(vdir.meta)
     except pydantic.ValidationError as exc:
@@ -429,7 +436,7 @@ def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> LazyStackNode |
     return node
 
 
-def _json_types(vdir: VDir, ctx: _Ctx) -> dict[str, str] | None:
+def _json_types(vdir: VDir, ctx: Ctx) -> dict[str, str] | None:
     jt = vdir.files.get("json_types.json")
     pk = vdir.files.get("other.pickle")
     if jt is None or pk is None or jt.source is None or pk.source is None:
@@ -448,7 +455,7 @@ def _json_types(vdir: VDir, ctx: _Ctx) -> dict[str, str] | None:
     return {str(k): str(v) for k, v in types.items()}
 
 
-def _build_non_tensor(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, batch: tuple[int, ...]) -> NonTensorNode | None:
+def _build_non_tensor(vdir: VDir, key: tuple[str, ...], ctx: Ctx, batch: tuple[int, ...]) -> NonTensorNode | None:
     try:
         model = schema.NonTensorDataMeta.model_validate(vdir.meta)
     except pydantic.ValidationError as exc:
@@ -469,7 +476,7 @@ def _build_non_tensor(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, batch: tuple[
 
 
 def _build_nt_stack(
-    vdir: VDir, key: tuple[str, ...], ctx: _Ctx, parent_batch: tuple[int, ...]
+    vdir: VDir, key: tuple[str, ...], ctx: Ctx, parent_batch: tuple[int, ...]
 ) -> NonTensorStackNode | None:
     try:
         model = schema.NonTensorStackMeta.model_validate(vdir.meta)
@@ -508,7 +515,7 @@ def _build_nt_stack(
     return node
 
 
-def _build_tensorclass(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> TensorClassNode | None:
+def _build_tensorclass(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorClassNode | None:
     try:
         model = schema.TensorClassMeta.model_validate(vdir.meta)
     except pydantic.ValidationError as exc:
@@ -526,377 +533,3 @@ def _build_tensorclass(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> TensorCla
         return None
     fields = {k: v for k, v in vdir.meta.items() if k != "_type"}
     return TensorClassNode(key=key, path=vdir.source, type_str=model.type_, fields=fields, inner=inner, pickle=vdir.files.get("other.pickle"))
-
-
-# -- sub-tensordicts and lazy views ------------------------------------------------------------
-
-#: Bounds on a saved sub-tensordict index (elements of the JSON, and nesting).
-MAX_INDEX_ITEMS = 1_000_000
-MAX_INDEX_DEPTH = 32
-_INT64 = (-(2**63), 2**63 - 1)
-
-#: The view operations tensordict 0.15.3 loads, with the exact keyword set of each
-#: (``_CustomOpTensorDict._load_memmap``); ``squeeze`` may also have none.
-VIEW_KWARGS: dict[str, frozenset[str]] = {
-    "squeeze": frozenset({"dim"}),
-    "unsqueeze": frozenset({"dim"}),
-    "view": frozenset({"size"}),
-    "transpose": frozenset({"dim0", "dim1"}),
-    "permute": frozenset({"dims"}),
-}
-#: The lazy-view classes (module ``tensordict._lazy``) a ``_class`` may name.
-VIEW_CLASSES = frozenset(
-    {
-        "_CustomOpTensorDict",
-        "_UnsqueezedTensorDict",
-        "_SqueezedTensorDict",
-        "_ViewedTensorDict",
-        "_TransposedTensorDict",
-        "_PermutedTensorDict",
-    }
-)
-
-
-class _BadIndex(Exception):
-    pass
-
-
-def node_batch(node: Node | None) -> tuple[int, ...] | None:
-    """The batch size of a collection node (None when it has none to offer)."""
-    if isinstance(node, (TensorDictNode, SubTensorDictNode, LazyViewNode)):
-        return tuple(node.batch_size)
-    if isinstance(node, LazyStackNode):
-        batches = {node_batch(m) for m in node.members}
-        if len(batches) != 1 or None in batches:
-            return None
-        (inner,) = batches
-        assert inner is not None
-        if node.stack_dim > len(inner):
-            return None
-        return (*inner[: node.stack_dim], len(node.members), *inner[node.stack_dim :])
-    return None
-
-
-def _build_source(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, what: str) -> tuple[Node, tuple[int, ...]] | None:
-    src_dir = vdir.dirs.get("_source")
-    if src_dir is None:
-        ctx.add(
-            "missing-child",
-            join(vdir.source, "_source"),
-            key,
-            f"a saved {what} without its _source directory (the tensordict it views); the "
-            "checkpoint is incomplete. Restore the directory from a backup.",
-        )
-        return None
-    n_problems = len(ctx.problems)
-    source = _build(src_dir, key, ctx, parent_batch=None)
-    if source is None:
-        return None
-    batch = node_batch(source)
-    if batch is None:
-        if len(ctx.problems) == n_problems:
-            ctx.add(
-                "bad-source",
-                join(src_dir.source, "meta.json"),
-                key,
-                f"the source of a saved {what} must be a tensordict with a batch size (a "
-                f"TensorDict, lazy stack, sub-tensordict or lazy view); found a {type(source).__name__}.",
-            )
-        return None
-    return source, batch
-
-
-def _check_view_class(vdir: VDir, key: tuple[str, ...], ctx: _Ctx, allowed: frozenset[str], module: str) -> str | None:
-    meta = vdir.meta or {}
-    class_id = meta.get("_class")
-    if not isinstance(class_id, str) or class_id.rpartition(":")[0] != module or class_id.rpartition(":")[2] not in allowed:
-        ctx.add(
-            "unknown-class",
-            join(vdir.source, "meta.json"),
-            key,
-            f"_class {class_id!r} is not one of {sorted(f'{module}:{c}' for c in allowed)}. The "
-            "metadata is damaged, or was written by a newer tensordict: upgrade tdckpt.",
-        )
-        return None
-    return class_id
-
-
-def decode_index(raw: Any) -> Any:
-    """Decode a saved ``index`` as tensordict 0.15.3's ``_str_to_index`` does, strictly.
-
-    Tagged (0.14+) and untagged (older) forms. Only ints, None, Ellipsis, slices and
-    ranges of ints, lists of ints or bools and CPU index tensors are accepted; raises
-    ``_BadIndex`` for anything else, for more than MAX_INDEX_ITEMS elements or nesting
-    deeper than MAX_INDEX_DEPTH.
-    """
-    budget = [MAX_INDEX_ITEMS]
-
-    def spend(depth: int) -> None:
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise _BadIndex(f"the index has more than {MAX_INDEX_ITEMS} elements")
-        if depth > MAX_INDEX_DEPTH:
-            raise _BadIndex(f"the index nests deeper than {MAX_INDEX_DEPTH} levels")
-
-    def integer(x: Any, what: str, none_ok: bool) -> Any:
-        if x is None and none_ok:
-            return None
-        if type(x) is not int or not _INT64[0] <= x <= _INT64[1]:
-            raise _BadIndex(f"{what} must be an int{' or null' if none_ok else ''}, found {x!r:.40}")
-        return x
-
-    def content(x: Any, depth: int) -> None:
-        spend(depth)
-        if isinstance(x, list):
-            for e in x:
-                content(e, depth + 1)
-        elif type(x) is bool:
-            return
-        else:
-            integer(x, "an index tensor's element", False)
-
-    def dec(x: Any, depth: int) -> Any:
-        spend(depth)
-        if isinstance(x, list):
-            if not x:
-                return ()
-            tag = x[0]
-            if tag in ("tuple", "list"):
-                if len(x) != 2 or not isinstance(x[1], list):
-                    raise _BadIndex(f"a {tag!r} entry must be [{tag!r}, [...]]")
-                items = [dec(e, depth + 1) for e in x[1]]
-                return tuple(items) if tag == "tuple" else items
-            if tag in ("slice", "range"):
-                if len(x) != 2 or not isinstance(x[1], dict) or set(x[1]) != {"start", "stop", "step"}:
-                    raise _BadIndex(f"a {tag!r} entry must be [{tag!r}, {{start, stop, step}}]")
-                c = x[1]
-                start, stop, step = (integer(c[k], f"{tag} {k}", tag == "slice") for k in ("start", "stop", "step"))
-                if step is not None and step <= 0:
-                    raise _BadIndex(f"a {tag} step must be positive, found {step}")
-                if tag == "slice":
-                    return slice(start, stop, step)
-                r = range(start, stop, step)
-                if len(r) > budget[0]:
-                    raise _BadIndex(f"the index has more than {MAX_INDEX_ITEMS} elements")
-                budget[0] -= len(r)
-                return r
-            if tag == "tensor":
-                if len(x) != 3 or not isinstance(x[2], str):
-                    raise _BadIndex("a 'tensor' entry must be ['tensor', values, device]")
-                try:
-                    device = torch.device(x[2])
-                except (RuntimeError, ValueError):
-                    raise _BadIndex(f"index tensor device {x[2]!r:.40} is not a torch device") from None
-                if device.type != "cpu":
-                    raise _BadIndex(f"the index tensor is on {x[2]!r:.40}; it cannot index the CPU data of the checkpoint")
-                content(x[1], depth + 1)
-                try:
-                    return torch.tensor(x[1], device=device)
-                except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
-                    raise _BadIndex(f"the index tensor's values do not form a tensor ({exc})") from None
-            if tag == "ellipsis":
-                if len(x) != 1:
-                    raise _BadIndex("an 'ellipsis' entry must be ['ellipsis']")
-                return Ellipsis
-            if isinstance(tag, str):
-                raise _BadIndex(f"unknown index tag {tag!r:.40}")
-            # The untagged form of tensordict < 0.14: a sequence of indices (a tuple).
-            return tuple(dec(e, depth + 1) for e in x)
-        if x is None:
-            return None
-        return integer(x, "an index", False)
-
-    return dec(raw, 0)
-
-
-def index_batch(index: Any, batch: tuple[int, ...]) -> tuple[int, ...]:
-    """The batch size of ``source[index]`` for a source of batch ``batch`` (bounds checked)."""
-    # _SubTensorDict turns a list or tuple index into a tuple of per-dimension indices.
-    items = tuple(index) if isinstance(index, (tuple, list)) else (index,)
-    tensors: list[Any] = []
-    for item in items:
-        if isinstance(item, (list, range)):
-            try:
-                item = torch.tensor(list(item), dtype=None)
-            except (RuntimeError, ValueError, TypeError, OverflowError):
-                raise _BadIndex("a list index must hold ints or bools of one shape") from None
-            if item.numel() == 0:
-                item = item.long()
-        elif isinstance(item, tuple):
-            raise _BadIndex("a tuple cannot be nested in an index")
-        tensors.append(item)
-
-    def dims_of(item: Any) -> int:
-        if item is None or item is Ellipsis:
-            return 0
-        if isinstance(item, torch.Tensor) and item.dtype == torch.bool:
-            return item.ndim
-        return 1
-
-    used = sum(dims_of(t) for t in tensors)
-    if sum(t is Ellipsis for t in tensors) > 1:
-        raise _BadIndex("the index holds more than one Ellipsis")
-    if used > len(batch):
-        raise _BadIndex(f"the index addresses {used} dimensions, the source has {len(batch)} {list(batch)}")
-    pos = 0
-    conv: list[Any] = []
-    for t in tensors:
-        if t is Ellipsis:
-            pos += len(batch) - used
-            conv.append(t)
-        elif t is None:
-            conv.append(t)
-        elif isinstance(t, int):
-            size = batch[pos]
-            if not -size <= t < size:
-                raise _BadIndex(f"index {t} is out of range for dimension {pos} of size {size}")
-            conv.append(t)
-            pos += 1
-        elif isinstance(t, slice):
-            conv.append(t)
-            pos += 1
-        elif isinstance(t, torch.Tensor):
-            if t.dtype == torch.bool:
-                if t.ndim == 0 or tuple(t.shape) != batch[pos : pos + t.ndim]:
-                    raise _BadIndex(f"a mask of shape {list(t.shape)} for dimensions {list(batch[pos : pos + t.ndim])} of the source")
-                conv.extend(i.to("meta") for i in t.nonzero(as_tuple=True))
-                pos += t.ndim
-            elif t.dtype in (torch.int64, torch.int32):
-                size = batch[pos]
-                if t.numel() and (int(t.min()) < -size or int(t.max()) >= size):
-                    raise _BadIndex(f"index tensor values out of range for dimension {pos} of size {size}")
-                conv.append(t.to("meta"))
-                pos += 1
-            else:
-                raise _BadIndex(f"an index tensor of {t.dtype}; indices are ints or bools")
-        else:
-            raise _BadIndex(f"{type(t).__name__} is not an index")
-    try:
-        return tuple(torch.empty(batch, device="meta")[tuple(conv)].shape)
-    except (IndexError, RuntimeError, TypeError, ValueError) as exc:
-        raise _BadIndex(f"the index does not apply to a batch of {list(batch)} ({exc})") from None
-
-
-def _build_sub_td(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> SubTensorDictNode | None:
-    meta = vdir.meta or {}
-    where = join(vdir.source, "meta.json")
-    class_id = _check_view_class(vdir, key, ctx, frozenset({"_SubTensorDict"}), "tensordict._td")
-    if "index" not in meta:
-        ctx.add("schema", where, key, "a saved sub-tensordict without its 'index' field; the metadata is damaged.")
-        return None
-    try:
-        index = decode_index(meta["index"])
-        bad = None
-    except _BadIndex as exc:
-        index, bad = None, str(exc)
-    built = _build_source(vdir, key, ctx, "sub-tensordict")
-    if bad is not None:
-        ctx.add("bad-index", where, key, f"the sub-tensordict index cannot be loaded: {bad}. The metadata is damaged or hostile.")
-        return None
-    if built is None or class_id is None:
-        return None
-    source, src_batch = built
-    try:
-        batch = index_batch(index, src_batch)
-    except _BadIndex as exc:
-        ctx.add("bad-index", where, key, f"the sub-tensordict index does not fit its source of batch size {list(src_batch)}: {exc}.")
-        return None
-    return SubTensorDictNode(key=key, path=vdir.source, class_id=class_id, index_json=meta["index"], index=index, batch_size=batch, source=source)
-
-
-def _op_error(op: Any, kwargs: Any) -> str | None:
-    """tensordict 0.15.3's check of a saved operation (None: accepted)."""
-    if not isinstance(op, str) or op not in VIEW_KWARGS:
-        return f"operation {op!r:.40} is not one of {sorted(VIEW_KWARGS)}"
-    if not isinstance(kwargs, dict):
-        return f"its kwargs must be a dict, found {kwargs!r:.60}"
-    if set(kwargs) != VIEW_KWARGS[op] and not (op == "squeeze" and not kwargs):
-        return f"{op} takes exactly {sorted(VIEW_KWARGS[op])}, found {sorted(kwargs)!r:.80}"
-    for name, value in kwargs.items():
-        many = name in ("size", "dims") or (op == "squeeze" and isinstance(value, list))
-        values = value if many else [value]
-        if not isinstance(values, list) or any(type(v) is not int for v in values):
-            return f"{op} argument {name}={value!r:.60} must be {'a list of ints' if many else 'an int'}"
-        if len(values) > 64:
-            return f"{op} argument {name} has {len(values)} entries, more dims than a tensordict can have"
-        if op in ("squeeze", "unsqueeze", "transpose") and any(v < 0 for v in values):
-            return (
-                f"{op} argument {name}={value!r:.40} is negative: tensordict applies it to each "
-                "tensor as is, so it would address feature dims, not the batch"
-            )
-    return None
-
-
-def _apply_op(op: str, kwargs: dict[str, Any], batch: tuple[int, ...]) -> tuple[int, ...]:
-    args = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
-    return tuple(getattr(torch.empty(batch, device="meta"), op)(**args).shape)
-
-
-def _build_view(vdir: VDir, key: tuple[str, ...], ctx: _Ctx) -> LazyViewNode | None:
-    meta = vdir.meta or {}
-    where = join(vdir.source, "meta.json")
-    class_id = _check_view_class(vdir, key, ctx, VIEW_CLASSES, "tensordict._lazy")
-    op, inv = meta.get("custom_op"), meta.get("inv_op")
-    bad = None
-    for field_name in ("custom_op_kwargs", "inv_op_kwargs"):
-        if field_name not in meta:
-            bad = f"the field {field_name!r} is missing"
-    if bad is None:
-        bad = _op_error(op, meta["custom_op_kwargs"])
-    if bad is None and inv is not None:
-        bad = _op_error(inv, meta["inv_op_kwargs"])
-        bad = bad and f"inverse {bad}"
-    if bad is None and inv is None and not isinstance(meta["inv_op_kwargs"], dict):
-        bad = "inv_op_kwargs must be a dict"
-    built = _build_source(vdir, key, ctx, "lazy view")
-    if bad is not None:
-        ctx.add("bad-view", where, key, f"the lazy view cannot be loaded: {bad}. The metadata is damaged or hostile.")
-        return None
-    if built is None or class_id is None:
-        return None
-    source, src_batch = built
-    assert isinstance(op, str)
-    kwargs, inv_kwargs = meta["custom_op_kwargs"], meta["inv_op_kwargs"]
-    try:
-        batch = _apply_op(op, kwargs, src_batch)
-    except (IndexError, RuntimeError, TypeError, ValueError) as exc:
-        ctx.add("bad-view", where, key, f"{op}({kwargs!r:.60}) does not apply to its source of batch size {list(src_batch)}: {exc}")
-        return None
-    if inv is not None:
-        try:
-            back = _apply_op(inv, inv_kwargs, batch)
-        except (IndexError, RuntimeError, TypeError, ValueError):
-            back = None
-        if back != src_batch:
-            ctx.add(
-                "bad-view",
-                where,
-                key,
-                f"the inverse {inv}({inv_kwargs!r:.60}) does not turn the view's batch size "
-                f"{list(batch)} back into the source's {list(src_batch)}; writes through the view "
-                "would go astray. The metadata is damaged or was edited.",
-            )
-            return None
-    saved = meta.get("shape")
-    if saved is not None and (not isinstance(saved, list) or tuple(saved) != batch):
-        ctx.add(
-            "batch-mismatch",
-            where,
-            key,
-            f"the saved batch size {saved!r:.60} is not the {list(batch)} that {op} gives on the "
-            f"source's {list(src_batch)}. The metadata is damaged or was edited.",
-        )
-        return None
-    device = meta.get("device")
-    return LazyViewNode(
-        key=key,
-        path=vdir.source,
-        class_id=class_id,
-        op=op,
-        kwargs=kwargs,
-        inv_op=inv,
-        inv_kwargs=inv_kwargs,
-        batch_size=batch,
-        device=device if isinstance(device, str) else None,
-        source=source,
-    )

@@ -36,7 +36,7 @@ from tdckpt._read.nodes import (
     pickled_nodes,
 )
 from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
-from tdckpt._read.validate import node_batch
+from tdckpt._read.views import node_batch
 from tdckpt._report import ValidationReport
 from tdckpt._restore.plan import (
     Mapper,
