@@ -173,7 +173,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     from tdckpt._read.inspect import inspect, validate
 
-    parser = argparse.ArgumentParser(prog="tdckpt", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="tdckpt",
+        description="Inspect, validate and upgrade TensorDict checkpoints of any tensordict "
+        "release; list, verify and clean a root of managed steps.",
+    )
     parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
