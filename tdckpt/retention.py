@@ -164,6 +164,8 @@ class KeepBest(_Composable):
 class AnyOf(_Composable):
     """Keep every step that at least one of ``policies`` keeps (the union)."""
 
+    policies: tuple[RetentionPolicy, ...]
+
     def __init__(self, *policies: RetentionPolicy) -> None:
         if not policies:
             raise ValueError("AnyOf needs at least one policy")

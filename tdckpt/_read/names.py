@@ -60,7 +60,7 @@ class NamesResult:
 
 def is_keyed_level(meta: dict[str, object] | None) -> bool:
     """Whether a meta.json describes a TensorDict level, whose dict entries are keys."""
-    return level_kind(meta) == "tensordict"  # type: ignore[arg-type]
+    return level_kind(meta) == "tensordict"
 
 
 def normalize_names(tree: VDir, *, robust_key: bool | None, storage: Storage) -> NamesResult:

@@ -193,7 +193,8 @@ def _check_device(ctx: Ctx, vdir: VDir, key: tuple[str, ...], device: str | None
 
 def _list_depth(data: list[Any], limit: int) -> int:
     """How deeply ``data`` nests lists (first elements only), up to ``limit + 1``."""
-    depth, cur = 0, data
+    depth = 0
+    cur: Any = data
     while isinstance(cur, list) and depth <= limit:
         depth += 1
         cur = cur[0] if cur else None

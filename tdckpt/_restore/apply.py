@@ -341,6 +341,7 @@ def restore_into_target(
     snapshot_fields = [(obj, dict(obj._non_tensordict)) for obj, _ in plan.fields]
     try:
         if was_memmap:
+            assert root_td is not None
             root_td.unlock_()
         for obj, new in plan.items:
             store = obj._tensordict if _is_td(obj) else obj
@@ -362,6 +363,7 @@ def restore_into_target(
                 for lvl in flagged:
                     lvl._is_memmap = True
                     lvl._is_shared = False
+                assert root_td is not None
                 root_td.lock_()
             else:
                 for lvl in flagged:

@@ -19,7 +19,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -36,6 +36,7 @@ from tdckpt._read.nodes import (
     pickled_nodes,
 )
 from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
+from tdckpt._read.storage import MapMode
 from tdckpt._read.views import node_batch
 from tdckpt._report import ValidationReport
 from tdckpt._restore.plan import (
@@ -197,7 +198,7 @@ class _Builder:
             where = self.opened.storage.display(node.path)
             cls = resolve_tensorclass(node.type_str, where)
             check_tensorclass_fields(cls, fields, inner.keys(), where)
-            return cls._from_tensordict(inner, fields)
+            return cls._from_tensordict(inner, fields)  # type: ignore[attr-defined]
         if isinstance(node, (SubTensorDictNode, LazyViewNode)):
             return self._view(node)
         raise AssertionError(type(node))  # pragma: no cover
@@ -256,9 +257,9 @@ class _Builder:
         entries = {k: self.build(v, node.batch_size, device) for k, v in node.entries.items()}
         td = TensorDict(batch_size=node.batch_size, device=device)
         if node.names is not None:
-            td._set_names(node.names)
+            td._set_names(node.names)  # type: ignore[arg-type]
         td._tensordict.update(entries)
-        td._memmap_prefix = self.mapper.dir_path(node.path)
+        td._memmap_prefix = self.mapper.dir_path(node.path)  # type: ignore[assignment]
         return td
 
 
@@ -313,8 +314,8 @@ def _leaf_op(op: str, kwargs: dict[str, Any], batch_dims: int) -> Any:
         dims = list(kwargs["dims"])
         return lambda t: t.permute(*dims, *range(len(dims), t.ndim))
     if op == "squeeze" and isinstance(kwargs["dim"], list):
-        dims = tuple(kwargs["dim"])
-        return lambda t: t.squeeze(dims)
+        squeezed = tuple(kwargs["dim"])
+        return lambda t: t.squeeze(squeezed)
     return lambda t: getattr(t, op)(**kwargs)
 
 
@@ -415,6 +416,8 @@ def load_memmap_(
         assert opened.root is not None
         from tdckpt._restore.apply import restore_into_target
 
-        restore_into_target(target, opened, mode=mode, unpickle=unpickle, builder_factory=_Builder)
+        restore_into_target(
+            target, opened, mode=cast(MapMode, mode), unpickle=unpickle, builder_factory=_Builder
+        )
     return target
 

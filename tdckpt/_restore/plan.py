@@ -118,15 +118,15 @@ class Mapper:
             return tensor
         from tensordict.memmap import MemoryMappedTensor
 
-        out = MemoryMappedTensor(tensor)
+        out = MemoryMappedTensor(tensor)  # type: ignore[no-untyped-call]
         # The ``filename`` setter normalises through pathlib (slow for 10,000 leaves);
         # the storage already gives an absolute, normalised path.
         out._filename = self.storage.absolute_str(node.file.source or "")  # type: ignore[attr-defined]
-        out._handler = None
+        out._handler = None  # type: ignore[assignment]
         out._mode = self.mode
         out._index = None
         out._index_chain = ()
-        out._parent_shape = node.sizes if node.is_nested else torch.Size(node.shape)
+        out._parent_shape = node.sizes if node.is_nested else torch.Size(node.shape)  # type: ignore[assignment]
         return out
 
 
@@ -191,7 +191,7 @@ def check_tensorclass_fields(cls: type, fields: dict[str, Any], inner_keys: Any,
     import dataclasses
 
     try:
-        declared = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        declared = {f.name for f in dataclasses.fields(cls)}
     except TypeError:  # pragma: no cover - every tensorclass is a dataclass
         return
     unknown = sorted((set(fields) | set(inner_keys)) - declared)
@@ -221,7 +221,7 @@ def resolve_tensorclass(type_str: str, where: str) -> type:
 
         for cls in getattr(td_base, "_ACCEPTED_CLASSES", ()):
             if str(cls) == type_str:
-                return cls
+                return cls  # type: ignore[no-any-return]
     except ImportError:  # pragma: no cover - only called with tensordict
         pass
     module = sys.modules.get(module_name)

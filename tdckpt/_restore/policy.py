@@ -20,6 +20,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from types import FrameType
 
 from packaging.version import Version
 
@@ -81,13 +82,13 @@ def user_stacklevel() -> int:
     ``contextlib`` frames between tdckpt frames are skipped too: a warning raised inside
     one of tdckpt's ``@contextmanager`` blocks would otherwise point at ``contextlib.py``.
     """
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     level = 1
     while frame is not None and (
         _inside_package(frame.f_code.co_filename)
         or os.path.abspath(frame.f_code.co_filename) in _GLUE_FILES
     ):
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
         level += 1
     return level
 

@@ -435,7 +435,7 @@ def _layout(
                 )
             )
             if name in ("other.pickle", "pickle.pkl"):
-                pickles.append(schema.PickleRecord(key=list(key), file=where, kind=name))  # type: ignore[arg-type]
+                pickles.append(schema.PickleRecord(key=list(key), file=where, kind=name))
         for name in sorted(node.dirs, reverse=True):
             stack.append((join(rel, name), node.dirs[name]))
     root_meta = plan.tree.meta or {}

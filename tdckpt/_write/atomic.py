@@ -174,7 +174,7 @@ def _load_renameat2() -> Callable[..., int] | None:
         return None
     func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     func.restype = ctypes.c_int
-    return func  # type: ignore[no-any-return]
+    return func
 
 
 _renameat2 = _load_renameat2()

@@ -158,7 +158,7 @@ class RootLock:
         self.fsync = fsync
         self._fd: int | None = None
         self._stacklevel = 1
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def held(self) -> bool:

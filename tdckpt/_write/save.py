@@ -157,7 +157,7 @@ def _pieces(t: torch.Tensor) -> Iterator[torch.Tensor]:
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a plain contiguous CPU tensor, without copying (any dtype, 0-d)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _write_all(fd: int, data: memoryview) -> None:

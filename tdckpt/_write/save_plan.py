@@ -68,7 +68,7 @@ def _from_shared_nontensor(value: Any) -> Any:
         return value.value
     if isinstance(value, multiprocessing.sharedctypes.SynchronizedArray):
         out = []
-        for byte in value:
+        for byte in value[:]:
             if byte == b"\x00":
                 break
             out.append(byte)
