@@ -257,15 +257,7 @@ def _verify_dir(path: Path, manifest: Manifest, report: VerifyReport, hashing: _
             continue
         report.files_checked += 1
         if st.st_size != record.size:
-            report.problems.append(
-                VerifyProblem(
-                    rel,
-                    key,
-                    "short" if st.st_size < record.size else "long",
-                    f"{record.size} bytes",
-                    f"{st.st_size} bytes",
-                )
-            )
+            report.problems.append(_size_problem(rel, key, record.size, st.st_size))
             continue
         if record.checksum is None:
             continue
@@ -281,6 +273,12 @@ def _verify_dir(path: Path, manifest: Manifest, report: VerifyReport, hashing: _
         report.problems.append(
             VerifyProblem(rel, _key_from_path(rel), "extra", None, f"{on_disk[rel].st_size} bytes")
         )
+
+
+def _size_problem(rel: str, key: Any, expected: int, found: int) -> VerifyProblem:
+    """A file whose size differs from the manifest's."""
+    kind: ProblemKind = "short" if found < expected else "long"
+    return VerifyProblem(rel, key, kind, f"{expected} bytes", f"{found} bytes")
 
 
 def _verify_archive(
@@ -305,15 +303,7 @@ def _verify_archive(
                 continue
             report.files_checked += 1
             if info.file_size != record.size:
-                report.problems.append(
-                    VerifyProblem(
-                        rel,
-                        key,
-                        "short" if info.file_size < record.size else "long",
-                        f"{record.size} bytes",
-                        f"{info.file_size} bytes",
-                    )
-                )
+                report.problems.append(_size_problem(rel, key, record.size, info.file_size))
                 continue
             if record.checksum is None:
                 continue
