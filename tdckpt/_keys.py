@@ -54,7 +54,8 @@ def encode_key(key: str, *, robust: bool = True) -> str:
     >>> encode_key("a/b", robust=False)
     'a/b'
     """
-    if not robust:
+    if not robust or key.isidentifier():
+        # Letters, digits and "_" only (the usual key): nothing to encode.
         return key
     if not key:
         return "%"

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -150,21 +155,118 @@ def test_map_never_grows_a_short_file(layout: tuple[Path, Path], mode: str | Non
     assert tree_digest(prefix) == before
 
 
-def test_map_r_plus_needs_a_writable_file(layout: tuple[Path, Path]) -> None:
+def _run_unprivileged(func: Callable[[], object]) -> object:
+    """Run ``func`` as an unprivileged user: in a forked child that drops root, if root.
+
+    Root opens read-only files for writing, so permission checks are only meaningful for
+    another user. The child is a fork of this interpreter (no new Python to start), and
+    sends back what ``func`` returned or raised.
+    """
+    if os.geteuid() != 0:
+        return func()
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's coverage is not collected
+        code = 0
+        try:
+            os.close(read_fd)
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                outcome: tuple[str, object] = ("ok", func())
+            except BaseException as exc:  # noqa: BLE001 - sent back to the parent
+                outcome = ("raised", (type(exc).__name__, str(exc)))
+            with os.fdopen(write_fd, "wb") as fh:
+                pickle.dump(outcome, fh)
+        except BaseException:  # noqa: BLE001
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as fh:
+        data = fh.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and data, "the unprivileged child failed"
+    kind, value = pickle.loads(data)
+    if kind == "raised":
+        name, message = value  # type: ignore[misc]
+        raise AssertionError(f"unprivileged child raised {name}: {message}")
+    return value
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A prefix any user can read (pytest's tmp_path is private to root)."""
+    base = Path(tempfile.mkdtemp(prefix="tdckpt-perm-"))
+    base.chmod(0o755)
+    prefix = base / "ckpt"
+    prefix.mkdir()
+    prefix.chmod(0o755)
+    values = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    (prefix / "ro.memmap").write_bytes(values)
+    (prefix / "ro.memmap").chmod(0o444)
+    (prefix / "rw.memmap").write_bytes(values)
+    (prefix / "rw.memmap").chmod(0o666)  # writable through "other" bits, not as owner
+    try:
+        yield prefix
+    finally:
+        shutil.rmtree(base)
+
+
+def test_map_r_plus_needs_a_writable_file(shared_dir: Path) -> None:
+    def attempt() -> str:
+        try:
+            DirectoryStorage(shared_dir).map("ro.memmap", torch.float32, 4, mode="r+")
+        except PermissionError as exc:
+            return str(exc)
+        return "mapped"
+
+    message = _run_unprivileged(attempt)
+    assert "ro.memmap" in str(message) and "mode='r+' needs a writable file" in str(message)
+
+
+def test_map_default_mode_is_copy_on_write_for_a_read_only_file(shared_dir: Path) -> None:
+    def attempt() -> list[float]:
+        storage = DirectoryStorage(shared_dir)
+        t = storage.map("ro.memmap", torch.float32, 4, mode=None)
+        t.add_(1)  # copy-on-write: the file keeps its bytes
+        return t.tolist()
+
+    assert _run_unprivileged(attempt) == [1.0, 2.0, 3.0, 4.0]
+    assert (shared_dir / "ro.memmap").read_bytes() == torch.arange(4, dtype=torch.float32).numpy().tobytes()
+
+
+def test_map_default_mode_shares_a_file_writable_through_group_or_other_bits(shared_dir: Path) -> None:
+    # Not the owner: the mode bits do not answer, access() does (and says writable).
+    def attempt() -> None:
+        storage = DirectoryStorage(shared_dir)
+        storage.map("rw.memmap", torch.float32, 4, mode=None).fill_(9.0)
+        storage.map("rw.memmap", torch.float32, 4, mode="r+")[0] = 5.0
+
+    _run_unprivileged(attempt)
+    raw = (shared_dir / "rw.memmap").read_bytes()
+    assert torch.frombuffer(bytearray(raw), dtype=torch.float32).tolist() == [5.0, 9.0, 9.0, 9.0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file immutable needs root")
+def test_map_falls_back_when_a_shared_open_is_refused_despite_the_mode_bits(layout: tuple[Path, Path]) -> None:
+    # Root passes every mode-bit check, but an immutable file (like a read-only mount)
+    # still refuses O_RDWR: mode=None falls back to copy-on-write, "r+" is refused.
     prefix, _ = layout
     path = prefix / "a.memmap"
-    path.chmod(0o444)
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
     try:
-        if os.access(path, os.W_OK):  # pragma: no cover - running as root
-            pytest.skip("root can write read-only files")
-        with pytest.raises(PermissionError, match="r\\+"):
-            DirectoryStorage(prefix).map("a.memmap", torch.float32, 4, mode="r+")
-        # mode=None falls back to copy-on-write for a read-only file.
-        t = DirectoryStorage(prefix).map("a.memmap", torch.float32, 4, mode=None)
+        storage = DirectoryStorage(prefix)
+        storage.listdir("")
+        t = storage.map("a.memmap", torch.float32, 4, mode=None)
         t.add_(1)
-        assert path.read_bytes() == torch.arange(4, dtype=torch.float32).numpy().tobytes()
+        assert t.tolist() == [1.0, 2.0, 3.0, 4.0]
+        with pytest.raises(PermissionError, match=r"mode='r\+' needs a writable file"):
+            storage.map("a.memmap", torch.float32, 4, mode="r+")
     finally:
-        path.chmod(0o644)
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+    assert path.read_bytes() == torch.arange(4, dtype=torch.float32).numpy().tobytes()
 
 
 # -- names that would leave the prefix ----------------------------------------------------

@@ -23,6 +23,7 @@ components) is never followed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tdckpt._keys import (
@@ -105,8 +106,8 @@ def _legacy_dir(node: VDir, key: str) -> VDir | None:
     return cur
 
 
-def _robust_file(node: VDir, key: str, suffix: str) -> VFile | None:
-    found = node.files.get(encode_key(key) + suffix)
+def _robust_file(node: VDir, key: str, suffix: str, encoded: str | None = None) -> VFile | None:
+    found = node.files.get((encode_key(key) if encoded is None else encoded) + suffix)
     if found is None and key in ("", ".", ".."):
         # tensordict 0.13 percent-encoded leaf names but did not yet special-case the
         # empty and dot keys: "" was ".memmap" and ".." was "...memmap".
@@ -117,9 +118,10 @@ def _robust_file(node: VDir, key: str, suffix: str) -> VFile | None:
 def _choose(
     node: VDir,
     keys: list[str],
-    find_robust: object,
-    find_legacy: object,
-    needs_file: dict[str, bool],
+    enc: dict[str, str],
+    find_robust: Callable[[str], object],
+    find_legacy: Callable[[str], object],
+    needs_file: Callable[[str], bool],
     *,
     robust_key: bool | None,
     hint: str | None,
@@ -128,28 +130,34 @@ def _choose(
     what: str,
     lost: list[str],
 ) -> dict[str, tuple[str, object]]:
-    """Pick each key's entry under one convention; return key -> (convention, entry)."""
-    enc = {k: encode_key(k) for k in keys}
-    robust = {k: find_robust(k) for k in keys}  # type: ignore[operator]
-    # A key that encodes to itself has one name under both conventions (no "/" in it),
-    # so its legacy lookup is its robust one: only the other keys are looked up again.
-    legacy = {k: robust[k] if enc[k] == k else find_legacy(k) for k in keys}  # type: ignore[operator]
+    """Pick each key's entry under one convention; return key -> (convention, entry).
+
+    ``enc`` holds every key's robust name; ``needs_file(key)`` says whether the key must
+    have a file (zero-element leaves need none), and is only asked when deciding.
+    """
     picked: dict[str, tuple[str, object]] = {}
     if robust_key is True:
+        # tensordict's rule, key by key: the robust name, else the raw name of a safe
+        # legacy key. A key that encodes to itself has one name under both conventions.
         for k in keys:
-            if robust[k] is not None:
-                picked[k] = (ROBUST, robust[k])
-            elif enc[k] != k and is_safe_legacy_key(k, is_collection=is_collection) and (
-                legacy[k] is not None
-            ):
-                picked[k] = (LEGACY, legacy[k])
+            found = find_robust(k)
+            if found is not None:
+                picked[k] = (ROBUST, found)
+            elif enc[k] != k and is_safe_legacy_key(k, is_collection=is_collection):
+                found = find_legacy(k)
+                if found is not None:
+                    picked[k] = (LEGACY, found)
         return picked
+    robust = {k: find_robust(k) for k in keys}
+    # A key that encodes to itself has one name under both conventions (no "/" in it),
+    # so its legacy lookup is its robust one: only the other keys are looked up again.
+    legacy = {k: robust[k] if enc[k] == k else find_legacy(k) for k in keys}
     if robust_key is False:
         conv = LEGACY
     elif hint in (ROBUST, LEGACY):
         conv = hint
     else:
-        distinct = [k for k in keys if enc[k] != k and needs_file[k]]
+        distinct = [k for k in keys if enc[k] != k and needs_file(k)]
         r_ok = all(robust[k] is not None for k in distinct)
         l_ok = all(legacy[k] is not None for k in distinct)
         # Keys whose two names find two different entries (".." may find "...memmap"
@@ -158,7 +166,7 @@ def _choose(
         ambiguous = bool(both) and r_ok and l_ok
         if ambiguous:
             suffix = "" if is_collection else LEAF_SUFFIX
-            robust_name, raw_name = encode_key(both[0]) + suffix, both[0] + suffix
+            robust_name, raw_name = enc[both[0]] + suffix, both[0] + suffix
             result.problems.append(
                 Problem(
                     "ambiguous-key-encoding",
@@ -192,8 +200,7 @@ def _choose(
         result.decisions[f"{node.source}:{what}"] = conv
     table = robust if conv == ROBUST else legacy
     for k in keys:
-        unsafe = legacy_components(k + ("" if is_collection else LEAF_SUFFIX)) is None
-        if conv == LEGACY and unsafe and needs_file[k]:
+        if conv == LEGACY and needs_file(k) and legacy_components(k + ("" if is_collection else LEAF_SUFFIX)) is None:
             lost.append(k)
             result.problems.append(
                 Problem(
@@ -213,32 +220,34 @@ def _choose(
     return picked
 
 
+def _needs_file(entry: object) -> bool:
+    """Whether a leaf entry must have a data file (zero-element dense leaves have none)."""
+    assert isinstance(entry, dict)
+    if entry.get("is_nested"):
+        return True
+    shape = entry.get("shape")
+    if not isinstance(shape, list):
+        return True
+    n = 1
+    for d in shape:
+        n *= d if isinstance(d, int) else 1
+    return n != 0
+
+
 def _normalize_dir(node: VDir, robust_key: bool | None, result: NamesResult) -> None:
     meta = node.meta
     assert meta is not None
     leaves, children = entries_of(meta)
-
-    def needs(k: str) -> bool:
-        entry = meta[k]
-        assert isinstance(entry, dict)
-        shape = entry.get("shape")
-        if entry.get("is_nested"):
-            return True
-        if not isinstance(shape, list):
-            return True
-        n = 1
-        for d in shape:
-            n *= d if isinstance(d, int) else 1
-        return n != 0
-
-    leaf_needs = {k: needs(k) for k in leaves}
+    enc = {k: encode_key(k) for k in leaves}
+    child_enc = {k: encode_key(k) for k in children}
     lost: list[str] = []
     picked_leaves = _choose(
         node,
         leaves,
-        lambda k: _robust_file(node, k, LEAF_SUFFIX),
+        enc,
+        lambda k: _robust_file(node, k, LEAF_SUFFIX, enc[k]),
         lambda k: _legacy_file(node, k, LEAF_SUFFIX),
-        leaf_needs,
+        lambda k: _needs_file(meta[k]),
         robust_key=robust_key,
         hint=node.leaf_encoding,
         is_collection=False,
@@ -249,9 +258,10 @@ def _normalize_dir(node: VDir, robust_key: bool | None, result: NamesResult) -> 
     picked_dirs = _choose(
         node,
         children,
-        lambda k: node.dirs.get(encode_key(k)),
+        child_enc,
+        lambda k: node.dirs.get(child_enc[k]),
         lambda k: _legacy_dir(node, k),
-        dict.fromkeys(children, True),
+        lambda k: True,
         robust_key=robust_key,
         hint=node.dir_encoding,
         is_collection=True,
@@ -268,53 +278,58 @@ def _normalize_dir(node: VDir, robust_key: bool | None, result: NamesResult) -> 
     new_dirs: dict[str, VDir] = {}
     for k, (conv, vfile) in picked_leaves.items():
         assert isinstance(vfile, VFile)
-        new_files[encode_key(k) + LEAF_SUFFIX] = vfile
+        new_files[enc[k] + LEAF_SUFFIX] = vfile
         claimed_files.add(id(vfile))
         entry = meta[k]
         if isinstance(entry, dict) and entry.get("is_nested"):
-            finder = _robust_file if conv == ROBUST else _legacy_file
-            shape_file = finder(node, k, NESTED_SHAPE_SUFFIX)
+            shape_file = (
+                _robust_file(node, k, NESTED_SHAPE_SUFFIX, enc[k])
+                if conv == ROBUST
+                else _legacy_file(node, k, NESTED_SHAPE_SUFFIX)
+            )
             if shape_file is not None:
-                new_files[encode_key(k) + NESTED_SHAPE_SUFFIX] = shape_file
+                new_files[enc[k] + NESTED_SHAPE_SUFFIX] = shape_file
                 claimed_files.add(id(shape_file))
     for k, (_conv, vdir) in picked_dirs.items():
         assert isinstance(vdir, VDir)
-        new_dirs[encode_key(k)] = vdir
+        new_dirs[child_enc[k]] = vdir
         claimed_dirs.add(id(vdir))
 
     # What no key claimed: sidecars stay; other files and metadata-less directories
     # are strays (left behind by tensordict's own quirks, or foreign).
-    for name, vfile in node.files.items():
-        if id(vfile) in claimed_files:
-            continue
-        if name in SIDECARS or name.endswith(".meta.pt"):
-            new_files.setdefault(name, vfile)
-            continue
-        result.problems.append(
-            Problem(
-                "stray-file",
-                "warning",
-                join(node.source, name),
-                (),
-                "no key of this directory's meta.json names this file; it is ignored "
-                "(tensordict leaves such files behind when a key is renamed or lost).",
+    if True:
+        for name, vfile in node.files.items():
+            if id(vfile) in claimed_files:
+                continue
+            if name in SIDECARS or name.endswith(".meta.pt"):
+                new_files.setdefault(name, vfile)
+                continue
+            result.problems.append(
+                Problem(
+                    "stray-file",
+                    "warning",
+                    join(node.source, name),
+                    (),
+                    "no key of this directory's meta.json names this file; it is ignored "
+                    "(tensordict leaves such files behind when a key is renamed or lost).",
+                )
             )
-        )
-    for name, vdir in node.dirs.items():
-        if id(vdir) in claimed_dirs or _holds_claimed(vdir, claimed_dirs):
-            continue
-        if name in ("_tensordict", "_source"):
-            new_dirs.setdefault(name, vdir)
-            continue
-        result.problems.append(
-            Problem(
-                "stray-directory",
-                "warning",
-                vdir.source,
-                (),
-                "no key of the parent meta.json names this directory; it is ignored.",
+    if True:
+        for name, vdir in node.dirs.items():
+            if id(vdir) in claimed_dirs or _holds_claimed(vdir, claimed_dirs):
+                continue
+            if name in ("_tensordict", "_source"):
+                new_dirs.setdefault(name, vdir)
+                continue
+            result.problems.append(
+                Problem(
+                    "stray-directory",
+                    "warning",
+                    vdir.source,
+                    (),
+                    "no key of the parent meta.json names this directory; it is ignored.",
+                )
             )
-        )
     node.files = new_files
     node.dirs = new_dirs
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import pickle
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,18 +59,23 @@ def load_pickled(storage: Storage, rel: str) -> Any:
         ) from exc
 
 
-@dataclass
 class Mapper:
     """Maps leaves of one opened checkpoint."""
 
-    storage: Storage
-    mode: MapMode
-    device: torch.device | None = None
+    def __init__(self, storage: Storage, mode: MapMode, device: torch.device | None = None) -> None:
+        self.storage = storage
+        self.mode = mode
+        self.device = device
+        #: Whether loaded levels remember their directory (tensordict: not for archives / "r").
+        self.records_prefix = storage.kind == "directory" and mode != "r"
+        # Directory leaves become tensordict MemoryMappedTensors, as tensordict returns them.
+        self._mmt: type[torch.Tensor] | None = None
+        if storage.kind == "directory" and has_tensordict():
+            from tensordict.memmap import MemoryMappedTensor
 
-    @property
-    def records_prefix(self) -> bool:
-        """Whether loaded levels remember their directory (tensordict: not for archives / "r")."""
-        return self.storage.kind == "directory" and self.mode != "r"
+            self._mmt = MemoryMappedTensor
+        self._structure_only = device is not None and device.type == "meta"
+        self._move = device is not None and device.type not in ("cpu", "meta")
 
     def dir_path(self, rel: str) -> Path | None:
         if not self.records_prefix:
@@ -79,14 +83,14 @@ class Mapper:
         return self.storage.physical_path(rel)
 
     def leaf(self, node: LeafNode) -> torch.Tensor:
-        if self.device is not None and self.device.type == "meta":
+        if self._structure_only:
             # A structure-only load: no file is read, as with tensordict's device="meta".
             shape = node.shape[:1] if node.is_nested else node.shape
             return torch.empty(shape, dtype=node.dtype, device="meta")
-        if node.file is None:
+        src = node.file
+        if src is None:
             tensor = torch.empty(node.shape, dtype=node.dtype)
         else:
-            src = node.file
             if src.data is not None:  # content produced by a migration
                 flat = torch.frombuffer(bytearray(src.data[: node.nbytes]), dtype=node.dtype) if node.nbytes else torch.empty(0, dtype=node.dtype)
             else:
@@ -105,28 +109,32 @@ class Mapper:
             if node.is_nested:
                 assert node.sizes is not None
                 tensor = _nested_from_buffer(flat, node.sizes)
+            elif len(node.shape) == 1 and node.shape[0] == node.numel:
+                tensor = flat  # already that shape: skip a view per leaf
             else:
                 tensor = flat.view(node.shape)
-            tensor = self._wrap(tensor, node)
-        if self.device is not None and self.device.type not in ("cpu", "meta") and tensor.device != self.device:
+            if self._mmt is not None and src.source is not None:
+                tensor = self._wrap(self._mmt, tensor, node, src.source)
+        if self._move and tensor.device != self.device:
             tensor = tensor.to(self.device)
         return tensor
 
-    def _wrap(self, tensor: torch.Tensor, node: LeafNode) -> torch.Tensor:
-        """Directory leaves become tensordict MemoryMappedTensors, as tensordict returns them."""
-        if self.storage.kind != "directory" or not has_tensordict() or node.file is None:
-            return tensor
-        from tensordict.memmap import MemoryMappedTensor
-
-        out = MemoryMappedTensor(tensor)  # type: ignore[no-untyped-call]
-        # The ``filename`` setter normalises through pathlib (slow for 10,000 leaves);
-        # the storage already gives an absolute, normalised path.
-        out._filename = self.storage.absolute_str(node.file.source or "")  # type: ignore[attr-defined]
-        out._handler = None  # type: ignore[assignment]
-        out._mode = self.mode
-        out._index = None
-        out._index_chain = ()
-        out._parent_shape = node.sizes if node.is_nested else torch.Size(node.shape)  # type: ignore[assignment]
+    def _wrap(self, mmt: type[torch.Tensor], tensor: torch.Tensor, node: LeafNode, source: str) -> torch.Tensor:
+        """A MemoryMappedTensor on ``source``, in the state tensordict's from_filename leaves."""
+        # _make_subclass is the cheap alias; a nested tensor goes through the class itself
+        # (aliasing one with _make_subclass warns about the nested-tensor prototype).
+        out: torch.Tensor = mmt(tensor) if node.is_nested else torch.Tensor._make_subclass(mmt, tensor)
+        # One __dict__ update instead of the ``filename`` setter (which normalises through
+        # pathlib: slow for 10,000 leaves; the storage gives an absolute, normalised path)
+        # and five attribute assignments.
+        out.__dict__.update(
+            _filename=self.storage.absolute_str(source),  # type: ignore[attr-defined]
+            _handler=None,
+            _mode=self.mode,
+            _index=None,
+            _index_chain=(),
+            _parent_shape=node.sizes if node.is_nested else torch.Size(node.shape),
+        )
         return out
 
 
