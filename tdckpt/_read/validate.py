@@ -21,6 +21,7 @@ import torch
 from tdckpt import schema
 from tdckpt._keys import LEAF_SUFFIX, NESTED_SHAPE_SUFFIX, encode_key
 from tdckpt._read.detect import level_kind
+from tdckpt._read.levels import LeafSpec, read_td_level
 from tdckpt._read.nodes import (
     DTYPES,
     LazyStackNode,
@@ -202,8 +203,9 @@ def _list_depth(data: list[Any], limit: int) -> int:
 
 
 def _build_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorDictNode | None:
+    assert vdir.meta is not None
     try:
-        model = schema.TensorDictMeta.model_validate(vdir.meta)
+        model = read_td_level(vdir.meta)
     except pydantic.ValidationError as exc:
         _schema_problems(ctx, exc, vdir.source, key, vdir.meta)
         return None
@@ -221,7 +223,7 @@ def _build_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorDictNode | No
         return None
     if not _check_device(ctx, vdir, key, model.device):
         return None
-    batch = tuple(model.shape)
+    batch = model.shape
     node = TensorDictNode(
         key=key,
         path=vdir.source,
@@ -237,12 +239,13 @@ def _build_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorDictNode | No
             key,
             f"{len(model.names)} dimension names for a batch size of {len(batch)} dims.",
         )
+    entries = node.entries
     for name, entry in model.entries.items():
         sub = (*key, name)
-        if isinstance(entry, schema.LeafEntry):
+        if type(entry) is tuple:
             leaf = _build_leaf(vdir, sub, name, entry, batch, ctx)
             if leaf is not None:
-                node.entries[name] = leaf
+                entries[name] = leaf
             continue
         child = vdir.dirs.get(encode_key(name))
         if child is None:
@@ -250,7 +253,7 @@ def _build_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorDictNode | No
                 "missing-child",
                 join(vdir.source, encode_key(name)),
                 sub,
-                f"meta.json lists a nested {entry.type} under this key, but its directory is "
+                f"meta.json lists a nested {entry} under this key, but its directory is "
                 "missing. The checkpoint is incomplete; tensordict would silently drop the key.",
             )
             continue
@@ -267,22 +270,22 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _build_leaf(
-    vdir: VDir, key: tuple[str, ...], name: str, entry: schema.LeafEntry, batch: tuple[int, ...], ctx: Ctx
+    vdir: VDir, key: tuple[str, ...], name: str, entry: LeafSpec, batch: tuple[int, ...], ctx: Ctx
 ) -> LeafNode | None:
+    dtype_str, shape, device, is_nested = entry
     fname = encode_key(name) + LEAF_SUFFIX
     path = join(vdir.source, fname)
-    dtype = DTYPES.get(entry.dtype)
+    dtype = DTYPES.get(dtype_str)
     if dtype is None:
         ctx.add(
             "unknown-dtype",
             join(vdir.source, "meta.json"),
             key,
-            f"dtype {entry.dtype!r} is not a torch dtype this tdckpt can map. Expected one of "
+            f"dtype {dtype_str!r} is not a torch dtype this tdckpt can map. Expected one of "
             "torch.float32, torch.int64, ... The metadata is damaged, or was written by a newer "
             "torch: upgrade torch.",
         )
         return None
-    shape = tuple(entry.shape)
     numel = _numel(shape)
     if numel * max(dtype.itemsize, 1) > MAX_BYTES:
         ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"shape {list(shape)} overflows: {numel} elements of {dtype} cannot exist on disk.")
@@ -290,8 +293,8 @@ def _build_leaf(
     vfile = vdir.files.get(fname)
     if vfile is not None and vfile.source is not None:
         path = vfile.source  # the physical file (a legacy name differs from fname)
-    leaf = LeafNode(key=key, path=path, dtype=dtype, shape=shape, device=entry.device, is_nested=entry.is_nested, file=vfile)
-    if entry.is_nested:
+    leaf = LeafNode(key=key, path=path, dtype=dtype, shape=shape, device=device, is_nested=is_nested, file=vfile)
+    if is_nested:
         if len(shape) != 2:
             ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"a nested tensor's entry records its size table's shape [elements, ndim]; found {list(shape)}.")
             return None
@@ -341,7 +344,7 @@ def _build_leaf(
                 "missing-file",
                 path,
                 key,
-                f"the data file is missing ({need} bytes of {entry.dtype} {list(shape)} expected). "
+                f"the data file is missing ({need} bytes of {dtype_str} {list(shape)} expected). "
                 "tensordict would silently drop this key; restore the file from a backup.",
             )
             return None
@@ -350,12 +353,12 @@ def _build_leaf(
             "short-file",
             path,
             key,
-            f"{vfile.size} bytes, but {entry.dtype} {list(shape)} needs {need}. The file is "
+            f"{vfile.size} bytes, but {dtype_str} {list(shape)} needs {need}. The file is "
             "truncated (tensordict would grow it with zeros and load garbage); restore it from "
             "a backup.",
         )
         return None
-    if need == 0 and not entry.is_nested:
+    if need == 0 and not is_nested:
         # Nothing to read: the leaf is rebuilt from its metadata (tensordict >= 0.14 does
         # the same). A file that a name fallback found is not this key's, so it is not
         # claimed either (a zero-element "%2E" must not collide with the key ".").
