@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from conftest import FixtureCase, case_id, copy_case, fixture_cases
 
+import tdckpt._read.detect as detect_module
 from tdckpt._read.detect import (
     Detection,
     class_id_for,
@@ -76,6 +77,34 @@ def test_every_fixture_case(fc: FixtureCase, tmp_path: Path) -> None:
         assert result.low == result.high == true_gen, fc.id
     if fc.id in EXACT:
         assert result.generation == gen_name(EXACT[fc.id]), fc.id
+
+
+@pytest.mark.parametrize("fc", fixture_cases(), ids=case_id)
+def test_fast_path_for_marked_trees_agrees_with_the_evidence(
+    fc: FixtureCase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Trees whose every directory says "_format_version": 1 skip the evidence: the result
+    # (and every directory's generation) must be what weighing the evidence gives.
+    fast, fast_tree = _detect_copy(tmp_path / "fast", fc)
+    monkeypatch.setattr(detect_module, "_marked_current", lambda root: None)
+    slow, slow_tree = _detect_copy(tmp_path / "slow", fc)
+    def summary(d: Detection, tree: VDir) -> tuple[object, ...]:
+        nodes = list(tree.walk())  # styles are keyed by id(): compare them in tree order
+        return (d.generation, d.low, d.high, d.consistent, d.reasons,
+                [d.styles.get(id(n)) for n in nodes], [n.generation for n in nodes])  # fmt: skip
+
+    assert summary(fast, fast_tree) == summary(slow, slow_tree)
+
+
+def test_fast_path_is_taken_for_a_current_tree(tmp_path: Path) -> None:
+    (fc,) = fixture_cases(versions=["0.15.3"], where=lambda c: c.name == "nested")
+    target = copy_case(tmp_path, fc)
+    with open_storage(target) as storage:
+        tree = read_tree(storage)
+    marked = detect_module._marked_current(tree)
+    assert marked is not None and len(marked) == len(list(tree.walk())) > 1
+    tree.dirs[next(iter(tree.dirs))].meta.pop("_format_version")  # one unmarked level
+    assert detect_module._marked_current(tree) is None
 
 
 @pytest.mark.parametrize("fc", fixture_cases(versions=["0.8.3", "0.13.0"]), ids=case_id)

@@ -64,6 +64,7 @@ __all__ = [
 
 #: The newest generation (tensordict 0.15.3, format version 1).
 CURRENT_GENERATION = 8
+CURRENT_NAME = "G8"
 #: The newest tensordict ``_format_version`` this tdckpt reads.
 FORMAT_VERSION_MAX = 1
 
@@ -292,6 +293,13 @@ def detect(root: VDir, *, storage: Storage | None = None) -> Detection:
             "no metadata at all.",
             path=_where(storage, ""),
         )
+    current = _marked_current(root)
+    if current is not None:
+        # The usual case: every directory carries "_format_version": 1, which pins it to
+        # the current generation before any other evidence is weighed (see _evidence).
+        for node in current:
+            node.generation = CURRENT_NAME
+        return Detection(generation=CURRENT_NAME, low=CURRENT_GENERATION, high=CURRENT_GENERATION)
     flags = _Flags()
     styles: dict[int, str] = {}
     archive = storage is not None and getattr(storage, "kind", "") == "archive"
@@ -351,6 +359,23 @@ def detect(root: VDir, *, storage: Storage | None = None) -> Detection:
         styles=styles,
         reasons=flags.reasons,
     )
+
+
+def _marked_current(root: VDir) -> list[VDir] | None:
+    """Every directory of ``root`` if each has a meta.json with ``_format_version`` 1, else None."""
+    out: list[VDir] = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        meta = node.meta
+        if meta is None or node.pt is not None:
+            return None
+        fv = meta.get("_format_version")
+        if type(fv) is not int or fv != 1:
+            return None
+        out.append(node)
+        stack.extend(node.dirs.values())
+    return out
 
 
 def _where(storage: Storage | None, rel: str) -> str:

@@ -412,6 +412,8 @@ def migrate_tree(
     """
     detection = detect(root, storage=storage)
     result = MigrationResult(tree=root, from_generation=detection.generation)
+    if detection.consistent and detection.low == CURRENT_GENERATION:
+        return result  # every directory is current: nothing to load, nothing to run
     pending = {
         gen_number(node.generation)
         for node in root.walk()

@@ -156,6 +156,8 @@ class DirectoryStorage(Storage):
     def __init__(self, prefix: str | os.PathLike[str]) -> None:
         self.location = _normalized(prefix)
         self._root_str = self.location
+        if isinstance(prefix, Path):  # immutable: reused rather than parsed again
+            self.__dict__["root"] = prefix
         self._abs_root = os.path.abspath(self._root_str)
         # Files seen as regular (not symlinks) by listdir, with their path and stat: mapping
         # them needs no new symlink check, no second stat for the size check and (usually)
@@ -342,7 +344,7 @@ class DirectoryStorage(Storage):
         return torch.from_file(path, shared=False, size=numel, dtype=dtype)
 
     def physical_path(self, rel: str) -> Path | None:
-        return Path(self._open_checked(rel))
+        return Path(self._open_checked(rel)) if rel else self.root
 
     def absolute_str(self, rel: str) -> str:
         """The absolute path of ``rel`` (checked as ``physical_path``), as a string."""
@@ -367,7 +369,9 @@ def _normalized(prefix: str | os.PathLike[str]) -> str:
 def _read_upto(fd: int, size: int) -> bytes:
     """Read up to ``size`` bytes of ``fd`` (fewer only at end of file)."""
     first = os.read(fd, size)
-    if len(first) == size or not first:
+    if len(first) >= size - 1 or not first:
+        # All that fstat promised (a regular file reads whole up to its end): done, without
+        # a second read to see the end of file.
         return first
     chunks = [first]
     got = len(first)

@@ -11,6 +11,7 @@ engine can refuse before touching anything.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from typing import Any
@@ -176,18 +177,24 @@ def _build(vdir: VDir, key: tuple[str, ...], ctx: Ctx, parent_batch: tuple[int, 
 
 def _check_device(ctx: Ctx, vdir: VDir, key: tuple[str, ...], device: str | None) -> bool:
     """A level's device must be one torch knows (leaf devices are ignored by every loader)."""
-    if device is None:
+    if device is None or _is_torch_device(device):
         return True
+    ctx.add(
+        "bad-device",
+        join(vdir.source, "meta.json"),
+        key,
+        f"device {device!r} is not a torch device (expected e.g. 'cpu' or 'cuda:0'). The "
+        "metadata is damaged or was edited.",
+    )
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def _is_torch_device(text: str) -> bool:
+    """Whether torch parses ``text`` as a device (cached: a checkpoint repeats a few)."""
     try:
-        torch.device(device)
+        torch.device(text)
     except (RuntimeError, ValueError):
-        ctx.add(
-            "bad-device",
-            join(vdir.source, "meta.json"),
-            key,
-            f"device {device!r} is not a torch device (expected e.g. 'cpu' or 'cuda:0'). The "
-            "metadata is damaged or was edited.",
-        )
         return False
     return True
 
@@ -274,7 +281,6 @@ def _build_leaf(
 ) -> LeafNode | None:
     dtype_str, shape, device, is_nested = entry
     fname = encode_key(name) + LEAF_SUFFIX
-    path = join(vdir.source, fname)
     dtype = DTYPES.get(dtype_str)
     if dtype is None:
         ctx.add(
@@ -286,14 +292,14 @@ def _build_leaf(
             "torch: upgrade torch.",
         )
         return None
-    numel = _numel(shape)
+    numel = math.prod(shape)
     if numel * max(dtype.itemsize, 1) > MAX_BYTES:
         ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"shape {list(shape)} overflows: {numel} elements of {dtype} cannot exist on disk.")
         return None
     vfile = vdir.files.get(fname)
-    if vfile is not None and vfile.source is not None:
-        path = vfile.source  # the physical file (a legacy name differs from fname)
-    leaf = LeafNode(key=key, path=path, dtype=dtype, shape=shape, device=device, is_nested=is_nested, file=vfile)
+    # The physical file when there is one (a legacy name differs from fname).
+    path = vfile.source if vfile is not None and vfile.source is not None else join(vdir.source, fname)
+    leaf = LeafNode(key, path, dtype, shape, device, is_nested, vfile)
     if is_nested:
         if len(shape) != 2:
             ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"a nested tensor's entry records its size table's shape [elements, ndim]; found {list(shape)}.")
@@ -329,7 +335,7 @@ def _build_leaf(
             ctx.add("batch-mismatch", path, key, f"a nested tensor of {shape[0]} elements in a level of batch size {list(batch)}.")
     else:
         leaf.numel = numel
-        if tuple(shape[: len(batch)]) != batch:
+        if shape[: len(batch)] != batch:
             ctx.add(
                 "batch-mismatch",
                 join(vdir.source, "meta.json"),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,46 +41,57 @@ from tdckpt.errors import RestoreError
 __all__ = ["restore_into_target"]
 
 
-@dataclass
 class _Plan:
     """What the commit assigns."""
 
-    items: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)  # (level, new items)
-    prefixes: list[tuple[Any, Path | None]] = field(default_factory=list)
-    fields: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)  # (tensorclass/NTD, fields)
-    levels: list[Any] = field(default_factory=list)  # every TensorDict level touched
-    non_tensors: list[tuple[Any, str]] = field(default_factory=list)  # (NTD, its directory)
+    __slots__ = ("items", "prefixes", "fields", "levels", "non_tensors")
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, dict[str, Any]]] = []  # (level, new items)
+        self.prefixes: list[tuple[Any, Path | None]] = []
+        self.fields: list[tuple[Any, dict[str, Any]]] = []  # (tensorclass/NTD, fields)
+        self.levels: list[Any] = []  # every TensorDict level touched
+        self.non_tensors: list[tuple[Any, str]] = []  # (NTD, its directory)
 
 
 @functools.cache
-def _tensordict_types() -> tuple[type, type, type, Callable[[Any], bool]] | None:
-    """tensordict's classes the engine tells apart, or None without tensordict (cached)."""
+def _tensordict_types() -> tuple[type, type, type, Callable[[Any], bool], type] | None:
+    """tensordict's classes the engine tells apart, or None without tensordict (cached).
+
+    The last one is ``TensorDict`` itself: the usual target, answered by one ``type() is``
+    before the abstract-base-class checks.
+    """
     if not has_tensordict():
         return None
-    from tensordict import LazyStackedTensorDict, TensorDictBase, is_tensorclass
+    from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass
     from tensordict.tensorclass import NonTensorDataBase
 
-    return TensorDictBase, LazyStackedTensorDict, NonTensorDataBase, is_tensorclass
+    return TensorDictBase, LazyStackedTensorDict, NonTensorDataBase, is_tensorclass, TensorDict
 
 
 def _is_td(obj: Any) -> bool:
     types = _tensordict_types()
-    return types is not None and isinstance(obj, types[0])
+    return types is not None and (type(obj) is types[4] or isinstance(obj, types[0]))
 
 
 def _is_lazy_stack(obj: Any) -> bool:
     types = _tensordict_types()
-    return types is not None and isinstance(obj, types[1])
+    return types is not None and type(obj) is not types[4] and isinstance(obj, types[1])
 
 
 def _is_tensorclass(obj: Any) -> bool:
     types = _tensordict_types()
-    return types is not None and types[3](obj)
+    return types is not None and type(obj) is not types[4] and types[3](obj)
 
 
 def _is_non_tensor_data(obj: Any) -> bool:
     types = _tensordict_types()
-    return types is not None and isinstance(obj, types[2]) and not isinstance(obj, types[1])
+    return (
+        types is not None
+        and type(obj) is not types[4]
+        and isinstance(obj, types[2])
+        and not isinstance(obj, types[1])
+    )
 
 
 def _value_batch(value: Any) -> tuple[int, ...] | None:
@@ -296,7 +306,10 @@ def _built_non_tensors(value: Any, node: Node) -> list[tuple[Any, str]]:
 def _non_tensor_levels(levels: list[Any]) -> list[Any]:
     """The TensorDicts inside the NonTensorData entries of ``levels`` (they carry memmap flags)."""
     return [
-        v._tensordict for lvl in levels for v in lvl._tensordict.values() if _is_non_tensor_data(v)
+        v._tensordict
+        for lvl in levels
+        for v in lvl._tensordict.values()
+        if not isinstance(v, torch.Tensor) and _is_non_tensor_data(v)
     ]
 
 

@@ -39,6 +39,7 @@ from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
 from tdckpt._read.storage import MapMode
 from tdckpt._read.views import node_batch
 from tdckpt._report import ValidationReport
+from tdckpt._restore.apply import restore_into_target
 from tdckpt._restore.plan import (
     Mapper,
     check_tensorclass_fields,
@@ -92,11 +93,13 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-@contextmanager
 def open_for_restore(
     prefix: str | os.PathLike[str], *, robust_key: bool | None, allow_pickle: bool | None
-) -> Iterator[tuple[OpenedCheckpoint, bool]]:
-    """Open and validate ``prefix``, apply the pickle policy; yield (opened, may_unpickle)."""
+) -> tuple[OpenedCheckpoint, bool]:
+    """Open and validate ``prefix``, apply the pickle policy: (opened, may_unpickle).
+
+    The caller closes ``opened``; on any error it is closed here.
+    """
     opened = open_checkpoint(prefix, robust_key=robust_key)
     try:
         if opened.errors or opened.root is None:
@@ -119,9 +122,10 @@ def open_for_restore(
                 ),
                 stacklevel=user_stacklevel(),
             )
-        yield opened, bool(pickled)
-    finally:
+    except BaseException:
         opened.close()
+        raise
+    return opened, bool(pickled)
 
 
 # -- building new objects ------------------------------------------------------------------
@@ -367,13 +371,14 @@ def load_memmap(
     """
     _check_args(robust_key, allow_pickle, mode)
     dev = torch.device(device) if device is not None else None
-    with _gc_paused(), open_for_restore(prefix, robust_key=robust_key, allow_pickle=allow_pickle) as (
-        opened,
-        unpickle,
-    ):
-        assert opened.root is not None
-        builder = _Builder(opened, Mapper(opened.storage, mode, dev), unpickle)  # type: ignore[arg-type]
-        return builder.build(opened.root)
+    with _gc_paused():
+        opened, unpickle = open_for_restore(prefix, robust_key=robust_key, allow_pickle=allow_pickle)
+        try:
+            assert opened.root is not None
+            builder = _Builder(opened, Mapper(opened.storage, mode, dev), unpickle)  # type: ignore[arg-type]
+            return builder.build(opened.root)
+        finally:
+            opened.close()
 
 
 def load_memmap_(
@@ -409,15 +414,19 @@ def load_memmap_(
         (True, ['a'], [1.0, 1.0, 1.0])
     """
     _check_args(robust_key, allow_pickle, mode)
-    with _gc_paused(), open_for_restore(prefix, robust_key=robust_key, allow_pickle=allow_pickle) as (
-        opened,
-        unpickle,
-    ):
-        assert opened.root is not None
-        from tdckpt._restore.apply import restore_into_target
-
-        restore_into_target(
-            target, opened, mode=cast(MapMode, mode), unpickle=unpickle, builder_factory=_Builder
-        )
+    # Plain try/finally rather than context managers: this is the hot path of small restores.
+    gc_enabled = gc.isenabled()
+    gc.disable()  # as _gc_paused()
+    try:
+        opened, unpickle = open_for_restore(prefix, robust_key=robust_key, allow_pickle=allow_pickle)
+        try:
+            restore_into_target(
+                target, opened, mode=cast(MapMode, mode), unpickle=unpickle, builder_factory=_Builder
+            )
+        finally:
+            opened.close()
+    finally:
+        if gc_enabled:
+            gc.enable()
     return target
 

@@ -12,6 +12,7 @@ plain nested ``dict`` objects otherwise (``_backend.py`` decides).
 from __future__ import annotations
 
 import collections
+import functools
 import pickle
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ __all__ = [
 _MAX_PICKLE_BYTES = 1024 * 1024 * 1024
 
 
+@functools.cache
 def has_tensordict() -> bool:
     """Whether tensordict is importable (then targets and results are real TensorDicts)."""
     try:
@@ -43,6 +45,16 @@ def has_tensordict() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def _memory_mapped_tensor() -> type[torch.Tensor] | None:
+    """tensordict's MemoryMappedTensor class, or None without tensordict (cached)."""
+    if not has_tensordict():
+        return None
+    from tensordict.memmap import MemoryMappedTensor
+
+    return MemoryMappedTensor
 
 
 def load_pickled(storage: Storage, rel: str) -> Any:
@@ -69,11 +81,7 @@ class Mapper:
         #: Whether loaded levels remember their directory (tensordict: not for archives / "r").
         self.records_prefix = storage.kind == "directory" and mode != "r"
         # Directory leaves become tensordict MemoryMappedTensors, as tensordict returns them.
-        self._mmt: type[torch.Tensor] | None = None
-        if storage.kind == "directory" and has_tensordict():
-            from tensordict.memmap import MemoryMappedTensor
-
-            self._mmt = MemoryMappedTensor
+        self._mmt = _memory_mapped_tensor() if storage.kind == "directory" else None
         self._structure_only = device is not None and device.type == "meta"
         self._move = device is not None and device.type not in ("cpu", "meta")
 
