@@ -200,7 +200,11 @@ def _choose(
         result.decisions[f"{node.source}:{what}"] = conv
     table = robust if conv == ROBUST else legacy
     for k in keys:
-        if conv == LEGACY and needs_file(k) and legacy_components(k + ("" if is_collection else LEAF_SUFFIX)) is None:
+        if (
+            conv == LEGACY
+            and needs_file(k)
+            and legacy_components(k + ("" if is_collection else LEAF_SUFFIX)) is None
+        ):
             lost.append(k)
             result.problems.append(
                 Problem(
@@ -255,20 +259,22 @@ def _normalize_dir(node: VDir, robust_key: bool | None, result: NamesResult) -> 
         what="leaf files",
         lost=lost,
     )
-    picked_dirs = _choose(
-        node,
-        children,
-        child_enc,
-        lambda k: node.dirs.get(child_enc[k]),
-        lambda k: _legacy_dir(node, k),
-        lambda k: True,
-        robust_key=robust_key,
-        hint=node.dir_encoding,
-        is_collection=True,
-        result=result,
-        what="child directories",
-        lost=lost,
-    )
+    picked_dirs: dict[str, tuple[str, object]] = {}
+    if children:
+        picked_dirs = _choose(
+            node,
+            children,
+            child_enc,
+            lambda k: node.dirs.get(child_enc[k]),
+            lambda k: _legacy_dir(node, k),
+            lambda k: True,
+            robust_key=robust_key,
+            hint=node.dir_encoding,
+            is_collection=True,
+            result=result,
+            what="child directories",
+            lost=lost,
+        )
     for k in lost:
         del meta[k]
 

@@ -111,7 +111,7 @@ def open_checkpoint(prefix: str | os.PathLike[str], *, robust_key: bool | None) 
         key_encoding=names.encoding,
         migrations=list(migrated.applied),
         lost=list(migrated.lost) + [p.message for p in problems if p.code == "lost-key"],
-        problems=_dedupe(problems),
+        problems=_dedupe(problems) if problems else problems,
         manifest=manifest,
     )
 

@@ -158,7 +158,9 @@ class DirectoryStorage(Storage):
         self._root_str = self.location
         if isinstance(prefix, Path):  # immutable: reused rather than parsed again
             self.__dict__["root"] = prefix
-        self._abs_root = os.path.abspath(self._root_str)
+        root = self._root_str
+        # An absolute prefix without "." or ".." components is its own absolute path.
+        self._abs_root = root if root.startswith("/") and "/." not in root else os.path.abspath(root)
         # Files seen as regular (not symlinks) by listdir, with their path and stat: mapping
         # them needs no new symlink check, no second stat for the size check and (usually)
         # no access() call, which keeps a 10,000-leaf restore free of 20,000 syscalls.
@@ -225,8 +227,11 @@ class DirectoryStorage(Storage):
             self._safe_dirs.add(sub)
 
     def listdir(self, rel: str) -> Listing:
-        path = self._resolve(rel)
-        self._check_chain(rel)
+        if rel:
+            path = self._resolve(rel)
+            self._check_chain(rel)
+        else:
+            path = self._root_str
         listing = Listing()
         try:
             it = os.scandir(path)
@@ -249,6 +254,9 @@ class DirectoryStorage(Storage):
                         if reason is not None:
                             listing.unsafe[name] = reason
                             continue
+                    elif entry.is_dir(follow_symlinks=False):  # the entry's type: no syscall
+                        listing.dirs.add(name)
+                        continue
                     st = entry.stat()  # follows a (safe) symlink
                 except OSError as exc:
                     listing.unsafe[name] = f"unreadable ({exc.strerror})"
@@ -272,11 +280,13 @@ class DirectoryStorage(Storage):
         return path
 
     def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
-        path = self._open_checked(rel)
+        known = self._regular.get(rel)
+        path = known[0] if known is not None else self._open_checked(rel)
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             try:
-                st = os.fstat(fd)
+                # A listed regular file's size is known; anything else is asked of the fd.
+                st = known[1] if known is not None else os.fstat(fd)
                 if stat.S_ISDIR(st.st_mode):
                     raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
                 if st.st_size > max_bytes:
