@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from pydantic_core import from_json
 
 from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsafePathError
 
@@ -81,7 +82,17 @@ def parse_json(data: bytes, *, where: str | Callable[[], str]) -> Any:
     """Parse JSON bytes; every failure (bad UTF-8, syntax, depth, huge ints) -> MetadataError.
 
     ``where`` names the file in messages; a callable is only called on failure.
+
+    The standard library's ``json.loads`` (what tensordict reads meta.json with) is the
+    authority. pydantic-core's parser (already installed with pydantic) reads the same
+    documents three times faster; whatever it refuses - lone surrogates, a BOM, UTF-16,
+    deep nesting, syntax errors - is handed to ``json.loads``, which accepts it or says
+    why not. A property test holds the two to the same result.
     """
+    try:
+        return from_json(data)
+    except Exception:  # noqa: BLE001 - any refusal: the stdlib parser decides
+        pass
     if callable(where):
         try:
             return json.loads(data)
