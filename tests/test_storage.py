@@ -78,6 +78,32 @@ def test_read_bytes_and_json(layout: tuple[Path, Path]) -> None:
         storage.read_bytes("sub")
 
 
+def test_open_storage_lists_the_prefix_once(layout: tuple[Path, Path]) -> None:
+    # open_storage opens the prefix's listing to tell a directory from an archive; the
+    # first listdir("") reads that listing, later ones list again (and see changes).
+    prefix, _ = layout
+    storage = open_storage(prefix)
+    assert storage.listdir("").files == DirectoryStorage(prefix).listdir("").files
+    (prefix / "new.memmap").write_bytes(b"x")
+    assert "new.memmap" in storage.listdir("").files
+    storage.close()
+
+
+def test_open_storage_closed_unlisted_leaves_nothing_open(layout: tuple[Path, Path]) -> None:
+    import gc
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        with open_storage(layout[0]) as storage:
+            assert storage.kind == "directory"
+        storage = open_storage(layout[0])
+        storage.close()
+        storage.close()  # idempotent
+        del storage
+        gc.collect()
+
+
 def test_open_storage(layout: tuple[Path, Path], tmp_path: Path) -> None:
     with open_storage(layout[0]) as storage:
         assert storage.kind == "directory"

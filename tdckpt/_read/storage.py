@@ -164,7 +164,12 @@ class DirectoryStorage(Storage):
 
     kind = "directory"
 
-    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, prefix: str | os.PathLike[str], *, _scan: os._ScandirIterator[str] | None = None
+    ) -> None:
+        #: open_storage's scandir of the prefix (it tells a directory from an archive);
+        #: the first listdir("") reads it instead of opening the directory again.
+        self._scan = _scan
         self.location = _normalized(prefix)
         self._root_str = self.location
         if isinstance(prefix, Path):  # immutable: reused rather than parsed again
@@ -189,6 +194,11 @@ class DirectoryStorage(Storage):
     def _real_root(self) -> str:
         # Resolved on first use: only symlinks need it, and most checkpoints have none.
         return os.path.realpath(self._root_str)
+
+    def close(self) -> None:
+        if self._scan is not None:
+            self._scan.close()
+            self._scan = None
 
     # -- path resolution -------------------------------------------------------------
     def _resolve(self, rel: str) -> str:
@@ -245,7 +255,8 @@ class DirectoryStorage(Storage):
             path = self._root_str
         listing = Listing()
         try:
-            it = os.scandir(path)
+            it = self._scan if not rel and self._scan is not None else os.scandir(path)
+            self._scan = None
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"{self.display(rel)}: no such directory.", path=self.display(rel)
@@ -415,6 +426,14 @@ def _bits_allow_write(st: os.stat_result, euid: int) -> bool:
 
 def open_storage(prefix: str | os.PathLike[str]) -> Storage:
     """Open a checkpoint prefix: a directory, or a ``.tdz`` zip archive."""
+    try:
+        # Listing the prefix is the first thing a read does: opening it here tells a
+        # directory from an archive without a separate stat.
+        scan = os.scandir(prefix)
+    except OSError:
+        pass  # not a directory (or not listable: the reader says so when it lists it)
+    else:
+        return DirectoryStorage(prefix, _scan=scan)
     if os.path.isdir(prefix):
         return DirectoryStorage(prefix)
     path = Path(prefix)
