@@ -13,6 +13,7 @@ import torch
 from conftest import FixtureCase, case_id, copy_case, fixture_cases, tree_digest
 
 import tdckpt._read.migrate as migrate_mod
+import tdckpt._read.names as names_mod
 from tdckpt._read.detect import detect_tree
 from tdckpt._read.migrate import (
     MigrationContext,
@@ -781,3 +782,46 @@ def test_stdlib_nan_is_not_lost(tmp_path: Path) -> None:
     assert not any("NaN" in line for line in result.lost)
     f_nan = tree.dirs["f_nan"].meta
     assert f_nan is not None and f_nan["data"] != f_nan["data"]  # still NaN
+
+
+# -- names: the already-robust fast path ---------------------------------------------------
+
+
+def _names_summary(prefix: Path, robust_key: bool | None) -> tuple[Any, ...]:
+    with open_storage(prefix) as storage:
+        result = migrate_tree(read_tree(storage), storage=storage)
+        names = normalize_names(result.tree, robust_key=robust_key, storage=storage)
+        tree = [
+            (node.source, [(n, f.source, f.size) for n, f in node.files.items()], list(node.dirs))
+            for node in names.tree.walk()
+        ]
+        return tree, names.problems, names.encoding, names.decisions
+
+
+@pytest.mark.parametrize("fc", fixture_cases(), ids=case_id)
+def test_names_fast_path_agrees_with_the_general_rule(
+    fc: FixtureCase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A directory whose keys all have their robust names (and nothing else) skips the
+    # general bookkeeping under robust_key=True: it must end exactly as the general rule
+    # leaves it (entry order included), with the same problems.
+    prefix = copy_case(tmp_path, fc)
+    fast = _names_summary(prefix, True)
+    monkeypatch.setattr(names_mod, "_already_robust", lambda node, meta: False)
+    assert _names_summary(prefix, True) == fast
+
+
+def test_names_fast_path_is_taken_only_for_exact_robust_directories(tmp_path: Path) -> None:
+    from tensordict import TensorDict
+
+    prefix = tmp_path / "ckpt"
+    TensorDict({"a b": torch.zeros(2), "n": {"x": torch.ones(2)}}, batch_size=[2]).memmap(prefix)
+    with open_storage(prefix) as storage:
+        tree = migrate_tree(read_tree(storage), storage=storage).tree
+    assert tree.meta is not None
+    assert names_mod._already_robust(tree, tree.meta)
+    tree.files["stray.memmap"] = VFile("stray.memmap", 1)  # a file no key names
+    assert not names_mod._already_robust(tree, tree.meta)
+    del tree.files["stray.memmap"]
+    tree.files["a b.memmap"] = tree.files.pop("a%20b.memmap")  # the key's file under its raw name
+    assert not names_mod._already_robust(tree, tree.meta)

@@ -238,9 +238,54 @@ def _needs_file(entry: object) -> bool:
     return n != 0
 
 
+def _already_robust(node: VDir, meta: dict[str, object]) -> bool:
+    """If every key of ``node`` has its robust name on disk and nothing else is there,
+    put the entries in the general rule's order (keys first, in file order) and say so.
+
+    Then ``robust_key=True`` has nothing to rename, choose or report: the usual case
+    (what tensordict >= 0.14 writes), decided without the general bookkeeping.
+    """
+    files, dirs = node.files, node.dirs
+    new_files: dict[str, VFile] = {}
+    new_dirs: dict[str, VDir] = {}
+    for key, entry in meta.items():
+        if type(entry) is not dict:
+            continue
+        if "type" in entry and "dtype" not in entry:  # a child collection (entries_of's rule)
+            name = encode_key(key)
+            child = dirs.get(name)
+            if child is None:
+                return False
+            new_dirs[name] = child
+        else:
+            name = encode_key(key) + LEAF_SUFFIX
+            vfile = files.get(name)
+            if vfile is None or entry.get("is_nested"):
+                return False
+            new_files[name] = vfile
+    if len(new_files) != len(files):
+        # Whatever no key names must be a level's own file (a stray goes the long way).
+        for name, vfile in files.items():
+            if name not in new_files:
+                if name not in SIDECARS and not name.endswith(".meta.pt"):
+                    return False
+                new_files[name] = vfile
+    if len(new_dirs) != len(dirs):
+        for name, vdir in dirs.items():
+            if name not in new_dirs:
+                if name not in ("_tensordict", "_source"):
+                    return False
+                new_dirs[name] = vdir
+    node.files = new_files
+    node.dirs = new_dirs
+    return True
+
+
 def _normalize_dir(node: VDir, robust_key: bool | None, result: NamesResult) -> None:
     meta = node.meta
     assert meta is not None
+    if robust_key is True and _already_robust(node, meta):
+        return
     leaves, children = entries_of(meta)
     enc = {k: encode_key(k) for k in leaves}
     child_enc = {k: encode_key(k) for k in children}
