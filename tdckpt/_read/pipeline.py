@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tdckpt import schema
+from tdckpt._read.migrate import migrate_tree
 from tdckpt._read.names import normalize_names
 from tdckpt._read.nodes import Node
 from tdckpt._read.storage import Storage, open_storage
@@ -85,8 +86,6 @@ def read_manifest(storage: Storage, tree: VDir) -> tuple[dict[str, Any] | None, 
 
 def open_checkpoint(prefix: str | os.PathLike[str], *, robust_key: bool | None) -> OpenedCheckpoint:
     """Run storage -> ... -> validate on ``prefix``; raise only if it is not a checkpoint."""
-    from tdckpt._read.migrate import migrate_tree
-
     storage = open_storage(prefix)
     try:
         tree = read_tree(storage)
@@ -110,7 +109,9 @@ def open_checkpoint(prefix: str | os.PathLike[str], *, robust_key: bool | None) 
         generation=generation,
         key_encoding=names.encoding,
         migrations=list(migrated.applied),
-        lost=list(migrated.lost) + [p.message for p in problems if p.code == "lost-key"],
+        lost=list(migrated.lost) + [p.message for p in problems if p.code == "lost-key"]
+        if problems
+        else list(migrated.lost),
         problems=_dedupe(problems) if problems else problems,
         manifest=manifest,
     )

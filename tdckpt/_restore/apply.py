@@ -120,6 +120,10 @@ class _Preparer:
         return self.opened.storage.display(node.path)
 
     def into(self, target: Any, node: Node) -> None:
+        types = _tensordict_types()
+        if type(node) is TensorDictNode and types is not None and type(target) is types[4]:
+            self._into_td(target, node)  # the usual case: a TensorDict level into a TensorDict
+            return
         if isinstance(node, TensorClassNode):
             if not _is_tensorclass(target) or _is_non_tensor_data(target):
                 raise RestoreError(

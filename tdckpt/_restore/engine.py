@@ -102,7 +102,7 @@ def open_for_restore(
     """
     opened = open_checkpoint(prefix, robust_key=robust_key)
     try:
-        if opened.errors or opened.root is None:
+        if opened.root is None or (opened.problems and opened.errors):
             report = ValidationReport(
                 prefix=opened.prefix,
                 problems=opened.problems,
