@@ -47,7 +47,7 @@ class _Plan:
     __slots__ = ("items", "prefixes", "fields", "levels", "non_tensors")
 
     def __init__(self) -> None:
-        self.items: list[tuple[Any, dict[str, Any]]] = []  # (level, new items)
+        self.items: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (a level's item dict, new items)
         self.prefixes: list[tuple[Any, Path | None]] = []
         self.fields: list[tuple[Any, dict[str, Any]]] = []  # (tensorclass/NTD, fields)
         self.levels: list[Any] = []  # every TensorDict level touched
@@ -256,7 +256,7 @@ class _Preparer:
             if isinstance(sub, NonTensorNode):
                 self.plan.non_tensors.append((value, sub.path))
             new[key] = value
-        self.plan.items.append((target, new))
+        self.plan.items.append((target._tensordict, new))
         self.plan.prefixes.append((target, self.mapper.dir_path(node.path)))
         self.plan.levels.append(target)
 
@@ -353,15 +353,14 @@ def restore_into_target(
     # memmap flags of all its levels changed.
     levels = _all_td_levels(target) if was_memmap else [lvl for lvl, _ in plan.prefixes]
     levels += _non_tensor_levels(levels)
-    snapshot_items = [(obj, dict(obj._tensordict) if _is_td(obj) else dict(obj)) for obj, _ in plan.items]
+    snapshot_items = [(store, dict(store)) for store, _ in plan.items]
     snapshot_flags = [(lvl, lvl._memmap_prefix, getattr(lvl, "_is_memmap", False)) for lvl in levels]
     snapshot_fields = [(obj, dict(obj._non_tensordict)) for obj, _ in plan.fields]
     try:
         if was_memmap:
             assert root_td is not None
             root_td.unlock_()
-        for obj, new in plan.items:
-            store = obj._tensordict if _is_td(obj) else obj
+        for store, new in plan.items:
             store.clear()
             store.update(new)
         for obj, fields in plan.fields:
@@ -387,8 +386,7 @@ def restore_into_target(
                     lvl._is_memmap = False
                     lvl._memmap_prefix = None
     except BaseException:
-        for obj, items in snapshot_items:
-            store = obj._tensordict if _is_td(obj) else obj
+        for store, items in snapshot_items:
             store.clear()
             store.update(items)
         for obj, fields in snapshot_fields:

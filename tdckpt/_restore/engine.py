@@ -19,7 +19,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -36,7 +36,6 @@ from tdckpt._read.nodes import (
     pickled_nodes,
 )
 from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
-from tdckpt._read.storage import MapMode
 from tdckpt._read.views import node_batch
 from tdckpt._report import ValidationReport
 from tdckpt._restore.apply import restore_into_target
@@ -421,7 +420,7 @@ def load_memmap_(
         opened, unpickle = open_for_restore(prefix, robust_key=robust_key, allow_pickle=allow_pickle)
         try:
             restore_into_target(
-                target, opened, mode=cast(MapMode, mode), unpickle=unpickle, builder_factory=_Builder
+                target, opened, mode=mode, unpickle=unpickle, builder_factory=_Builder  # type: ignore[arg-type]
             )
         finally:
             opened.close()
