@@ -178,6 +178,8 @@ def pickled_nodes(node: Node) -> list[Node]:
     stack: list[Node] = [node]
     while stack:
         cur = stack.pop()
+        if type(cur) is LeafNode:  # most nodes: nothing to unpickle, nothing below
+            continue
         if isinstance(cur, (NonTensorNode, NonTensorStackNode, TensorClassNode)) and cur.pickle:
             out.append(cur)
         if isinstance(cur, TensorDictNode):

@@ -288,7 +288,7 @@ class DirectoryStorage(Storage):
                 elif stat.S_ISREG(st.st_mode):
                     listing.files[name] = st.st_size
                     if not is_link:
-                        self._regular[join(rel, name)] = (entry.path, st)
+                        self._regular[f"{rel}/{name}" if rel else name] = (entry.path, st)
                 else:
                     listing.unsafe[name] = "not a regular file or directory"
         return listing

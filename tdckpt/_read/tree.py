@@ -71,7 +71,6 @@ class VDir:
     unsafe: dict[str, str] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     generation: str | None = None
-    meta_size: int = 0
     #: naming hints set by migrations for old generations: "robust", "legacy", or None
     #: (unknown: decided from what is on disk). Leaves and child directories can differ
     #: (tensordict 0.13 encoded leaf names but kept raw directory names).
@@ -122,11 +121,11 @@ def _read_dir(storage: Storage, rel: str, *, depth: int, max_depth: int) -> VDir
                 "remove it.",
             )
         )
+    files = node.files
+    prefix = f"{rel}/" if rel else ""
     for name, size in listing.files.items():
-        if name == "meta.json":
-            node.meta_size = size
-            continue
-        node.files[name] = VFile(source=join(rel, name), size=size)
+        if name != "meta.json":
+            files[name] = VFile(prefix + name, size)
     if "meta.json" in listing.files:
         try:
             meta = storage.read_json(join(rel, "meta.json"))
