@@ -46,7 +46,7 @@ def best_of(func: Callable[[], Any], reps: int, setup: Callable[[], Any] | None 
 
 
 def row(label: str, base: float, ours: float, base_name: str) -> None:
-    print(f"  {label:<28} {base_name} {base * 1e3:10.2f} ms   tdckpt {ours * 1e3:10.2f} ms   ratio {ours / base:5.2f}")
+    print(f"  {label:<28} {base_name} {base * 1e3:10.3f} ms   tdckpt {ours * 1e3:10.3f} ms   ratio {ours / base:5.2f}")
 
 
 def _flat_td(n: int) -> Any:

@@ -358,10 +358,12 @@ class DirectoryStorage(Storage):
         if mode == "r":
             return torch.from_file(path, shared=False, size=numel, dtype=dtype)
         # Shared when the file is writable (mode None, as tensordict); "r+" requires it.
-        # The mode bits answer for the owner-or-root case without a syscall; access()
-        # decides the rest, and a shared open refused anyway (a read-only mount, an
-        # immutable file) is checked with access() before falling back to copy-on-write.
-        if _bits_allow_write(st, self._euid) or os.access(path, os.W_OK):
+        # The mode bits answer for root and for the owner without a syscall; access()
+        # decides the rest (group, other, ACLs). A shared open refused anyway (a read-only
+        # mount, an immutable file) is checked with access() before falling back to
+        # copy-on-write.
+        euid = self._euid
+        if euid == 0 or (st.st_uid == euid and st.st_mode & stat.S_IWUSR) or os.access(path, os.W_OK):
             try:
                 return torch.from_file(path, shared=True, size=numel, dtype=dtype)
             except RuntimeError:
@@ -414,14 +416,6 @@ def _read_upto(fd: int, size: int) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
-
-
-def _bits_allow_write(st: os.stat_result, euid: int) -> bool:
-    """Whether ``st`` is writable for root or its owner by its mode bits (no syscall).
-
-    False means "ask ``os.access``" (group, other, ACLs), not "read-only".
-    """
-    return euid == 0 or (st.st_uid == euid and bool(st.st_mode & stat.S_IWUSR))
 
 
 def open_storage(prefix: str | os.PathLike[str]) -> Storage:

@@ -84,6 +84,7 @@ class Mapper:
         self._mmt = _memory_mapped_tensor() if storage.kind == "directory" else None
         self._structure_only = device is not None and device.type == "meta"
         self._move = device is not None and device.type not in ("cpu", "meta")
+        self._dense_dir_leaves = self._mmt is not None and not self._structure_only and not self._move
 
     def dir_path(self, rel: str) -> Path | None:
         if not self.records_prefix:
@@ -91,11 +92,21 @@ class Mapper:
         return self.storage.physical_path(rel)
 
     def leaf(self, node: LeafNode) -> torch.Tensor:
+        src = node.file
+        if self._dense_dir_leaves and src is not None and src.data is None and not node.is_nested:
+            # The usual leaf (kept lean: 10,000 of them make a large checkpoint): a dense
+            # tensor in a file of a directory, mapped and wrapped as tensordict does.
+            rel = src.source
+            assert rel is not None
+            shape = node.shape
+            flat = self._map(rel, node)
+            if len(shape) != 1 or shape[0] != node.numel:
+                flat = flat.view(shape)  # a 1-d leaf already has its shape: no view
+            return self._wrap(flat, node, rel)
         if self._structure_only:
             # A structure-only load: no file is read, as with tensordict's device="meta".
             shape = node.shape[:1] if node.is_nested else node.shape
             return torch.empty(shape, dtype=node.dtype, device="meta")
-        src = node.file
         if src is None:
             tensor = torch.empty(node.shape, dtype=node.dtype)
         else:
@@ -103,17 +114,7 @@ class Mapper:
                 flat = torch.frombuffer(bytearray(src.data[: node.nbytes]), dtype=node.dtype) if node.nbytes else torch.empty(0, dtype=node.dtype)
             else:
                 assert src.source is not None
-                try:
-                    flat = self.storage.map(src.source, node.dtype, node.numel, mode=self.mode)
-                except (OSError, RuntimeError) as exc:
-                    if isinstance(exc, TdckptError):
-                        raise
-                    raise RestoreError(
-                        f"{self.storage.display(src.source)}: cannot map {node.dtype} x "
-                        f"{node.numel} ({exc}).",
-                        path=self.storage.display(src.source),
-                        key=node.key,
-                    ) from exc
+                flat = self._map(src.source, node)
             if node.is_nested:
                 assert node.sizes is not None
                 tensor = _nested_from_buffer(flat, node.sizes)
@@ -122,27 +123,40 @@ class Mapper:
             else:
                 tensor = flat.view(node.shape)
             if self._mmt is not None and src.source is not None:
-                tensor = self._wrap(self._mmt, tensor, node, src.source)
+                tensor = self._wrap(tensor, node, src.source)
         if self._move and tensor.device != self.device:
             tensor = tensor.to(self.device)
         return tensor
 
-    def _wrap(self, mmt: type[torch.Tensor], tensor: torch.Tensor, node: LeafNode, source: str) -> torch.Tensor:
+    def _map(self, rel: str, node: LeafNode) -> torch.Tensor:
+        try:
+            return self.storage.map(rel, node.dtype, node.numel, mode=self.mode)
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, TdckptError):
+                raise
+            raise RestoreError(
+                f"{self.storage.display(rel)}: cannot map {node.dtype} x {node.numel} ({exc}).",
+                path=self.storage.display(rel),
+                key=node.key,
+            ) from exc
+
+    def _wrap(self, tensor: torch.Tensor, node: LeafNode, source: str) -> torch.Tensor:
         """A MemoryMappedTensor on ``source``, in the state tensordict's from_filename leaves."""
+        mmt = self._mmt
+        assert mmt is not None
         # _make_subclass is the cheap alias; a nested tensor goes through the class itself
         # (aliasing one with _make_subclass warns about the nested-tensor prototype).
         out: torch.Tensor = mmt(tensor) if node.is_nested else torch.Tensor._make_subclass(mmt, tensor)
-        # One __dict__ update instead of the ``filename`` setter (which normalises through
-        # pathlib: slow for 10,000 leaves; the storage gives an absolute, normalised path)
-        # and five attribute assignments.
-        out.__dict__.update(
-            _filename=self.storage.absolute_str(source),  # type: ignore[attr-defined]
-            _handler=None,
-            _mode=self.mode,
-            _index=None,
-            _index_chain=(),
-            _parent_shape=node.sizes if node.is_nested else torch.Size(node.shape),
-        )
+        # The attributes tensordict's from_filename sets, written straight into __dict__:
+        # the ``filename`` setter normalises through pathlib (slow for 10,000 leaves), and
+        # the storage already gives an absolute, normalised path.
+        state = out.__dict__
+        state["_filename"] = self.storage.absolute_str(source)  # type: ignore[attr-defined]
+        state["_handler"] = None
+        state["_mode"] = self.mode
+        state["_index"] = None
+        state["_index_chain"] = ()
+        state["_parent_shape"] = node.sizes if node.is_nested else torch.Size(node.shape)
         return out
 
 
