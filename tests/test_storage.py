@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import tree_digest
 
+import tdckpt._read.storage as storage_module
 from tdckpt._read.storage import (
     MAX_JSON_BYTES,
     DirectoryStorage,
@@ -198,6 +199,7 @@ def _run_unprivileged(func: Callable[[], object]) -> object:
             os.close(read_fd)
             os.setgid(65534)
             os.setuid(65534)
+            storage_module._effective_uid.cache_clear()  # asked once per process: ask again
             try:
                 outcome: tuple[str, object] = ("ok", func())
             except BaseException as exc:  # noqa: BLE001 - sent back to the parent

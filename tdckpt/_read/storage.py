@@ -181,7 +181,7 @@ class DirectoryStorage(Storage):
         # them needs no new symlink check, no second stat for the size check and (usually)
         # no access() call, which keeps a 10,000-leaf restore free of 20,000 syscalls.
         self._regular: dict[str, tuple[str, os.stat_result]] = {}
-        self._euid = os.geteuid() if hasattr(os, "geteuid") else -1
+        self._euid = _effective_uid()
         # Paths whose every component was checked (no symlink out of the tree, no cycle).
         self._safe_dirs: set[str] = set()
 
@@ -390,6 +390,13 @@ class DirectoryStorage(Storage):
     def physical_str(self, rel: str) -> str:
         """``physical_path`` as a plain string (no pathlib cost on hot paths)."""
         return self._open_checked(rel)
+
+
+@functools.cache
+def _effective_uid() -> int:
+    """The process's effective uid, asked once: it only steers a first guess (a shared map
+    that the kernel then refuses falls back, checked with access())."""
+    return os.geteuid() if hasattr(os, "geteuid") else -1
 
 
 def _normalized(prefix: str | os.PathLike[str]) -> str:
