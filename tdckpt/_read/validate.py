@@ -189,14 +189,21 @@ def _check_device(ctx: Ctx, vdir: VDir, key: tuple[str, ...], device: str | None
     return False
 
 
-@functools.lru_cache(maxsize=64)
 def _is_torch_device(text: str) -> bool:
-    """Whether torch parses ``text`` as a device (cached: a checkpoint repeats a few)."""
+    """Whether torch parses ``text`` as a device (short strings cached: a checkpoint repeats
+    a few; a hostile megabyte-long one is not kept alive by the cache)."""
+    return _parses_as_device_cached(text) if len(text) <= 64 else _parses_as_device(text)
+
+
+def _parses_as_device(text: str) -> bool:
     try:
         torch.device(text)
     except (RuntimeError, ValueError):
         return False
     return True
+
+
+_parses_as_device_cached = functools.lru_cache(maxsize=64)(_parses_as_device)
 
 
 def _list_depth(data: list[Any], limit: int) -> int:
