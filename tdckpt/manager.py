@@ -160,6 +160,8 @@ class CheckpointManager:
 
     def _ensure_lock(self) -> None:
         with self._state:
+            if self._lock is not None and not self._lock.held:
+                self._lock = None  # a forked child let go of its parent's lock
             if self._lock is None:
                 if not self.root.is_dir():
                     self.root.mkdir(parents=True, exist_ok=True)

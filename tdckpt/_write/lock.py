@@ -12,10 +12,19 @@ How it works:
   left by a dead writer: it is taken over (with a :class:`~tdckpt.warnings.TdckptWarning`).
   flock conflicts between two open file descriptions even in one process, so a second
   manager in the same process is refused too.
-* A held flock whose recorded holder is a dead pid on this host was inherited by a forked
-  child that outlived its parent: that lock is broken too.
+* The flock is the truth: a lock whose flock is held is never taken over or unlinked,
+  whatever the file records. The recorded pid and host only name the holder in the error
+  message: a pid that is not visible here (another pid namespace - containers of one pod
+  share a host name, not their pids) or that is garbage says nothing about the holder.
+* A forked child does not keep its parent's lock: right after ``fork`` the child closes
+  its copy of every held lock's descriptor (so the flock lives exactly as long as the
+  process that took it) and a manager in the child must take the lock again.
+* The lock file is opened without following links and must be a regular file with a
+  single link; tdckpt writes into it only while it holds its flock. Anything else there
+  (a symlink, a directory, a FIFO, a hard link to another file) is refused, untouched.
 * On file systems without flock (some network mounts), only the pid check on the same host
-  remains; a lock of another host is then never broken automatically.
+  remains; a lock of another host, or with an unusable pid, is then never broken
+  automatically.
 * Release unlinks the file, then closes (and so unlocks) it. A contender that opened the
   old file checks, once it holds the flock, that the path still names the file it locked,
   and starts over otherwise.
@@ -29,6 +38,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 import warnings
 import weakref
@@ -48,6 +58,10 @@ LOCK_NAME = ".tdckpt.lock"
 _FRESH_SECONDS = 5.0
 _RETRY_SLEEP = 0.02
 _MAX_INFO_BYTES = 64 * 1024
+#: pid_t is a 32-bit signed int on every platform tdckpt runs on.
+_MAX_PID = 2**31 - 1
+#: Longest host / manager id kept from a lock file (they only appear in messages).
+_MAX_FIELD = 256
 
 
 @dataclass(frozen=True)
@@ -65,31 +79,69 @@ class LockInfo:
         )
 
 
+def _field(value: object) -> str | None:
+    """A printable string field of a lock file (shortened), or None if it is not a str."""
+    if type(value) is not str:
+        return None
+    text = "".join(ch if ch.isprintable() else "?" for ch in value[:_MAX_FIELD])
+    return text + ("..." if len(value) > _MAX_FIELD else "")
+
+
 def _parse_info(data: bytes) -> LockInfo | None:
+    """The holder a lock file names, or None for anything but tdckpt's own JSON.
+
+    The file may hold anything (it lies in a shared directory): garbage, non-UTF-8, deep
+    nesting, a float or a huge, negative or boolean pid are all "unknown holder".
+    """
     try:
         raw = json.loads(data)
-        return LockInfo(
-            host=str(raw["host"]),
-            pid=int(raw["pid"]),
-            created=str(raw["created"]),
-            manager_id=str(raw["manager_id"]),
-        )
-    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
+    if type(raw) is not dict:
+        return None
+    pid = raw.get("pid")
+    if type(pid) is not int or not 0 < pid <= _MAX_PID:
+        return None
+    host, created, manager_id = (
+        _field(raw.get("host")),
+        _field(raw.get("created")),
+        _field(raw.get("manager_id")),
+    )
+    if host is None or created is None or manager_id is None:
+        return None
+    return LockInfo(host=host, pid=pid, created=created, manager_id=manager_id)
 
 
 def _read_fd(fd: int) -> bytes:
-    os.lseek(fd, 0, os.SEEK_SET)
-    return os.read(fd, _MAX_INFO_BYTES)
+    return os.pread(fd, _MAX_INFO_BYTES, 0)
+
+
+def _open_flags() -> int:
+    return (
+        getattr(os, "O_CLOEXEC", 0)
+        | getattr(os, "O_NOFOLLOW", 0)
+        | getattr(os, "O_NONBLOCK", 0)  # a FIFO planted there must not block the open
+        | getattr(os, "O_NOCTTY", 0)
+    )
 
 
 def read_lock_info(root: str | os.PathLike[str]) -> LockInfo | None:
-    """The holder recorded in ``root``'s lock file, or None (no lock file, or unreadable)."""
+    """The holder recorded in ``root``'s lock file, or None (no lock file, or unreadable).
+
+    Never follows a symlink and reads only a regular file.
+    """
     try:
-        with open(Path(root) / LOCK_NAME, "rb") as fh:
-            return _parse_info(fh.read(_MAX_INFO_BYTES))
+        fd = os.open(Path(root) / LOCK_NAME, os.O_RDONLY | _open_flags())
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return _parse_info(_read_fd(fd))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _flock(fd: int) -> bool | None:
@@ -106,7 +158,8 @@ def _flock(fd: int) -> bool | None:
 
 
 def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
+    """Whether ``pid`` runs in this pid namespace (only used where flock is unsupported)."""
+    if not 0 < pid <= _MAX_PID:
         return False
     try:
         os.kill(pid, 0)
@@ -114,6 +167,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
+    except (OverflowError, OSError):
+        return False
     return True
 
 
@@ -125,6 +180,24 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
     fst = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+#: Every lock held by this process, so that a forked child can let go of them.
+_HELD: weakref.WeakSet[RootLock] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """After ``fork``, in the child: close the inherited descriptors of held locks.
+
+    The flock stays with the parent's descriptor, so it is released when the process that
+    took it ends, not when its last forked child does; the child's locks read as not held.
+    """
+    for lock in list(_HELD):
+        lock._forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _release(fd: int, path: Path, owner_pid: int) -> None:
@@ -190,6 +263,41 @@ class RootLock:
     def _hold(self, fd: int) -> None:
         self._fd = fd
         self._finalizer = weakref.finalize(self, _release, fd, self.path, os.getpid())
+        _HELD.add(self)
+
+    def _forget(self) -> None:
+        """Drop this (inherited) lock without touching the file: see _forget_in_child."""
+        fd, self._fd = self._fd, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        _HELD.discard(self)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _unusable(self, fd: int, what: str, exc: OSError | None = None) -> LockError:
+        os.close(fd)
+        return self._cannot_open(what, exc)
+
+    def _cannot_open(self, what: str, exc: OSError | None = None) -> LockError:
+        detail = f" ({exc.strerror})" if exc is not None and exc.strerror else ""
+        return LockError(
+            f"{self.root}: cannot open the lock file {self.path}: {what}{detail}. Expected a "
+            "regular file tdckpt created; it was left untouched. Remove whatever is there "
+            "if no writer is running.",
+            root=str(self.root),
+            path=str(self.path),
+        )
+
+    def _check_file(self, fd: int) -> None:
+        """Refuse (closing ``fd``) anything but a regular file with one link."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise self._unusable(fd, "it is not a regular file")
+        if st.st_nlink != 1:
+            # Writing our name into it would also change the other name(s) of the file.
+            raise self._unusable(fd, f"it has {st.st_nlink} hard links")
 
     def acquire(self, *, stacklevel: int = 1) -> None:
         """Take the lock, taking over one left by a dead writer.
@@ -205,7 +313,7 @@ class RootLock:
             return
         self._stacklevel = stacklevel
         deadline = time.monotonic() + _FRESH_SECONDS + 1.0
-        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        flags = os.O_RDWR | _open_flags()
         while True:
             try:
                 fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
@@ -220,13 +328,13 @@ class RootLock:
             except FileNotFoundError:
                 continue  # released between our two opens: try to create it again
             except OSError as exc:
-                raise LockError(
-                    f"{self.root}: cannot open the lock file {self.path} ({exc.strerror}). "
-                    "Expected a regular file tdckpt created; remove whatever is there if no "
-                    "writer is running.",
-                    root=str(self.root),
-                    path=str(self.path),
-                ) from exc
+                what = (
+                    "it is a symbolic link"
+                    if exc.errno == errno.ELOOP or os.path.islink(self.path)
+                    else "cannot open it for writing"
+                )
+                raise self._cannot_open(what, exc) from exc
+            self._check_file(fd)
             if self._take_existing(fd, deadline):
                 return
 
@@ -254,7 +362,6 @@ class RootLock:
         """The file exists: take it over if stale, retry, or raise. True: we hold it."""
         got = _flock(fd)
         info = _parse_info(_read_fd(fd))
-        here = socket.gethostname()
         if got is True and not _same_file(fd, self.path):
             os.close(fd)  # released and maybe re-created meanwhile
             return False
@@ -265,24 +372,27 @@ class RootLock:
                 os.close(fd)
                 time.sleep(_RETRY_SLEEP)
                 return False
-        if got is True or (
-            got is None and (info is None or (info.host == here and not _pid_alive(info.pid)))
-        ):
+        if got is True:
+            # Nobody holds the flock: whoever wrote the file is gone, whatever it records.
             self._write_info(fd)
             self._hold(fd)
             self._warn_takeover(info)
             return True
-        if info is not None and info.host == here and not _pid_alive(info.pid):
-            # The flock is held through a descriptor a forked child inherited from a
-            # writer that died: break the lock (the orphan keeps a file nobody names).
-            if _same_file(fd, self.path):
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
-            os.close(fd)
+        if got is None and self._stale_without_flock(fd, info):
+            self._write_info(fd)
+            self._hold(fd)
             self._warn_takeover(info)
-            return False
+            return True
+        # The flock is held (or, without flock, the holder may be alive): never break it.
         os.close(fd)
         raise self._busy(info, flock_supported=got is not None)
+
+    def _stale_without_flock(self, fd: int, info: LockInfo | None) -> bool:
+        """Without flock: stale only if empty (and not fresh) or a dead pid of this host."""
+        if info is None:
+            # An empty file past its creation grace is abandoned; garbage is not ours to judge.
+            return os.fstat(fd).st_size == 0
+        return info.host == socket.gethostname() and not _pid_alive(info.pid)
 
     def _warn_takeover(self, info: LockInfo | None) -> None:
         who = info.describe() if info is not None else "an unknown writer (empty lock file)"
@@ -296,9 +406,20 @@ class RootLock:
         )
 
     def _busy(self, info: LockInfo | None, *, flock_supported: bool) -> LockError:
-        who = info.describe() if info is not None else "an unknown writer"
+        who = (
+            info.describe()
+            if info is not None
+            else "an unknown writer: the lock file does not name it"
+        )
         hint = "Close that CheckpointManager (or let that process finish), or use another root."
-        if info is not None and info.host != socket.gethostname():
+        if flock_supported and info is not None and not _pid_alive(info.pid):
+            hint += (
+                f" The lock's flock is held although pid {info.pid} is not visible from this "
+                "process: the holder runs in another pid namespace (another container or "
+                "host sharing this directory), or is a process that inherited the lock's "
+                "descriptor. The lock is released when that process ends."
+            )
+        elif info is not None and info.host != socket.gethostname():
             hint += (
                 f" The holder runs on another host; if you are sure it is gone, delete {self.path}."
             )
