@@ -49,6 +49,8 @@ def write_archive(
     *,
     compression: str = "stored",
     fsync: bool = True,
+    tmp: str | os.PathLike[str] | None = None,
+    replace: bool = True,
 ) -> None:
     """Pack a checkpoint directory into a ``.tdz`` that tensordict 0.15.3 loads.
 
@@ -67,6 +69,10 @@ def write_archive(
             ``.memmap`` entries only.
         fsync: sync the archive and its directory to disk (off only for tests and
             throw-away archives).
+        tmp: the temporary file to write (beside ``dest``; it must not exist). Default: a
+            fresh ``.<dest name>.<random>.tmp``.
+        replace: replace an existing ``dest`` (default); with False an existing ``dest``
+            is refused atomically (CheckpointExistsError) and the temporary file removed.
 
     Raises:
         CheckpointNotFoundError: ``source_dir`` or ``dest``'s directory does not exist.
@@ -113,9 +119,10 @@ def write_archive(
         )
     files = list(_walk(DirectoryStorage(source), ""))  # check every name before writing
 
-    tmp = parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
+    tmp = Path(tmp) if tmp is not None else parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
     # os.open with 0o666 lets the umask decide the final mode, as for any new file.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
     try:
         with open(fd, "wb") as fh:
             with zipfile.ZipFile(fh, "w", allowZip64=True) as zf:
@@ -124,7 +131,17 @@ def write_archive(
             fh.flush()
             if fsync:
                 os.fsync(fh.fileno())
-        os.replace(tmp, target)
+        if replace:
+            os.replace(tmp, target)
+        else:
+            from tdckpt._write.atomic import rename_noreplace
+
+            try:
+                rename_noreplace(tmp, target)
+            except CheckpointExistsError:
+                raise CheckpointExistsError(
+                    f"{target}: already exists; not replaced.", path=str(target)
+                ) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

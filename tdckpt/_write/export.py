@@ -1,25 +1,340 @@
 """``tdckpt.save``: write one bare prefix (directory or ``.tdz``) atomically.
 
-The manager's steps use the same writer and commit protocol; this is the function for a
-single prefix outside a managed root, e.g. to hand a checkpoint to plain tensordict
-users. What it writes, tensordict 0.15.3's ``TensorDict.load_memmap`` loads (the manifest
-is an extra file tensordict ignores).
+The manager's steps use the same writer; this is the function for a single prefix outside
+a managed root, e.g. to hand a checkpoint to plain tensordict users. What it writes,
+tensordict 0.15.3's ``TensorDict.load_memmap`` loads (the manifest is an extra file
+tensordict ignores).
+
+The protocol, for a prefix ``<dir>/<name>`` (every name below is derived from ``<name>``
+and a fresh random token; nothing else is ever created, renamed or removed):
+
+1. Journal: ``<dir>/.<name>.tdckpt-save`` records the token. It is written and flocked
+   under a temporary name (``.<name>.tdckpt-save.<token>.new``) and renamed into place
+   without replacing, so it is complete whenever it exists, and held (flock) for the whole
+   save: a second save of the same prefix finds it held and is refused.
+2. Write the checkpoint into ``<dir>/.<name>.tmp-<token>/`` and make it durable.
+3. Commit:
+
+   * a directory: renamed onto ``<name>`` without replacing; an overwrite swaps the two
+     trees atomically with ``renameat2(RENAME_EXCHANGE)`` (Linux), so ``<name>`` always
+     names a complete checkpoint, old or new; the old one (now at the staging name) is
+     then removed. Where the exchange is unsupported, the old tree is renamed to
+     ``<dir>/.<name>.old-<token>`` first: a crash before the new tree is renamed in leaves
+     no ``<name>``, and the next save of the prefix renames the old one back.
+   * a ``.tdz``: packed into ``<dir>/.<name>.<token>.tmp``, synced, renamed onto ``<name>``
+     (``os.replace``, atomic; without replacing unless ``overwrite``).
+
+4. Remove the journal.
+
+A save that finds a journal whose flock is free (its save crashed) recovers first: it
+restores ``.<name>.old-<token>`` if ``<name>`` is missing, removes the journal's staging,
+old and archive temporaries, then the journal. Only names the journal's token derives are
+touched, never through a symlink; a journal that is not tdckpt's is refused, untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import json
 import os
+import re
+import secrets
 import shutil
-import uuid
+import stat
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tdckpt._write.atomic import fsync_dir, rename_noreplace
+from tdckpt._write import atomic as _atomic
 from tdckpt._write.save import write_checkpoint
-from tdckpt.errors import CheckpointExistsError
+from tdckpt.errors import CheckpointExistsError, LockError, UnsafePathError
 from tdckpt.schema import Manifest
+from tdckpt.warnings import TdckptWarning
 
-__all__ = ["save"]
+__all__ = ["JOURNAL_SUFFIX", "save"]
+
+#: What the journal of ``<dir>/<name>`` is called: ``.<name>`` + this.
+JOURNAL_SUFFIX = ".tdckpt-save"
+_TOKEN_RE = re.compile(r"[0-9a-f]{16}")
+_MAX_JOURNAL_BYTES = 4096
+#: The longest file name most file systems take (ext4, xfs, btrfs, tmpfs: 255 bytes).
+_NAME_MAX = 255
+#: What the longest derived name adds to the prefix's name.
+_NAME_OVERHEAD = len(f".{JOURNAL_SUFFIX}.{'0' * 16}.new")
+_OPEN = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+#: Fault injection for the crash tests: called with the name of each protocol stage
+#: ("journal", "written", "swapped", "aside", "renamed", "archived", "committed",
+#: "cleaned"). None (always, outside tests) costs one comparison per stage.
+_fault: Callable[[str], None] | None = None
+
+
+def _at(stage: str) -> None:
+    if _fault is not None:
+        _fault(stage)
+
+
+class _Names:
+    """Every name a save of ``dest`` may create, all derived from its name and a token."""
+
+    def __init__(self, dest: Path) -> None:
+        self.dest = dest
+        self.parent = dest.parent
+        self.name = dest.name
+        self.journal = self.parent / f".{self.name}{JOURNAL_SUFFIX}"
+
+    def journal_new(self, token: str) -> Path:
+        return self.parent / f".{self.name}{JOURNAL_SUFFIX}.{token}.new"
+
+    def staging(self, token: str) -> Path:
+        return self.parent / f".{self.name}.tmp-{token}"
+
+    def old(self, token: str) -> Path:
+        return self.parent / f".{self.name}.old-{token}"
+
+    def archive_tmp(self, token: str) -> Path:
+        return self.parent / f".{self.name}.{token}.tmp"
+
+
+def _fsync_dir(path: Path, fsync: bool) -> None:
+    if fsync:
+        _atomic.fsync_dir(path)
+
+
+def _lexists(path: Path) -> bool:
+    return os.path.lexists(path)
+
+
+def _remove(path: Path) -> bool:
+    """Remove a file, link or tree tdckpt created, never following a link. True: removed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)  # fd-based where the platform allows: never leaves the tree
+    else:
+        os.unlink(path)
+    return True
+
+
+def _try_flock(fd: int) -> bool:
+    """Take the flock without waiting: False when held elsewhere (True if unsupported)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+            return True  # no flock here: the journal still makes a crash recoverable
+        raise
+    return True
+
+
+def _journal_record(names: _Names, token: str) -> bytes:
+    return json.dumps({"tdckpt_save": 1, "prefix": names.name, "token": token}).encode()
+
+
+def _parse_journal(names: _Names, data: bytes) -> str | None:
+    """The token of a journal tdckpt wrote for this prefix, or None."""
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if type(raw) is not dict or raw.get("tdckpt_save") != 1 or raw.get("prefix") != names.name:
+        return None
+    token = raw.get("token")
+    if type(token) is not str or _TOKEN_RE.fullmatch(token) is None:
+        return None
+    return token
+
+
+def _foreign_journal(names: _Names, why: str) -> UnsafePathError:
+    return UnsafePathError(
+        f"{names.journal}: {why}; expected the journal of an interrupted tdckpt.save of "
+        f"{names.dest}. Nothing was changed. Remove it if no save of this prefix is running.",
+        path=str(names.journal),
+    )
+
+
+def _recover(names: _Names, *, fsync: bool, stacklevel: int) -> None:
+    """Finish the crashed save a journal belongs to (see the module docstring)."""
+    try:
+        fd = os.open(names.journal, os.O_RDONLY | _OPEN)
+    except FileNotFoundError:
+        return  # its save just finished
+    except OSError as exc:
+        raise _foreign_journal(names, f"cannot open it ({exc.strerror})") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _foreign_journal(names, "not a regular file")
+        if not _try_flock(fd):
+            raise LockError(
+                f"{names.dest}: another tdckpt.save of this prefix is in progress (its journal "
+                f"{names.journal} is locked). Wait for it to finish, or save elsewhere.",
+                path=str(names.dest),
+                journal=str(names.journal),
+            )
+        if st.st_size > _MAX_JOURNAL_BYTES:
+            raise _foreign_journal(names, f"{st.st_size} bytes, too large for a save journal")
+        token = _parse_journal(names, os.pread(fd, _MAX_JOURNAL_BYTES, 0))
+        if token is None:
+            raise _foreign_journal(names, "not a save journal tdckpt wrote for this prefix")
+        old, done = names.old(token), []
+        if _lexists(old):
+            if not _lexists(names.dest):
+                # Crashed between renaming the old tree aside and the new one in.
+                os.rename(old, names.dest)
+                done.append(f"restored the previous checkpoint from {old.name}")
+            elif _remove(old):
+                done.append(f"removed the replaced checkpoint {old.name}")
+        for leftover in (names.staging(token), names.archive_tmp(token)):
+            if _remove(leftover):
+                done.append(f"removed {leftover.name}")
+        _fsync_dir(names.parent, fsync)
+        if _same_file(fd, names.journal):
+            os.unlink(names.journal)
+            _fsync_dir(names.parent, fsync)
+    finally:
+        os.close(fd)
+    warnings.warn(
+        f"{names.dest}: an earlier tdckpt.save of this prefix was interrupted; recovered it "
+        f"({'; '.join(done) or 'nothing was left behind'}). {names.dest} holds the last "
+        "checkpoint that was completely saved.",
+        TdckptWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def _remove_stale_new_journals(names: _Names) -> None:
+    """Remove ``.<name>.tdckpt-save.<token>.new`` files of saves that crashed at step 1."""
+    pattern = re.compile(re.escape(f".{names.name}{JOURNAL_SUFFIX}.") + r"([0-9a-f]{16})\.new")
+    with os.scandir(names.parent) as scan:
+        candidates = [(e.name, m.group(1)) for e in scan if (m := pattern.fullmatch(e.name))]
+    for name, token in candidates:
+        path = names.parent / name
+        try:
+            fd = os.open(path, os.O_RDONLY | _OPEN)
+        except OSError:
+            continue
+        try:
+            if (
+                stat.S_ISREG(os.fstat(fd).st_mode)
+                and _try_flock(fd)
+                and _parse_journal(names, os.pread(fd, _MAX_JOURNAL_BYTES, 0)) == token
+                and _same_file(fd, path)
+            ):
+                os.unlink(path)
+        finally:
+            os.close(fd)
+
+
+def _begin(names: _Names, *, fsync: bool, stacklevel: int) -> tuple[int, str]:
+    """Create and hold this save's journal (recovering a crashed one). Returns (fd, token)."""
+    _remove_stale_new_journals(names)
+    token = secrets.token_hex(8)
+    tmp = names.journal_new(token)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o644)
+    try:
+        _try_flock(fd)  # a fresh file nobody else has opened: always ours
+        data = _journal_record(names, token)
+        os.pwrite(fd, data, 0)
+        if fsync:
+            os.fsync(fd)
+        for _ in range(3):
+            try:
+                _atomic.rename_noreplace(tmp, names.journal)  # the flock moves with it
+                break
+            except CheckpointExistsError:
+                _recover(names, fsync=fsync, stacklevel=stacklevel + 1)
+        else:
+            raise LockError(
+                f"{names.dest}: other saves of this prefix keep starting; try again.",
+                path=str(names.dest),
+            )
+        _fsync_dir(names.parent, fsync)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        os.close(fd)
+        raise
+    return fd, token
+
+
+def _end(names: _Names, fd: int, *, fsync: bool) -> None:
+    """Remove this save's journal (the save is complete, or fully undone)."""
+    try:
+        if _same_file(fd, names.journal):
+            os.unlink(names.journal)
+            _fsync_dir(names.parent, fsync)
+    finally:
+        os.close(fd)
+
+
+def _check_prefix(dest: Path) -> None:
+    if dest.name in ("", ".", ".."):
+        raise UnsafePathError(
+            f"{dest}: names no file or directory of its own; pass the checkpoint's own path "
+            "(e.g. 'out/ckpt' or 'out/ckpt.tdz').",
+            path=str(dest),
+        )
+    if len(os.fsencode(dest.name)) + _NAME_OVERHEAD > _NAME_MAX:
+        raise UnsafePathError(
+            f"{dest}: the name is too long; tdckpt.save needs {_NAME_OVERHEAD} more bytes "
+            f"for its temporary names, within the {_NAME_MAX}-byte limit. Use a shorter name.",
+            path=str(dest),
+        )
+
+
+def _refuse_existing(dest: Path) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"{dest}: already exists. Pass overwrite=True to replace it, or choose another prefix.",
+        path=str(dest),
+    )
+
+
+def _commit_dir(names: _Names, staging: Path, token: str, *, overwrite: bool, fsync: bool) -> None:
+    dest = names.dest
+    if not (overwrite and _lexists(dest)):
+        try:
+            _atomic.rename_noreplace(staging, dest)
+        except CheckpointExistsError:
+            raise _refuse_existing(dest) from None
+        _fsync_dir(names.parent, fsync)
+        return
+    if _atomic._exchange(staging, dest):
+        # One atomic step: dest is the new tree, staging the old one.
+        _at("swapped")
+        _fsync_dir(names.parent, fsync)
+        _remove(staging)
+        _at("cleaned")
+        return
+    old = names.old(token)
+    os.rename(dest, old)
+    _at("aside")
+    # A crash here leaves no dest: the journal makes the next save rename old back.
+    try:
+        os.rename(staging, dest)
+    except BaseException:
+        os.rename(old, dest)
+        raise
+    _at("renamed")
+    _fsync_dir(names.parent, fsync)
+    _remove(old)
+    _at("cleaned")
 
 
 def save(
@@ -36,6 +351,14 @@ def save(
     renamed into place, so ``prefix`` either holds the whole checkpoint or is untouched.
     A ``prefix`` ending in ``.tdz`` becomes a tensordict-compatible zip archive.
 
+    ``overwrite=True`` replaces an existing ``prefix`` atomically: a directory is swapped
+    with ``renameat2(RENAME_EXCHANGE)``, an archive replaced by ``os.replace``, so a reader
+    always finds the complete old or the complete new checkpoint. On a file system without
+    the exchange (not Linux, some network mounts) a directory is renamed aside first; a
+    crash at that instant leaves ``.<name>.old-<token>`` beside a missing ``prefix``, which
+    the next ``save`` of ``prefix`` renames back. Every save cleans what a crashed save of
+    the same prefix left behind (with a :class:`~tdckpt.warnings.TdckptWarning`).
+
     Args:
         obj: what to save.
         prefix: the destination directory, or ``*.tdz`` file.
@@ -48,33 +371,58 @@ def save(
 
     Raises:
         tdckpt.errors.CheckpointExistsError: ``prefix`` exists and overwrite is False.
+        tdckpt.errors.LockError: another save of ``prefix`` is running.
+        tdckpt.errors.UnsafePathError: ``prefix`` has no name of its own (``"."``) or one
+            too long for the temporary names, or a file that is not tdckpt's sits where
+            the save journal belongs.
     """
     dest = Path(prefix)
-    if dest.exists() and not overwrite:
-        raise CheckpointExistsError(
-            f"{dest}: already exists. Pass overwrite=True to replace it, or choose another prefix.",
-            path=str(dest),
-        )
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:12]}"
+    _check_prefix(dest)
+    if _lexists(dest) and not overwrite:
+        raise _refuse_existing(dest)
+    names = _Names(dest)
+    names.parent.mkdir(parents=True, exist_ok=True)
+    # warning -> _recover <- _begin <- save <- the caller's line
+    fd, token = _begin(names, fsync=fsync, stacklevel=3)
+    staging = names.staging(token)
+    clean = False
     try:
+        _at("journal")
         manifest = write_checkpoint(obj, staging, user_metadata=metadata, fsync=fsync)
+        _at("written")
         if dest.suffix == ".tdz":
-            from tdckpt._read.archive import write_archive
+            from tdckpt._write.archive_write import write_archive
 
-            if dest.exists() and not overwrite:
-                raise CheckpointExistsError(f"{dest}: appeared while saving; not replaced.", path=str(dest))
-            write_archive(staging, dest, fsync=fsync)  # temp file + os.replace: atomic
-            return manifest
-        if overwrite and dest.exists():
-            old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:12]}"
-            os.rename(dest, old)
-            os.rename(staging, dest)
-            shutil.rmtree(old, ignore_errors=True)
+            if _lexists(dest) and not overwrite:
+                raise CheckpointExistsError(
+                    f"{dest}: appeared while saving; not replaced. Pass overwrite=True to "
+                    "replace it.",
+                    path=str(dest),
+                )
+            write_archive(
+                staging,
+                dest,
+                fsync=fsync,
+                tmp=names.archive_tmp(token),
+                replace=overwrite,
+            )
+            _at("archived")
+            _remove(staging)
         else:
-            rename_noreplace(staging, dest)
-        if fsync:
-            fsync_dir(dest.parent)
+            _commit_dir(names, staging, token, overwrite=overwrite, fsync=fsync)
+        _at("committed")
+        clean = True
         return manifest
+    except BaseException:
+        # An ordinary error: undo what this save created. If that fails too, the journal
+        # stays, and the next save of the prefix finishes the job.
+        with contextlib.suppress(OSError):
+            _remove(staging)
+            _remove(names.archive_tmp(token))
+            clean = not _lexists(names.old(token))
+        raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if clean:
+            _end(names, fd, fsync=fsync)
+        else:
+            os.close(fd)
