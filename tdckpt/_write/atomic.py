@@ -31,6 +31,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -223,8 +224,17 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _remove(path: Path) -> None:
-    """Remove a file or a directory tree; missing is fine."""
-    if path.is_dir() and not path.is_symlink():
+    """Remove a file, a link or a directory tree, never following a link; missing is fine.
+
+    Decided from ``lstat``: a link (even one to a directory) is unlinked, never walked. If
+    the entry is swapped for a link after that, ``shutil.rmtree`` refuses it (it works on
+    directory descriptors and never follows links inside the tree either).
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
         shutil.rmtree(path, ignore_errors=False)
     else:
         with contextlib.suppress(FileNotFoundError):
@@ -288,13 +298,15 @@ def commit_directory(
 
 def _replace(root: Path, step: int, staging: Path, final: Path, *, fsync: bool) -> None:
     """Swap the staged folder in for the committed ``final``, then delete the old one."""
-    if final.is_symlink() or not final.is_dir():
+    if _exchange(staging, final):
+        # Whatever ``final`` was (folder, file, link), it is now at the staging name; a
+        # link is unlinked below, never followed.
+        aside = staging
+    elif final.is_symlink() or not final.is_dir():
         # A file (or link) where the step folder belongs: retire it like any step.
         aside = root / tmp_name(step, tag="retired")
         os.rename(final, aside)
         os.rename(staging, final)
-    elif _exchange(staging, final):
-        aside = staging  # now holds the old step
     else:
         aside = root / tmp_name(step, tag=REPLACED_SUFFIX[1:])
         os.rename(final, aside)

@@ -67,7 +67,7 @@ _NAME_OVERHEAD = len(f".{JOURNAL_SUFFIX}.{'0' * 16}.new")
 _OPEN = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 #: Fault injection for the crash tests: called with the name of each protocol stage
-#: ("journal", "written", "swapped", "aside", "renamed", "archived", "committed",
+#: ("journal-new", "journal", "written", "swapped", "aside", "renamed", "archived", "committed",
 #: "cleaned"). None (always, outside tests) costs one comparison per stage.
 _fault: Callable[[str], None] | None = None
 
@@ -161,7 +161,10 @@ def _foreign_journal(names: _Names, why: str) -> UnsafePathError:
 
 
 def _recover(names: _Names, *, fsync: bool, stacklevel: int) -> None:
-    """Finish the crashed save a journal belongs to (see the module docstring)."""
+    """Finish the crashed save a journal belongs to (see the module docstring).
+
+    ``stacklevel``: where the warning points, 1 being the caller of ``_recover``.
+    """
     try:
         fd = os.open(names.journal, os.O_RDONLY | _OPEN)
     except FileNotFoundError:
@@ -243,7 +246,10 @@ def _remove_stale_new_journals(names: _Names) -> None:
 
 
 def _begin(names: _Names, *, fsync: bool, stacklevel: int) -> tuple[int, str]:
-    """Create and hold this save's journal (recovering a crashed one). Returns (fd, token)."""
+    """Create and hold this save's journal (recovering a crashed one). Returns (fd, token).
+
+    ``stacklevel``: where a recovery warning points, 1 being the caller of ``_begin``.
+    """
     _remove_stale_new_journals(names)
     token = secrets.token_hex(8)
     tmp = names.journal_new(token)
@@ -254,6 +260,7 @@ def _begin(names: _Names, *, fsync: bool, stacklevel: int) -> tuple[int, str]:
         os.pwrite(fd, data, 0)
         if fsync:
             os.fsync(fd)
+        _at("journal-new")
         for _ in range(3):
             try:
                 _atomic.rename_noreplace(tmp, names.journal)  # the flock moves with it
@@ -382,8 +389,8 @@ def save(
         raise _refuse_existing(dest)
     names = _Names(dest)
     names.parent.mkdir(parents=True, exist_ok=True)
-    # warning -> _recover <- _begin <- save <- the caller's line
-    fd, token = _begin(names, fsync=fsync, stacklevel=3)
+    # stacklevel 1 is _begin's caller (here), 2 the caller of save
+    fd, token = _begin(names, fsync=fsync, stacklevel=2)
     staging = names.staging(token)
     clean = False
     try:

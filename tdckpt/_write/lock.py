@@ -365,7 +365,8 @@ class RootLock:
         if got is True and not _same_file(fd, self.path):
             os.close(fd)  # released and maybe re-created meanwhile
             return False
-        if info is None and got is not False:
+        if info is None and got is not False and os.fstat(fd).st_size == 0:
+            # (A creator writes its name in one small pwrite: only an empty file is young.)
             age = time.time() - os.fstat(fd).st_mtime
             if age < _FRESH_SECONDS and time.monotonic() < deadline:
                 # Its creator is between O_EXCL and writing its name: let it finish.
