@@ -61,7 +61,7 @@ def _die() -> None:
 def saver(prefix: str, stage: str, exchange: bool, value: int) -> None:
     warnings.simplefilter("ignore")
     if not exchange:
-        _atomic._exchange = lambda a, b: False  # type: ignore[assignment]
+        _atomic._exchange = lambda a, b: False
     if stage == "partial":
         original = _save._Writer.write_tensor
 

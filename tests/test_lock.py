@@ -102,7 +102,8 @@ def test_a_held_flock_is_never_broken_even_if_the_recorded_pid_is_dead(tmp_path:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(LockError, match="not visible from this process"):
             RootLock(tmp_path, manager_id="new").acquire()
-        assert path.exists() and read_lock_info(tmp_path).manager_id == "parent"  # type: ignore[union-attr]
+        assert path.exists()
+        assert read_lock_info(tmp_path).manager_id == "parent"  # type: ignore[union-attr]
     finally:
         os.close(fd)
     with (
