@@ -404,6 +404,25 @@ def test_a_save_in_progress_of_the_same_prefix_is_refused(tmp_path: Path) -> Non
     assert value_of(tdckpt.load_memmap(prefix)) == 1
 
 
+def test_without_flock_only_an_old_journal_is_recovered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_export, "_try_flock", lambda fd: None)  # e.g. NFS without locks
+    prefix = tmp_path / "ckpt"
+    tdckpt.save(make_td(1), prefix)
+    token = "12" * 8
+    (tmp_path / f".ckpt.tmp-{token}").mkdir()
+    journal = _plant_journal(prefix, token)
+    with pytest.raises(LockError, match="is recent and cannot be locked here"):
+        tdckpt.save(make_td(2), prefix, overwrite=True)
+    assert (tmp_path / f".ckpt.tmp-{token}").is_dir()
+    old = time.time() - 3600
+    os.utime(journal, (old, old))
+    with pytest.warns(TdckptWarning, match=f"removed .ckpt.tmp-{token}"):
+        tdckpt.save(make_td(2), prefix, overwrite=True)
+    assert os.listdir(tmp_path) == ["ckpt"] and value_of(tdckpt.load_memmap(prefix)) == 2
+
+
 def test_recovery_warns_at_the_callers_line(tmp_path: Path) -> None:
     prefix = tmp_path / "ckpt"
     tdckpt.save(make_td(1), prefix)

@@ -30,6 +30,8 @@ A save that finds a journal whose flock is free (its save crashed) recovers firs
 restores ``.<name>.old-<token>`` if ``<name>`` is missing, removes the journal's staging,
 old and archive temporaries, then the journal. Only names the journal's token derives are
 touched, never through a symlink; a journal that is not tdckpt's is refused, untouched.
+On a file system without flock a journal counts as crashed only once it is ten minutes
+old (a save of the same prefix is refused until then).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import re
 import secrets
 import shutil
 import stat
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +67,8 @@ _MAX_JOURNAL_BYTES = 4096
 _NAME_MAX = 255
 #: What the longest derived name adds to the prefix's name.
 _NAME_OVERHEAD = len(f".{JOURNAL_SUFFIX}.{'0' * 16}.new")
+#: Without flock, a journal older than this (seconds) belongs to a save that crashed.
+_NO_FLOCK_GRACE = 600.0
 _OPEN = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 #: Fault injection for the crash tests: called with the name of each protocol stage
@@ -121,15 +126,15 @@ def _remove(path: Path) -> bool:
     return True
 
 
-def _try_flock(fd: int) -> bool:
-    """Take the flock without waiting: False when held elsewhere (True if unsupported)."""
+def _try_flock(fd: int) -> bool | None:
+    """Take the flock without waiting: True taken, False held elsewhere, None unsupported."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
     except OSError as exc:
         if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
-            return True  # no flock here: the journal still makes a crash recoverable
+            return None  # no flock here: the journal still makes a crash recoverable
         raise
     return True
 
@@ -175,10 +180,13 @@ def _recover(names: _Names, *, fsync: bool, stacklevel: int) -> None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _foreign_journal(names, "not a regular file")
-        if not _try_flock(fd):
+        got = _try_flock(fd)
+        if got is False or (got is None and time.time() - st.st_mtime < _NO_FLOCK_GRACE):
+            # Without flock (some network mounts) only a journal left for a while is stale.
+            held = "is locked" if got is False else "is recent and cannot be locked here"
             raise LockError(
                 f"{names.dest}: another tdckpt.save of this prefix is in progress (its journal "
-                f"{names.journal} is locked). Wait for it to finish, or save elsewhere.",
+                f"{names.journal} {held}). Wait for it to finish, or save elsewhere.",
                 path=str(names.dest),
                 journal=str(names.journal),
             )
@@ -234,9 +242,11 @@ def _remove_stale_new_journals(names: _Names) -> None:
         except OSError:
             continue
         try:
+            st = os.fstat(fd)
+            got = _try_flock(fd)
             if (
-                stat.S_ISREG(os.fstat(fd).st_mode)
-                and _try_flock(fd)
+                stat.S_ISREG(st.st_mode)
+                and (got or (got is None and time.time() - st.st_mtime > _NO_FLOCK_GRACE))
                 and _parse_journal(names, os.pread(fd, _MAX_JOURNAL_BYTES, 0)) == token
                 and _same_file(fd, path)
             ):

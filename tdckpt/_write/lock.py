@@ -396,7 +396,11 @@ class RootLock:
         return info.host == socket.gethostname() and not _pid_alive(info.pid)
 
     def _warn_takeover(self, info: LockInfo | None) -> None:
-        who = info.describe() if info is not None else "an unknown writer (empty lock file)"
+        who = (
+            info.describe()
+            if info is not None
+            else "an unknown writer (the lock file was empty or named no holder)"
+        )
         warnings.warn(
             f"{self.root}: took over the lock {self.path} left by {who}, which is no longer "
             "running. A save it did not finish left a temporary '<step>.tmp-*' entry that "
@@ -443,6 +447,7 @@ class RootLock:
         if self._fd is None:
             return
         self._fd = None
+        _HELD.discard(self)
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None
