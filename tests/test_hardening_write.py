@@ -241,6 +241,31 @@ def test_a_fifo_or_directory_lock_path_is_refused_without_hanging(tmp_path: Path
     assert (tmp_path / LOCK_NAME).is_dir()
 
 
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores modes")
+def test_a_read_only_root_gets_a_lock_error(tmp_path: Path) -> None:
+    tmp_path.chmod(0o555)
+    try:
+        with pytest.raises(LockError, match="cannot create the lock file .*writable"):
+            CheckpointManager(tmp_path).gc()
+    finally:
+        tmp_path.chmod(0o755)
+
+
+def test_a_read_only_root_gets_a_lock_error_even_as_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+
+    def read_only_open(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(_lock.os, "open", read_only_open)
+    with pytest.raises(LockError, match="cannot create the lock file .*Permission denied"):
+        RootLock(tmp_path, manager_id="x").acquire()
+
+
 # -- the lock and fork ------------------------------------------------------------------------
 
 

@@ -319,6 +319,15 @@ class RootLock:
                 fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 pass
+            except OSError as exc:
+                if not os.path.lexists(self.path):  # e.g. a read-only root
+                    raise LockError(
+                        f"{self.root}: cannot create the lock file {self.path} "
+                        f"({exc.strerror}). A writer needs a writable checkpoint root; "
+                        "reading (restore, verify, ls) does not.",
+                        root=str(self.root),
+                        path=str(self.path),
+                    ) from exc
             else:
                 if self._take_new(fd, deadline):
                     return
