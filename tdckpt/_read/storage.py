@@ -664,8 +664,8 @@ def _map_fd(fd: int, nbytes: int, dtype: torch.dtype, *, shared: bool) -> torch.
     """
     libc = _libc_mmap()
     if libc is None:  # pragma: no cover - every POSIX platform tdckpt runs on has libc
-        buffer = mmap.mmap(fd, nbytes, access=mmap.ACCESS_WRITE if shared else mmap.ACCESS_COPY)
-        return torch.frombuffer(buffer, dtype=dtype)
+        fallback = mmap.mmap(fd, nbytes, access=mmap.ACCESS_WRITE if shared else mmap.ACCESS_COPY)
+        return torch.frombuffer(fallback, dtype=dtype)
     do_mmap, do_munmap = libc
     addr = do_mmap(None, nbytes, _PROT_RW, mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE, fd, 0)
     if addr is None or addr == _MAP_FAILED:
