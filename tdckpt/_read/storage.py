@@ -153,7 +153,9 @@ class Storage(ABC):
     def map(self, rel: str, dtype: torch.dtype, numel: int, *, mode: MapMode) -> torch.Tensor:
         """Map the first ``numel`` elements of ``rel`` as a 1-D tensor, without copying.
 
-        The caller has checked the file is large enough; this never grows a file.
+        The caller has checked the file is large enough, and the file is checked again on
+        the very descriptor that is mapped (it may have changed since); this never grows or
+        creates a file. A file truncated after it was mapped raises SIGBUS on access.
         """
 
     def physical_path(self, rel: str) -> Path | None:
@@ -179,7 +181,13 @@ class Storage(ABC):
 
 
 class DirectoryStorage(Storage):
-    """A checkpoint saved as a directory tree."""
+    """A checkpoint saved as a directory tree.
+
+    Leaves and metadata files are opened relative to directory descriptors the storage
+    keeps open (at most ``_MAX_DIR_FDS``; ``close()`` releases them, and a storage never
+    closed releases them when it is collected). One storage serves one thread at a time,
+    as the read pipeline uses it.
+    """
 
     kind = "directory"
 
