@@ -63,7 +63,12 @@ def snapshot(root: Path) -> dict[str, tuple[str, int, int, str]]:
         else:
             kind, digest = "other", ""
         size = st_.st_size if kind != "dir" else 0
-        out[p.relative_to(root).as_posix() if p != root else "."] = (kind, size, st_.st_mtime_ns, digest)
+        out[p.relative_to(root).as_posix() if p != root else "."] = (
+            kind,
+            size,
+            st_.st_mtime_ns,
+            digest,
+        )
     return out
 
 
@@ -72,7 +77,9 @@ def no_hang(seconds: int = 10) -> Iterator[None]:
     """Fail (instead of hanging the suite) if the body blocks for ``seconds``."""
 
     def alarm(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"blocked for {seconds} s (a FIFO opened for reading waits for a writer)")
+        raise TimeoutError(
+            f"blocked for {seconds} s (a FIFO opened for reading waits for a writer)"
+        )
 
     previous = signal.signal(signal.SIGALRM, alarm)
     signal.alarm(seconds)
@@ -106,11 +113,13 @@ def listed(prefix: Path) -> DirectoryStorage:
     return storage
 
 
-# ------------------------------------------------------------------ the storage API: list, attack, map
+# ------------------------------------------------------- the storage API: list, attack, map
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_leaf_truncated_after_listing_is_refused_and_not_regrown(ckpt: tuple[Path, Path], mode: Any) -> None:
+def test_leaf_truncated_after_listing_is_refused_and_not_regrown(
+    ckpt: tuple[Path, Path], mode: Any
+) -> None:
     prefix, _ = ckpt
     storage = listed(prefix)
     leaf = prefix / "a.memmap"
@@ -134,13 +143,17 @@ def test_leaf_swapped_for_a_symlink_out_after_listing_is_refused(
     leaf.unlink()
     leaf.symlink_to(outside / target)
     before, outside_before = snapshot(prefix), snapshot(outside)
-    with pytest.raises(UnsafePathError, match=rf"a\.memmap: a symlink to .*{target}, outside the checkpoint"):
+    with pytest.raises(
+        UnsafePathError, match=rf"a\.memmap: a symlink to .*{target}, outside the checkpoint"
+    ):
         storage.map("a.memmap", torch.float32, 4, mode=mode)
     assert snapshot(outside) == outside_before, "the outside file was changed"
     assert snapshot(prefix) == before
 
 
-def test_metadata_file_swapped_for_a_symlink_out_after_listing_is_refused(ckpt: tuple[Path, Path]) -> None:
+def test_metadata_file_swapped_for_a_symlink_out_after_listing_is_refused(
+    ckpt: tuple[Path, Path],
+) -> None:
     prefix, outside = ckpt
     (prefix / "meta.json").write_text("{}")
     storage = DirectoryStorage(prefix)
@@ -152,14 +165,19 @@ def test_metadata_file_swapped_for_a_symlink_out_after_listing_is_refused(ckpt: 
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_leaf_replaced_by_a_fifo_is_refused_without_hanging(ckpt: tuple[Path, Path], mode: Any) -> None:
+def test_leaf_replaced_by_a_fifo_is_refused_without_hanging(
+    ckpt: tuple[Path, Path], mode: Any
+) -> None:
     prefix, _ = ckpt
     storage = listed(prefix)
     leaf = prefix / "a.memmap"
     leaf.unlink()
     os.mkfifo(leaf)
     before = snapshot(prefix)
-    with no_hang(), pytest.raises(UnsafePathError, match=r"a\.memmap: a FIFO where a regular file belongs"):
+    with (
+        no_hang(),
+        pytest.raises(UnsafePathError, match=r"a\.memmap: a FIFO where a regular file belongs"),
+    ):
         storage.map("a.memmap", torch.float32, 4, mode=mode)
     with no_hang(), pytest.raises(UnsafePathError, match="a FIFO"):
         storage.read_bytes("a.memmap")
@@ -189,7 +207,10 @@ def test_parent_directory_swapped_for_a_symlink_out_is_refused(
     (prefix / "n").rename(prefix.parent / "n-moved")
     if target == "outside":  # outside/c.memmap holds the secret
         (prefix / "n").symlink_to(outside)
-        expected: tuple[type[TdckptError], str] = (UnsafePathError, r"ckpt/n: a symlink to .*outside, outside")
+        expected: tuple[type[TdckptError], str] = (
+            UnsafePathError,
+            r"ckpt/n: a symlink to .*outside, outside",
+        )
     else:  # a file where the directory was
         (prefix / "n").write_bytes(b"x" * 64)
         expected = (MetadataError, r"ckpt/n: expected a directory, found a regular file")
@@ -201,7 +222,9 @@ def test_parent_directory_swapped_for_a_symlink_out_is_refused(
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_directory_already_opened_keeps_mapping_what_was_listed(ckpt: tuple[Path, Path], mode: Any) -> None:
+def test_a_directory_already_opened_keeps_mapping_what_was_listed(
+    ckpt: tuple[Path, Path], mode: Any
+) -> None:
     # Once a directory is open, swapping its path for a link changes nothing: the leaves
     # still come from the directory that was listed (held open), never from outside.
     prefix, outside = ckpt
@@ -224,7 +247,9 @@ def test_a_directory_already_opened_keeps_mapping_what_was_listed(ckpt: tuple[Pa
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_safe_symlink_inside_the_prefix_is_still_followed(ckpt: tuple[Path, Path], mode: Any) -> None:
+def test_a_safe_symlink_inside_the_prefix_is_still_followed(
+    ckpt: tuple[Path, Path], mode: Any
+) -> None:
     prefix, _ = ckpt
     (prefix / "b.memmap").symlink_to("a.memmap")
     (prefix / "m").symlink_to("n")
@@ -252,7 +277,9 @@ def test_mappings_hold_no_file_descriptor(ckpt: tuple[Path, Path]) -> None:
     before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
     if before is None:
         pytest.skip("needs /proc/self/fd")
-    tensors = [storage.map("n/c.memmap", torch.float32, 4, mode=m) for m in MODES for _ in range(200)]
+    tensors = [
+        storage.map("n/c.memmap", torch.float32, 4, mode=m) for m in MODES for _ in range(200)
+    ]
     # The storage keeps its directory descriptors (prefix and n), nothing per leaf.
     assert len(os.listdir("/proc/self/fd")) <= before + 2
     storage.close()
@@ -345,8 +372,16 @@ def _swap_parent_out(prefix: Path, outside: Path) -> None:
 
 ATTACKS: dict[str, tuple[Callable[[Path, Path], None], type[TdckptError], str]] = {
     "truncated": (_truncate, MetadataError, r"5 bytes, but 4 elements of torch\.float32 need 16"),
-    "symlink-out": (lambda p, o: _swap_leaf_out(p, o, "secret"), UnsafePathError, "outside the checkpoint"),
-    "symlink-out-short": (lambda p, o: _swap_leaf_out(p, o, "short"), UnsafePathError, "outside the checkpoint"),
+    "symlink-out": (
+        lambda p, o: _swap_leaf_out(p, o, "secret"),
+        UnsafePathError,
+        "outside the checkpoint",
+    ),
+    "symlink-out-short": (
+        lambda p, o: _swap_leaf_out(p, o, "short"),
+        UnsafePathError,
+        "outside the checkpoint",
+    ),
     "fifo": (_fifo, UnsafePathError, "a FIFO where a regular file belongs"),
     "directory": (_directory, MetadataError, "expected a file, found a directory"),
     "parent-symlink-out": (_swap_parent_out, UnsafePathError, "outside the checkpoint"),
@@ -402,19 +437,25 @@ def test_load_memmap_attacked_after_validation_fails_cleanly(
 
 
 def _archive(tmp_path: Path) -> tuple[Path, Path]:
-    td = TensorDict(a=torch.arange(4.0), n=TensorDict(c=torch.arange(8.0), batch_size=[]), batch_size=[])
+    td = TensorDict(
+        a=torch.arange(4.0), n=TensorDict(c=torch.arange(8.0), batch_size=[]), batch_size=[]
+    )
     path = tmp_path / "x.tdz"
     with reference():
         td.memmap(path)
     other = tmp_path / "other.tdz"
-    td2 = TensorDict(a=torch.full((4,), 7.0), n=TensorDict(c=torch.full((8,), 7.0), batch_size=[]), batch_size=[])
+    td2 = TensorDict(
+        a=torch.full((4,), 7.0), n=TensorDict(c=torch.full((8,), 7.0), batch_size=[]), batch_size=[]
+    )
     with reference():
         td2.memmap(other)
     return path, other
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_archive_maps_the_file_it_opened_even_if_the_path_is_swapped(tmp_path: Path, mode: Any) -> None:
+def test_archive_maps_the_file_it_opened_even_if_the_path_is_swapped(
+    tmp_path: Path, mode: Any
+) -> None:
     path, other = _archive(tmp_path)
     storage = ArchiveStorage(path)
     moved = tmp_path / "moved.tdz"
@@ -429,7 +470,10 @@ def test_archive_maps_the_file_it_opened_even_if_the_path_is_swapped(tmp_path: P
     if mode == "r+":
         a[0] = 42.0  # reaches the opened archive, never the one the path names now
         with ArchiveStorage(moved) as reread:  # leaves written in place keep a stale CRC
-            assert torch.frombuffer(bytearray(reread.read_bytes("a.memmap")), dtype=torch.float32)[0] == 42.0
+            assert (
+                torch.frombuffer(bytearray(reread.read_bytes("a.memmap")), dtype=torch.float32)[0]
+                == 42.0
+            )
     storage.close()
     assert snapshot(other) == other_before
 
@@ -448,7 +492,8 @@ def test_archive_truncated_after_opening_is_refused(tmp_path: Path, mode: Any) -
     size = path.stat().st_size
     with open(path, "r+b") as fh:
         fh.truncate(size - 100)
-    with pytest.raises(MetadataError, match="changed size since it was opened|replaced or resized"):
+    refused = r"changed size since it was opened|replaced or resized"
+    with pytest.raises(MetadataError, match=refused):
         storage.map("a.memmap", torch.float32, 4, mode=mode)
     assert path.stat().st_size == size - 100, "the archive was regrown"
     storage.close()
@@ -468,7 +513,13 @@ def _contents(draw: st.DrawFn) -> TensorDict:
     def leaf() -> torch.Tensor:
         dtype = draw(st.sampled_from(_DTYPES))
         shape = (batch, *draw(st.lists(st.integers(1, 3), max_size=2)))
-        raw = torch.randint(0, 256, (int(torch.Size(shape).numel()) * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+        raw = torch.randint(
+            0,
+            256,
+            (int(torch.Size(shape).numel()) * dtype.itemsize,),
+            dtype=torch.uint8,
+            generator=gen,
+        )
         if dtype is torch.bool:
             return (raw % 2).bool().reshape(shape)
         return raw.view(dtype).reshape(shape)
@@ -482,9 +533,13 @@ def _contents(draw: st.DrawFn) -> TensorDict:
     return TensorDict(level(0), batch_size=[batch])
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(content=_contents(), archive=st.booleans())
-def test_restore_never_changes_a_file_in_any_mode(tmp_path_factory: pytest.TempPathFactory, content: TensorDict, archive: bool) -> None:
+def test_restore_never_changes_a_file_in_any_mode(
+    tmp_path_factory: pytest.TempPathFactory, content: TensorDict, archive: bool
+) -> None:
     base = tmp_path_factory.mktemp("never")
     prefix = base / ("x.tdz" if archive else "x")
     with reference():
@@ -501,7 +556,10 @@ def test_restore_never_changes_a_file_in_any_mode(tmp_path_factory: pytest.TempP
                 ours, theirs = out[key], content[key]
                 assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (mode, key)
                 # Bytes, not values: random bits make NaNs, which never compare equal.
-                assert torch.equal(ours.contiguous().view(torch.uint8), theirs.view(torch.uint8)), (mode, key)
+                assert torch.equal(ours.contiguous().view(torch.uint8), theirs.view(torch.uint8)), (
+                    mode,
+                    key,
+                )
                 # Directory leaves are tensordict MemoryMappedTensors on their file, as before.
                 assert isinstance(ours, MemoryMappedTensor) == (not archive), (mode, key)
                 if not archive:

@@ -37,7 +37,8 @@ from tdckpt.errors import CheckpointNotFoundError, MetadataError
 
 __all__ = ["ALIGNMENT", "ArchiveStorage", "write_archive"]
 
-_OPEN_FLAGS = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+#: Opening the archive: a FIFO opens at once (fstat refuses it), a tty never controls us.
+_OPEN_FLAGS = sum(getattr(os, flag, 0) for flag in ("O_CLOEXEC", "O_NONBLOCK", "O_NOCTTY"))
 _READ_CHUNK = 1 << 20  # compressed bytes per pread while inflating
 _INFLATE_CHUNK = 16 << 20  # inflated bytes per step: bounds memory beyond the kept prefix
 

@@ -624,7 +624,7 @@ def _kind(mode: int) -> str:
 class _Unmap:
     """Owns one mapping made through libc: unmapped when the buffer that holds it dies."""
 
-    __slots__ = ("addr", "size", "munmap")
+    __slots__ = ("addr", "munmap", "size")
 
     def __init__(self, addr: int, size: int, munmap: Callable[[int, int], int]) -> None:
         self.addr = addr
@@ -652,7 +652,8 @@ def _libc_mmap() -> tuple[Callable[..., int | None], Callable[[int, int], int]] 
     except (OSError, AttributeError):  # pragma: no cover - no libc symbols to use
         return None
     do_mmap.restype = ctypes.c_void_p
-    do_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    c_int = ctypes.c_int
+    do_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, c_int, c_int, c_int, ctypes.c_int64]
     do_munmap.restype = ctypes.c_int
     do_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return do_mmap, do_munmap
