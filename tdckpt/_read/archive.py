@@ -37,6 +37,8 @@ from tdckpt.errors import CheckpointNotFoundError, MetadataError
 
 __all__ = ["ALIGNMENT", "ArchiveStorage", "write_archive"]
 
+#: Opening the archive: a FIFO opens at once (fstat refuses it), a tty never controls us.
+_OPEN_FLAGS = sum(getattr(os, flag, 0) for flag in ("O_CLOEXEC", "O_NONBLOCK", "O_NOCTTY"))
 _READ_CHUNK = 1 << 20  # compressed bytes per pread while inflating
 _INFLATE_CHUNK = 16 << 20  # inflated bytes per step: bounds memory beyond the kept prefix
 
@@ -62,7 +64,10 @@ class ArchiveStorage(Storage):
         self._private: torch.Tensor | None = None
         self._shared: torch.Tensor | None = None
         try:
-            fd = os.open(self.location, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            # Opened once: the index is read, every entry read and every mapping made from
+            # this one descriptor, never from the path again. O_NONBLOCK: a FIFO put where
+            # the archive was opens at once (and fstat refuses it) instead of hanging.
+            fd = os.open(self.location, os.O_RDONLY | _OPEN_FLAGS)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"{self.location}: no such archive. Check the path.", path=self.location
@@ -219,8 +224,13 @@ class ArchiveStorage(Storage):
 
         mmap + ``torch.frombuffer`` rather than ``torch.from_file``: both map lazily at the
         same speed (measured on a 1 GiB file: ~0.1 ms to map, equal page-fault cost), but
-        mmap maps the descriptor that was validated, not whatever the path names now.
-        ACCESS_COPY and ACCESS_WRITE are writable buffers, so frombuffer does not warn.
+        mmap maps the descriptor that was validated, not whatever the path names now, and
+        never grows the file (it refuses a length past the end; ``from_file(shared=True)``
+        would ftruncate the file up to it). ACCESS_COPY and ACCESS_WRITE are writable
+        buffers, so frombuffer does not warn.
+
+        A file truncated *after* it was mapped cannot be guarded against: touching the
+        lost pages raises SIGBUS, as with every memory map.
         """
         with self._lock:
             self._check_open()
@@ -234,10 +244,18 @@ class ArchiveStorage(Storage):
                     f"({self._stat[2]} -> {st.st_size} bytes); reopen it.",
                     path=self.location,
                 )
-            if shared:
-                buffer = self._map_writable()
-            else:
-                buffer = mmap.mmap(self._fd, self._stat[2], access=mmap.ACCESS_COPY)
+            try:
+                if shared:
+                    buffer = self._map_writable()
+                else:
+                    buffer = mmap.mmap(self._fd, self._stat[2], access=mmap.ACCESS_COPY)
+            except ValueError as exc:
+                # mmap refuses a length past the end of the file: truncated just now.
+                raise MetadataError(
+                    f"{self.location}: the archive was truncated since it was opened "
+                    f"({exc}); reopen it.",
+                    path=self.location,
+                ) from exc
             base = torch.frombuffer(buffer, dtype=torch.uint8)
             if shared:
                 self._shared = base
@@ -246,8 +264,17 @@ class ArchiveStorage(Storage):
             return base
 
     def _map_writable(self) -> mmap.mmap:
+        """A shared, writable mapping of the very file that was opened and validated.
+
+        The read-only descriptor cannot be made writable, so the file is opened again for
+        writing: through ``/proc/self/fd`` where there is one (that names the open file
+        itself, whatever its path names now), else by its path; either way the new
+        descriptor must be the same file (device, inode) of the same size.
+        """
+        proc = f"/proc/self/fd/{self._fd}"
+        again = proc if os.path.exists(proc) else self.location
         try:
-            fd = os.open(self.location, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(again, os.O_RDWR | _OPEN_FLAGS)
         except PermissionError as exc:
             raise PermissionError(
                 exc.errno,

@@ -7,18 +7,26 @@ touches the file system for reading, and it guarantees:
 * no name ever resolves outside the prefix: empty, ``.``, ``..`` and absolute components
   are refused, and a symlink is followed only when its target stays inside the prefix and
   is not the directory that holds it or one of its ancestors (no cycles);
-* nothing is ever written: files are mapped, never grown, never created.
+* nothing is ever written: files are mapped, never grown, never created;
+* what is checked is what is used: a leaf is opened once, without following links, relative
+  to directory descriptors opened the same way, and exactly the descriptor that was checked
+  (a regular file, large enough) is mapped. A leaf truncated, or swapped for a symlink, a
+  FIFO or a directory, between validation and mapping is refused, never regrown or followed.
 
 ``open_storage(path)`` picks the implementation. Archives live in ``archive.py``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import json
+import mmap
 import os
 import stat
+import sys
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +53,17 @@ __all__ = [
 MAX_JSON_BYTES = 256 * 1024 * 1024
 
 MapMode = Literal["r", "r+"] | None
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: A directory component: never through a symlink (a swapped-in link is refused or checked).
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
+#: A file: never through a symlink; O_NONBLOCK so that a FIFO planted in place of a leaf
+#: opens at once (and is then refused by fstat) instead of waiting for a writer forever;
+#: O_NOCTTY so that a terminal device never becomes the controlling terminal.
+_FILE_FLAGS = _O_NOFOLLOW | _O_CLOEXEC | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+#: Directory descriptors kept open per storage (deeper trees reopen from the root).
+_MAX_DIR_FDS = 64
 
 
 def check_component(name: str, *, where: str) -> None:
@@ -134,7 +153,9 @@ class Storage(ABC):
     def map(self, rel: str, dtype: torch.dtype, numel: int, *, mode: MapMode) -> torch.Tensor:
         """Map the first ``numel`` elements of ``rel`` as a 1-D tensor, without copying.
 
-        The caller has checked the file is large enough; this never grows a file.
+        The caller has checked the file is large enough, and the file is checked again on
+        the very descriptor that is mapped (it may have changed since); this never grows or
+        creates a file. A file truncated after it was mapped raises SIGBUS on access.
         """
 
     def physical_path(self, rel: str) -> Path | None:
@@ -160,7 +181,13 @@ class Storage(ABC):
 
 
 class DirectoryStorage(Storage):
-    """A checkpoint saved as a directory tree."""
+    """A checkpoint saved as a directory tree.
+
+    Leaves and metadata files are opened relative to directory descriptors the storage
+    keeps open (at most ``_MAX_DIR_FDS``; ``close()`` releases them, and a storage never
+    closed releases them when it is collected). One storage serves one thread at a time,
+    as the read pipeline uses it.
+    """
 
     kind = "directory"
 
@@ -184,6 +211,10 @@ class DirectoryStorage(Storage):
         self._euid = _effective_uid()
         # Paths whose every component was checked (no symlink out of the tree, no cycle).
         self._safe_dirs: set[str] = set()
+        # Open directory descriptors by relative path ("" is the prefix): leaves are opened
+        # relative to them (see _dir_fd). Closed by close(), or when the storage is collected.
+        self._dir_fds: dict[str, int] = {}
+        weakref.finalize(self, _close_fds, self._dir_fds)
 
     @functools.cached_property
     def root(self) -> Path:
@@ -199,6 +230,7 @@ class DirectoryStorage(Storage):
         if self._scan is not None:
             self._scan.close()
             self._scan = None
+        _close_fds(self._dir_fds)  # a later call opens what it needs again
 
     # -- path resolution -------------------------------------------------------------
     def _resolve(self, rel: str) -> str:
@@ -301,27 +333,140 @@ class DirectoryStorage(Storage):
         self._check_chain(rel)
         return path
 
-    def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
-        known = self._regular.get(rel)
-        path = known[0] if known is not None else self._open_checked(rel)
+    # -- descriptors: what is checked is what is used ---------------------------------
+    def _dir_fd(self, rel: str) -> int:
+        """An open descriptor of the directory ``rel``, reached without following a link.
+
+        Each component is opened relative to its parent's descriptor with ``O_NOFOLLOW``; a
+        component that is a symlink is followed only when it is safe (as ``listdir``
+        decides), by opening its resolved target from the prefix the same way. A directory
+        swapped for a symlink out of the prefix after validation is refused, not followed.
+        Descriptors are kept per directory (one open per directory, not per leaf), at most
+        ``_MAX_DIR_FDS`` at a time.
+        """
+        fds = self._dir_fds
+        fd = fds.get(rel)
+        if fd is not None:
+            return fd
+        parts = rel.split("/") if rel else []
+        if len(fds) + len(parts) >= _MAX_DIR_FDS:
+            _close_fds(fds)
+        base = fds.get("")
+        if base is None:
+            base = fds[""] = self._open_root()
+        sub = ""
+        for part in parts:
+            sub = f"{sub}/{part}" if sub else part
+            fd = fds.get(sub)
+            if fd is None:
+                fd = fds[sub] = self._open_dir_at(base, part, sub)
+            base = fd
+        return base
+
+    def _open_root(self) -> int:
+        # The prefix itself is the path the user named: a symlink there is the user's own.
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            try:
-                # A listed regular file's size is known; anything else is asked of the fd.
-                st = known[1] if known is not None else os.fstat(fd)
-                if stat.S_ISDIR(st.st_mode):
-                    raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
-                if st.st_size > max_bytes:
-                    raise MetadataError(
-                        f"{self.display(rel)}: {st.st_size} bytes, more than the {max_bytes} "
-                        "bytes tdckpt reads for a metadata file. The file is damaged or hostile.",
-                        path=self.display(rel),
-                    )
-                # Read what fstat promised (plus one byte, to notice a file growing under
-                # us); never ask for max_bytes, which would allocate that much up front.
-                return _read_upto(fd, st.st_size + 1)
-            finally:
+            return os.open(self._root_str, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{self.location}: no such directory.", path=self.location
+            ) from exc
+        except NotADirectoryError as exc:
+            raise MetadataError(
+                f"{self.location}: expected a directory, found a file.", path=self.location
+            ) from exc
+
+    def _open_dir_at(self, base: int, part: str, sub: str) -> int:
+        if part in ("", ".", "..") or "\0" in part:
+            check_component(part, where=self.display(sub))
+        try:
+            return os.open(part, _DIR_FLAGS, dir_fd=base)
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{self.display(sub)}: no such directory.", path=self.display(sub)
+            ) from exc
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTDIR, errno.ELOOP, errno.EMLINK):
+                raise
+        # Not a directory: a symlink (O_NOFOLLOW refused it) or something else entirely.
+        try:
+            st = os.stat(part, dir_fd=base, follow_symlinks=False)
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{self.display(sub)}: no such directory.", path=self.display(sub)
+            ) from exc
+        if stat.S_ISLNK(st.st_mode):
+            return self._open_link(sub, None)
+        raise MetadataError(
+            f"{self.display(sub)}: expected a directory, found {_kind(st.st_mode)}.",
+            path=self.display(sub),
+        )
+
+    def _open_link(self, rel: str, flags: int | None) -> int:
+        """Open the target of the symlink ``rel`` (a file with ``flags``, else a directory).
+
+        The link is checked as ``listdir`` checks one (inside the prefix, no cycle), then its
+        resolved target is opened from the prefix component by component following nothing,
+        so a link changed in between is refused rather than followed.
+        """
+        path = os.path.join(self._root_str, rel)
+        reason = self._check_link(Path(path), rel)
+        if reason is not None:
+            raise UnsafePathError(
+                f"{self.display(rel)}: {reason}; tdckpt never follows it. Replace the link "
+                "with the real file or directory.",
+                path=self.display(rel),
+            )
+        target = os.path.realpath(path)
+        real = target[len(self._real_root) + 1 :].split("/") if target != self._real_root else []
+        if not real or any(part in ("", ".", "..") for part in real):
+            raise UnsafePathError(
+                f"{self.display(rel)}: a symlink to {target}, which is not a file or directory "
+                "inside the checkpoint; tdckpt never follows it.",
+                path=self.display(rel),
+            )
+        opened: list[int] = []
+        try:
+            base = self._dir_fd("")
+            for part in real if flags is None else real[:-1]:
+                base = os.open(part, _DIR_FLAGS, dir_fd=base)
+                opened.append(base)
+            if flags is None:
+                return opened.pop()
+            return os.open(real[-1], flags, dir_fd=base)
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{self.display(rel)}: a symlink to {target}, which does not exist.",
+                path=self.display(rel),
+            ) from exc
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTDIR, errno.ELOOP, errno.EMLINK):
+                raise
+            raise UnsafePathError(
+                f"{self.display(rel)}: the symlink's target {target} changed while it was "
+                "being opened (a link where a directory or file was); tdckpt never follows "
+                "it. Read the checkpoint again when nothing is changing it.",
+                path=self.display(rel),
+            ) from exc
+        finally:
+            for fd in opened:
                 os.close(fd)
+
+    def _open_file(self, rel: str, flags: int) -> int:
+        """Open the file ``rel`` once, following no link it was not checked to have.
+
+        Opened relative to its directory's descriptor with ``O_NOFOLLOW`` (and
+        ``O_NONBLOCK``: a FIFO opens at once, for fstat to refuse); a safe in-prefix symlink
+        is opened through its checked target. The caller fstats the descriptor.
+        """
+        parent, _, name = rel.rpartition("/")
+        if rel not in self._regular:
+            self._resolve(rel)  # every component a real name
+            if not name:
+                check_component(name, where=self.display(rel))
+        dfd = self._dir_fd(parent)
+        try:
+            return os.open(name, flags | _FILE_FLAGS, dir_fd=dfd)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"{self.display(rel)}: no such file.", path=self.display(rel)
@@ -331,51 +476,109 @@ class DirectoryStorage(Storage):
                 f"{self.display(rel)}: expected a file, found a directory.",
                 path=self.display(rel),
             ) from exc
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.EMLINK):
+                raise
+        return self._open_link(rel, flags | _FILE_FLAGS)  # a symlink: only if it is safe
 
-    def map(self, rel: str, dtype: torch.dtype, numel: int, *, mode: MapMode) -> torch.Tensor:
-        if numel == 0:
-            return torch.empty(0, dtype=dtype)
-        known = self._regular.get(rel)
-        if known is not None:
-            path, st = known
-        else:
-            path = self._open_checked(rel)
-            try:
-                st = os.stat(path)
-            except FileNotFoundError as exc:
-                raise CheckpointNotFoundError(
-                    f"{self.display(rel)}: no such file.", path=self.display(rel)
-                ) from exc
-        need = numel * dtype.itemsize
-        if st.st_size < need:
-            # A shared torch.from_file would grow the file with zeros (format-notes §4.3).
-            raise MetadataError(
-                f"{self.display(rel)}: {st.st_size} bytes, but {numel} elements of {dtype} "
-                f"need {need}. The file is truncated; tdckpt never grows a file to fit a "
-                "mapping. Restore it from a backup.",
+    def _checked_stat(self, fd: int, rel: str) -> os.stat_result:
+        """fstat the open ``fd``: a regular file, or a clear error (no blocking, no guessing)."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            if stat.S_ISDIR(st.st_mode):
+                raise MetadataError(
+                    f"{self.display(rel)}: expected a file, found a directory.",
+                    path=self.display(rel),
+                )
+            raise UnsafePathError(
+                f"{self.display(rel)}: {_kind(st.st_mode)} where a regular file belongs; "
+                "tdckpt reads and maps only regular files. The checkpoint was changed while "
+                "it was read, or is hostile; restore it from a backup.",
                 path=self.display(rel),
             )
-        if mode == "r":
-            return torch.from_file(path, shared=False, size=numel, dtype=dtype)
-        # Shared when the file is writable (mode None, as tensordict); "r+" requires it.
-        # The mode bits answer for root and for the owner without a syscall; access()
-        # decides the rest (group, other, ACLs). A shared open refused anyway (a read-only
-        # mount, an immutable file) is checked with access() before falling back to
-        # copy-on-write.
-        euid = self._euid
-        if euid == 0 or (st.st_uid == euid and st.st_mode & stat.S_IWUSR) or os.access(path, os.W_OK):
-            try:
-                return torch.from_file(path, shared=True, size=numel, dtype=dtype)
-            except RuntimeError:
-                if os.access(path, os.W_OK):
-                    raise
-        if mode == "r+":
-            raise PermissionError(
-                errno.EACCES,
-                f"{self.display(rel)}: mode='r+' needs a writable file; use mode='r' or "
-                "mode=None",
+        return st
+
+    # -- reading ---------------------------------------------------------------------
+    def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+        fd = self._open_file(rel, os.O_RDONLY)
+        try:
+            st = self._checked_stat(fd, rel)
+            if st.st_size > max_bytes:
+                raise MetadataError(
+                    f"{self.display(rel)}: {st.st_size} bytes, more than the {max_bytes} "
+                    "bytes tdckpt reads for a metadata file. The file is damaged or hostile.",
+                    path=self.display(rel),
+                )
+            # Read what fstat promised (plus one byte, to notice a file growing under
+            # us); never ask for max_bytes, which would allocate that much up front.
+            return _read_upto(fd, st.st_size + 1)
+        finally:
+            os.close(fd)
+
+    def map(self, rel: str, dtype: torch.dtype, numel: int, *, mode: MapMode) -> torch.Tensor:
+        """Map the first ``numel`` elements of ``rel`` as a 1-D tensor, without copying.
+
+        The file is opened once (no link followed, relative to its directory's descriptor,
+        see :meth:`_open_file`), that descriptor is checked (a regular file of at least the
+        bytes needed) and exactly that descriptor is mapped; a leaf truncated, or swapped for
+        a symlink, FIFO or directory, after validation is refused with a TdckptError.
+
+        Modes, as tensordict's: ``"r"`` is copy-on-write (writes stay in memory);
+        ``None`` is shared where this process can write the file (writes reach the file,
+        as with tensordict) and copy-on-write where it cannot; ``"r+"`` is shared and needs
+        a writable file (PermissionError otherwise).
+
+        Nothing is grown or created. ``torch.from_file(shared=True)`` is not used: it opens
+        the path again (following links) with ``O_CREAT`` and ftruncates a short file up to
+        the mapping's size. A file truncated *after* it was mapped cannot be guarded against
+        by any reader: touching the lost pages raises SIGBUS, as with every memory map
+        (tensordict's included).
+        """
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        fd = -1
+        shared = False
+        if mode is not None:
+            shared = mode == "r+"
+        else:
+            # Shared where the file is writable. A file the mode bits show read-only to its
+            # owner is not even tried; anything else is asked of open() itself.
+            known = self._regular.get(rel)
+            euid = self._euid
+            shared = (
+                known is None
+                or euid == 0
+                or known[1].st_uid != euid
+                or bool(known[1].st_mode & stat.S_IWUSR)
             )
-        return torch.from_file(path, shared=False, size=numel, dtype=dtype)
+        if shared:
+            try:
+                fd = self._open_file(rel, os.O_RDWR)
+            except OSError as exc:
+                if exc.errno not in _NOT_WRITABLE:  # a missing file is not a read-only one
+                    raise
+                if mode == "r+":
+                    raise PermissionError(
+                        errno.EACCES,
+                        f"{self.display(rel)}: mode='r+' needs a writable file; use mode='r' "
+                        "or mode=None",
+                    ) from exc
+                shared = False
+        if fd < 0:
+            fd = self._open_file(rel, os.O_RDONLY)
+        try:
+            st = self._checked_stat(fd, rel)
+            need = numel * dtype.itemsize
+            if st.st_size < need:
+                raise MetadataError(
+                    f"{self.display(rel)}: {st.st_size} bytes, but {numel} elements of {dtype} "
+                    f"need {need}. The file is truncated; tdckpt never grows a file to fit a "
+                    "mapping. Restore it from a backup.",
+                    path=self.display(rel),
+                )
+            return _map_fd(fd, need, dtype, shared=shared)
+        finally:
+            os.close(fd)
 
     def physical_path(self, rel: str) -> Path | None:
         return Path(self._open_checked(rel)) if rel else self.root
@@ -390,6 +593,97 @@ class DirectoryStorage(Storage):
     def physical_str(self, rel: str) -> str:
         """``physical_path`` as a plain string (no pathlib cost on hot paths)."""
         return self._open_checked(rel)
+
+
+#: errnos of an O_RDWR open refused for want of write access (not for a missing file).
+_NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ETXTBSY})
+
+
+def _close_fds(fds: dict[str, int]) -> None:
+    """Close every descriptor in ``fds`` and forget them."""
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, for messages."""
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
+
+
+class _Unmap:
+    """Owns one mapping made through libc: unmapped when the buffer that holds it dies."""
+
+    __slots__ = ("addr", "munmap", "size")
+
+    def __init__(self, addr: int, size: int, munmap: Callable[[int, int], int]) -> None:
+        self.addr = addr
+        self.size = size
+        self.munmap = munmap
+
+    def __del__(self) -> None:
+        self.munmap(self.addr, self.size)
+
+
+@functools.cache
+def _libc_mmap() -> tuple[Callable[..., int | None], Callable[[int, int], int]] | None:
+    """libc's mmap and munmap through ctypes, or None where that is not possible.
+
+    Python's ``mmap.mmap`` keeps a duplicate of the descriptor open for as long as the
+    mapping lives (until Python 3.13's ``trackfd=False``): one per leaf would exhaust the
+    descriptor limit on a 10,000-leaf checkpoint. A mapping made here holds no descriptor,
+    like ``torch.from_file``'s.
+    """
+    if sys.platform == "win32" or ctypes.sizeof(ctypes.c_void_p) != 8:  # pragma: no cover
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        do_mmap, do_munmap = libc.mmap, libc.munmap
+    except (OSError, AttributeError):  # pragma: no cover - no libc symbols to use
+        return None
+    do_mmap.restype = ctypes.c_void_p
+    c_int = ctypes.c_int
+    do_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, c_int, c_int, c_int, ctypes.c_int64]
+    do_munmap.restype = ctypes.c_int
+    do_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return do_mmap, do_munmap
+
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+
+
+def _map_fd(fd: int, nbytes: int, dtype: torch.dtype, *, shared: bool) -> torch.Tensor:
+    """Map the first ``nbytes`` of the open regular file ``fd`` as a 1-D ``dtype`` tensor.
+
+    ``shared``: writes reach the file (MAP_SHARED, ``fd`` opened for writing); otherwise
+    copy-on-write (MAP_PRIVATE), as ``torch.from_file(shared=False)``. The caller checked
+    that the file holds ``nbytes``; mapping never changes its size. The mapping outlives
+    ``fd`` and is unmapped when the last tensor viewing it is freed.
+    """
+    libc = _libc_mmap()
+    if libc is None:  # pragma: no cover - every POSIX platform tdckpt runs on has libc
+        fallback = mmap.mmap(fd, nbytes, access=mmap.ACCESS_WRITE if shared else mmap.ACCESS_COPY)
+        return torch.frombuffer(fallback, dtype=dtype)
+    do_mmap, do_munmap = libc
+    addr = do_mmap(None, nbytes, _PROT_RW, mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {nbytes} bytes failed: {os.strerror(err)}")
+    buffer = (ctypes.c_ubyte * nbytes).from_address(addr)
+    # The buffer's lifetime is the mapping's: torch.frombuffer keeps the buffer alive.
+    vars(buffer)["unmap"] = _Unmap(addr, nbytes, do_munmap)
+    return torch.frombuffer(buffer, dtype=dtype)
 
 
 @functools.cache
