@@ -430,7 +430,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             _out(str(p) + (hint if p.code == "not-found" else ""))
         _out(f"{report.prefix}: {'ok' if report.ok else f'{len(report.errors)} error(s)'}"
              f", {len(report.warnings)} warning(s)")
-    return EXIT_OK if report.ok else EXIT_PROBLEM
+    if report.ok:
+        return EXIT_OK
+    _print_error(
+        f"{report.prefix}: cannot be restored: {len(report.errors)} error(s), listed in the "
+        "report on stdout (each names the file and what to do)."
+    )
+    return EXIT_PROBLEM
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
@@ -482,7 +488,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         _print_json(report.to_json())
     else:
         _out(report.summary())
-    return EXIT_OK if report.ok else EXIT_PROBLEM
+    if report.ok:
+        return EXIT_OK
+    _print_error(
+        f"step {report.step} at {report.path}: {len(report.problems)} file(s) differ from what "
+        "was saved (listed in the report on stdout); restore another step, or save this one "
+        "again."
+    )
+    return EXIT_PROBLEM
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
