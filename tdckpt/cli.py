@@ -185,9 +185,9 @@ def _describe(exc: BaseException) -> tuple[int, str, str, str | None, dict[str, 
     if isinstance(exc, TdckptError):
         path = exc.facts.get("path", exc.facts.get("root"))
         details = {k: v for k, v in exc.facts.items() if k != "report"}
-        report = exc.facts.get("report")
-        if callable(getattr(report, "to_json", None)):
-            details["problems"] = report.to_json().get("problems")
+        to_json = getattr(exc.facts.get("report"), "to_json", None)
+        if callable(to_json):
+            details["problems"] = to_json().get("problems")
         return (
             EXIT_PROBLEM,
             type(exc).__name__,
@@ -205,7 +205,8 @@ def _describe(exc: BaseException) -> tuple[int, str, str, str | None, dict[str, 
                 where = f"{path} -> {_display(exc.filename2)}: "
         reason = exc.strerror or str(exc) or type(exc).__name__
         code = errno.errorcode.get(exc.errno, "") if isinstance(exc.errno, int) else ""
-        hint = _OS_HINTS.get(exc.errno, "check the path, then rerun (--traceback shows where)")
+        fallback = "check the path, then rerun (--traceback shows where)"
+        hint = _OS_HINTS.get(exc.errno, fallback) if isinstance(exc.errno, int) else fallback
         message = f"{where}{reason}{f' ({code})' if code else ''}; {hint}."
         details = {"errno": code or None}
         return EXIT_PROBLEM, type(exc).__name__, message, path, details

@@ -195,7 +195,7 @@ def _with_meta(base: Path, raw: bytes) -> Path:
     return prefix
 
 
-def _edit_meta(base: Path, edit: Callable[[dict], None]) -> Path:
+def _edit_meta(base: Path, edit: Callable[[dict[str, object]], None]) -> Path:
     prefix = copy_case(base, "0.15.3", "nested")
     meta = json.loads((prefix / "meta.json").read_text())
     edit(meta)
@@ -286,6 +286,13 @@ def _meta_fifo(base: Path) -> Path:
     return prefix
 
 
+def _meta_symlink(base: Path) -> Path:
+    prefix = copy_case(base, "0.15.3", "flat")
+    (prefix / "meta.json").unlink()
+    (prefix / "meta.json").symlink_to("/etc/passwd")
+    return prefix
+
+
 def _lock_dir(base: Path) -> Path:
     root = _manager_root(base)
     (root / ".tdckpt.lock").mkdir()
@@ -333,10 +340,7 @@ INPUTS: dict[str, Builder] = {
     "json-nan-shape": _abs(lambda b: _with_meta(b, b'{"shape": [NaN], "device": "cpu"}')),
     "meta-is-dir": _abs(_meta_dir),
     "meta-fifo": _abs(_meta_fifo),
-    "meta-symlink-outside": _abs(
-        lambda b: (p := copy_case(b, "0.15.3", "flat"), (p / "meta.json").unlink(),
-                   (p / "meta.json").symlink_to("/etc/passwd"), p)[-1]
-    ),
+    "meta-symlink-outside": _abs(_meta_symlink),
     "prefix-symlink": _abs(lambda b: _symlink(b, copy_case(b, "0.3.2", "nested"))),
     "symlink-loop": _abs(lambda b: _symlink(b, b / "loop", "loop")),
     "dangling-symlink": _abs(lambda b: _symlink(b, b / "nowhere")),
@@ -365,7 +369,7 @@ SKIP = {
 
 
 def _cases() -> list[object]:
-    out = []
+    out: list[object] = []
     for name in sorted(SUBCOMMANDS):
         if not _positionals(name):
             continue
