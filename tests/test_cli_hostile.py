@@ -146,14 +146,15 @@ def _has_json(name: str) -> bool:
 
 
 def variants(name: str) -> list[list[str]]:
-    """Every flag alone, and each with --json when the command has it."""
+    """Plain, and (where the command has --json) every flag and option choice with --json."""
+    json_ = ["--json"] if _has_json(name) else []
     out: list[list[str]] = [[]]
-    out += [[flag] for flag in _flags(name)]
+    if json_:
+        out.append(json_)
+    out += [[flag, *json_] for flag in _flags(name)]
     for action in _valued(name):
         for choice in action.choices or ():
-            out.append([action.option_strings[-1], str(choice)])
-    if _has_json(name):
-        out += [[*v, "--json"] for v in list(out)]
+            out.append([action.option_strings[-1], str(choice), *json_])
     return out
 
 
