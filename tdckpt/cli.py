@@ -514,7 +514,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from tdckpt._demo_run import run_demo
 
-    return run_demo()
+    if run_demo() == EXIT_OK:
+        return EXIT_OK
+    _print_error(
+        "the demo's resumed weights or its verify did not match what was saved (see above): "
+        "this is a bug, please report it."
+    )
+    return EXIT_PROBLEM
 
 
 def _parser() -> argparse.ArgumentParser:
