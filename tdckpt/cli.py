@@ -93,8 +93,24 @@ def _clean(text: str, *, newlines: bool = False) -> str:
     )
 
 
+def _write(text: str, *, flush: bool = False) -> None:
+    """Write to stdout; a failure names stdout (``> /dev/full`` has no file name otherwise)."""
+    if sys.stdout is None:  # stdout was closed before Python started: nothing to write to
+        return
+    try:
+        sys.stdout.write(text)
+        if flush:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = "<standard output>"
+        raise
+
+
 def _out(text: str = "") -> None:
-    print(_clean(text, newlines=True))
+    _write(_clean(text, newlines=True) + "\n")
 
 
 def _jsonable(data: Any) -> Any:
@@ -111,8 +127,7 @@ def _jsonable(data: Any) -> Any:
 def _print_json(data: Any) -> None:
     # ensure_ascii (the default): any name prints on any terminal and stays valid JSON.
     text = json.dumps(_jsonable(data), indent=2, default=str, allow_nan=False)
-    if sys.stdout is not None:  # None: stdout was closed before Python started
-        sys.stdout.write(text + "\n")
+    _write(text + "\n")
 
 
 def _display(path: object) -> str:
@@ -610,8 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             want_json = bool(getattr(args, "json", False))
             want_traceback = bool(args.traceback)
             code = int(args.func(args))
-            if sys.stdout is not None:
-                sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+            _write("", flush=True)  # a closed pipe shows here, not at interpreter exit
             return code
         except (SystemExit, GeneratorExit):
             raise

@@ -687,6 +687,24 @@ def test_interrupt_in_process_is_exit_130(tmp_path: Path, monkeypatch: pytest.Mo
     assert json.loads(res.out)["error"]["exit_code"] == 130
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_output_to_a_full_device(tmp_path: Path) -> None:
+    root = _manager_root(tmp_path)
+    for extra in ([], ["--json"]):
+        err = _strict_ascii()
+        full = open("/dev/full", "w", encoding="ascii")  # noqa: SIM115 - closed below
+        try:
+            with contextlib.redirect_stdout(full), contextlib.redirect_stderr(err):
+                code = cli.main(["ls", str(root), *extra])
+        finally:
+            with contextlib.suppress(OSError):
+                full.close()
+        err.flush()
+        res = Result(["ls", str(root), *extra], code, "", err.buffer.getvalue().decode("ascii"))  # type: ignore[attr-defined]
+        assert res.code == 1, res
+        assert _error_line(res).startswith("error: <standard output>: No space left"), res
+
+
 # -- as another user (the suite runs as root) ------------------------------------------------
 
 
