@@ -174,22 +174,20 @@ def _show_warning(
 # -- errors ------------------------------------------------------------------------------------
 
 _OS_HINTS = {
-    errno.EACCES: "permission denied: run tdckpt as a user who may read it (and, for "
-    "upgrade and gc, write it and its folder), or fix its permissions",
-    errno.EPERM: "operation not permitted: run tdckpt as a user who may change it, or fix "
-    "its permissions",
-    errno.ENOENT: "it does not exist (or vanished while tdckpt read it): check the path",
-    errno.ENOTDIR: "a part of the path is a file, not a folder: check the path",
-    errno.EISDIR: "a folder where a file was expected: check the path",
-    errno.EROFS: "the file system is read-only: copy the checkpoint somewhere writable first",
-    errno.ENOSPC: "no space left on the device: free some space, then rerun",
-    errno.EDQUOT: "the disk quota is exhausted: free some space, then rerun",
-    errno.ELOOP: "too many levels of symbolic links: replace the links with the real files",
-    errno.ENAMETOOLONG: "a name or path is too long for the file system",
-    errno.EIO: "an input/output error: the disk or network file system failed; check it, "
-    "then rerun",
-    errno.EBUSY: "the file or folder is busy (in use, or a mount point): use another path",
-    errno.EMFILE: "too many open files: raise the limit (ulimit -n), then rerun",
+    errno.EACCES: "run tdckpt as a user who may read it (and, for upgrade and gc, write it "
+    "and its folder), or fix its permissions",
+    errno.EPERM: "run tdckpt as a user who may change it, or fix its permissions",
+    errno.ENOENT: "it does not exist (or vanished while tdckpt read it); check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; check the path",
+    errno.EISDIR: "a folder is where a file was expected; check the path",
+    errno.EROFS: "copy the checkpoint somewhere writable first",
+    errno.ENOSPC: "free some space, then rerun",
+    errno.EDQUOT: "free some space, then rerun",
+    errno.ELOOP: "replace the links with the real files, or pass the real path",
+    errno.ENAMETOOLONG: "use a shorter path",
+    errno.EIO: "the disk or network file system failed; check it, then rerun",
+    errno.EBUSY: "it is in use or a mount point; use another path",
+    errno.EMFILE: "raise the limit (ulimit -n), then rerun",
 }
 
 
