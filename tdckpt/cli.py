@@ -1,24 +1,297 @@
 """The ``tdckpt`` command line: a thin shell over the public functions.
 
-Exit codes: 0 success, 1 a checkpoint problem (one ``error: ...`` line, or the report),
-2 bad usage. ``--traceback`` re-raises instead of printing one line.
+Whatever the input, a command ends with one of these exit codes and never prints a
+traceback (unless ``--traceback`` asks for one):
+
+* 0: success (``validate`` / ``verify``: no error found);
+* 1: a problem was found or the operation failed: the checkpoint is damaged or is not
+  one, a step is missing, a file cannot be read or written, another writer holds the
+  root. One ``error: ...`` line on stderr says what, where and what to do;
+* 2: bad usage (unknown command or option, a malformed value), or an internal error (a
+  bug in tdckpt: the ``error:`` line says so and asks for a rerun with ``--traceback``);
+* 130: interrupted (Ctrl-C).
+
+With ``--json`` stdout holds exactly one JSON document: the result, or on failure
+``{"error": {"type", "message", "path", "exit_code", "details"}}`` (the ``error:`` line
+still goes to stderr). Text output escapes what a terminal must not interpret (control
+characters, names that are not valid UTF-8) and never fails on the terminal's encoding.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
+import math
+import os
+import re
+import stat
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
-from tdckpt.errors import TdckptError
+from tdckpt.errors import CheckpointNotFoundError, TdckptError
 
-__all__ = ["main"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "main"]
+
+#: Success (``validate`` / ``verify``: nothing wrong).
+EXIT_OK = 0
+#: A problem found, or the operation failed (one ``error:`` line says which).
+EXIT_PROBLEM = 1
+#: Bad usage, or an internal error (a bug in tdckpt).
+EXIT_USAGE = 2
+#: Interrupted by the user (Ctrl-C).
+EXIT_INTERRUPTED = 130
+
+_EPILOG = """\
+exit codes:
+  0    success (validate, verify: no error found)
+  1    a problem was found or the operation failed: not a checkpoint, damaged,
+       a missing step, a file that cannot be read or written, a held lock
+  2    bad usage, or an internal error (a bug in tdckpt: rerun with --traceback
+       and report it)
+  130  interrupted (Ctrl-C)
+Failures print one `error: ...` line on stderr. With --json, stdout holds one JSON
+document: the result, or {"error": {"type", "message", "path", "exit_code", "details"}}."""
+
+#: Longest step number accepted on the command line (Python refuses longer int strings).
+_MAX_STEP_DIGITS = 4000
+_STEP_TEXT = re.compile(r"[0-9]+")  # ASCII digits only: steps name folders
+
+
+class _UsageError(Exception):
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a usage error is raised to :func:`main` instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self, message)
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def _clean(text: str, *, newlines: bool = False) -> str:
+    """``text`` with every character a terminal must not interpret written as an escape.
+
+    Control characters (an ESC from a hostile key name would drive the terminal), lone
+    or surrogate-escaped code points (file names that are not valid UTF-8) and other
+    non-printable characters become ``\\x1b``, ``\\udce9``, ...; ``newlines`` keeps ``\\n``.
+    """
+    if text.isprintable():
+        return text
+    return "".join(
+        ch if ch.isprintable() or (newlines and ch == "\n") else ascii(ch)[1:-1] for ch in text
+    )
+
+
+def _write(text: str, *, flush: bool = False) -> None:
+    """Write to stdout; a failure names stdout (``> /dev/full`` has no file name otherwise)."""
+    if sys.stdout is None:  # stdout was closed before Python started: nothing to write to
+        return
+    try:
+        sys.stdout.write(text)
+        if flush:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = "<standard output>"
+        raise
+
+
+def _out(text: str = "") -> None:
+    _write(_clean(text, newlines=True) + "\n")
+
+
+def _jsonable(data: Any) -> Any:
+    """``data`` with what strict JSON cannot hold replaced: NaN and infinities as strings."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return str(data)
+    if isinstance(data, dict):
+        return {k if isinstance(k, str) else str(k): _jsonable(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_jsonable(v) for v in data]
+    return data
+
+
+def _print_json(data: Any) -> None:
+    # ensure_ascii (the default): any name prints on any terminal and stays valid JSON.
+    text = json.dumps(_jsonable(data), indent=2, default=str, allow_nan=False)
+    _write(text + "\n")
+
+
+def _display(path: object) -> str:
+    return os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
+
+
+@contextlib.contextmanager
+def _tolerant_streams() -> Iterator[None]:
+    """Write what the terminal's encoding cannot show as escapes, never raising on it.
+
+    ``PYTHONIOENCODING=ascii``, ``LC_ALL=C`` or a name that is not valid UTF-8 would
+    otherwise raise UnicodeEncodeError from a print.
+    """
+    changed: list[tuple[Any, str]] = []
+    for stream in (sys.stdout, sys.stderr):
+        errors = getattr(stream, "errors", None)
+        if errors in ("strict", "surrogateescape") and hasattr(stream, "reconfigure"):
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors="backslashreplace")
+                changed.append((stream, errors))
+    try:
+        yield
+    finally:
+        for stream, errors in changed:
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors=errors)
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
+    """Warnings as one ``warning:`` line (not Python's two lines with a source excerpt)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        first, *rest = str(message).splitlines() or [""]
+        text = "\n".join([f"warning: {_clean(first)}", *(f"  {_clean(r)}" for r in rest)])
+        sys.stderr.write(text + "\n")
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+_OS_HINTS = {
+    errno.EACCES: "run tdckpt as a user who may read it (and, for upgrade and gc, write it "
+    "and its folder), or fix its permissions",
+    errno.EPERM: "run tdckpt as a user who may change it, or fix its permissions",
+    errno.ENOENT: "it does not exist (or vanished while tdckpt read it); check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; check the path",
+    errno.EISDIR: "a folder is where a file was expected; check the path",
+    errno.EROFS: "copy the checkpoint somewhere writable first",
+    errno.ENOSPC: "free some space, then rerun",
+    errno.EDQUOT: "free some space, then rerun",
+    errno.ELOOP: "replace the links with the real files, or pass the real path",
+    errno.ENAMETOOLONG: "use a shorter path",
+    errno.EIO: "the disk or network file system failed; check it, then rerun",
+    errno.EBUSY: "it is in use or a mount point; use another path",
+    errno.EMFILE: "raise the limit (ulimit -n), then rerun",
+}
+
+
+def _describe(exc: BaseException) -> tuple[int, str, str, str | None, dict[str, Any]]:
+    """``(exit code, type, message, path, details)`` for an exception that ended a command."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "KeyboardInterrupt", "interrupted (Ctrl-C).", None, {}
+    if isinstance(exc, TdckptError):
+        path = exc.facts.get("path", exc.facts.get("root"))
+        details = {k: v for k, v in exc.facts.items() if k != "report"}
+        to_json = getattr(exc.facts.get("report"), "to_json", None)
+        if callable(to_json):
+            details["problems"] = to_json().get("problems")
+        return (
+            EXIT_PROBLEM,
+            type(exc).__name__,
+            str(exc),
+            None if path is None else _display(path),
+            details,
+        )
+    if isinstance(exc, OSError):
+        where = ""
+        path = None
+        if exc.filename is not None:
+            path = _display(exc.filename)
+            where = f"{path}: "
+            if exc.filename2 is not None:
+                where = f"{path} -> {_display(exc.filename2)}: "
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        code = errno.errorcode.get(exc.errno, "") if isinstance(exc.errno, int) else ""
+        fallback = "check the path, then rerun (--traceback shows where)"
+        hint = _OS_HINTS.get(exc.errno, fallback) if isinstance(exc.errno, int) else fallback
+        message = f"{where}{reason}{f' ({code})' if code else ''}; {hint}."
+        details = {"errno": code or None}
+        return EXIT_PROBLEM, type(exc).__name__, message, path, details
+    from tdckpt._version import __version__
+
+    text = (str(exc).splitlines() or [""])[0][:500]
+    message = (
+        f"internal error in tdckpt {__version__} ({type(exc).__name__}: {text}). This is a "
+        "bug: please report it with the output of the same command rerun with --traceback."
+    )
+    return EXIT_USAGE, "InternalError", message, None, {"exception": type(exc).__name__}
+
+
+def _print_error(message: str) -> None:
+    """One ``error:`` line on stderr (further lines of the message indented below it)."""
+    first, *rest = message.splitlines() or [""]
+    text = "\n".join([f"error: {_clean(first)}", *(f"  {_clean(r)}" for r in rest)])
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+def _print_json_error(kind: str, message: str, path: str | None, code: int, details: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        _print_json(
+            {
+                "error": {
+                    "type": kind,
+                    "message": message,
+                    "path": path,
+                    "exit_code": code,
+                    "details": details,
+                }
+            }
+        )
+        sys.stdout.flush()
+
+
+def _stdout_to_devnull() -> None:
+    """After a broken pipe: point stdout at /dev/null so the final flush cannot fail again."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+# -- argument types ----------------------------------------------------------------------------
 
 
 def _robust(value: str) -> bool | None:
     return {"auto": None, "true": True, "false": False}[value]
+
+
+def _step_arg(text: str) -> int:
+    if _STEP_TEXT.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid step {text!r}: a step is a whole number >= 0 written in decimal digits, "
+            "e.g. 1000 (`tdckpt ls ROOT` lists them)"
+        )
+    if len(text) > _MAX_STEP_DIGITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid step: {len(text)} digits is too long to name a step folder"
+        )
+    return int(text)
+
+
+def _path_arg(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("the path is empty; pass a folder or file name (. for here)")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"the path {text!r} holds a NUL character")
+    return text
 
 
 def _first_line(func: Callable[..., Any]) -> str:
@@ -30,50 +303,120 @@ class _Progress:
 
     def __init__(self, label: str) -> None:
         self.label = label
-        self.enabled = sys.stdout.isatty() and sys.stderr.isatty()
+        self.enabled = _isatty(sys.stdout) and _isatty(sys.stderr)
 
     def __call__(self, done: int, total: int, what: str = "") -> None:
         if not self.enabled or total <= 0:
             return
         width = 30
-        filled = int(width * done / total)
-        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what[:40]:40}")
+        filled = max(0, min(width, int(width * done / total)))
+        what = _clean(what)[:40]
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:40}")
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
 
-def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, default=str))
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+# -- roots and prefixes ------------------------------------------------------------------------
+
+
+def _root_hint(prefix: str) -> str:
+    """For a prefix that is really a root of managed steps: how to look at it instead."""
+    from tdckpt._write.atomic import parse_step_name
+
+    try:
+        with os.scandir(prefix) as scan:
+            steps = sorted(
+                {parsed[0] for entry in scan if (parsed := parse_step_name(entry.name)) is not None}
+            )
+    except (OSError, ValueError):
+        return ""
+    if not steps:
+        return ""
+    shown = ", ".join(map(str, steps[-5:]))
+    return (
+        f" It looks like a checkpoint root (steps {shown}): use `tdckpt ls {prefix}`, or pass "
+        f"one step's folder, e.g. {os.path.join(prefix, str(steps[-1]))}."
+    )
+
+
+def _check_root(root: str) -> None:
+    """Refuse a root that does not exist, is a file, or is a checkpoint itself."""
+    try:
+        info = os.stat(root)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise CheckpointNotFoundError(
+            f"{root}: no such folder. Pass the root folder a CheckpointManager saves its "
+            "numbered steps into.",
+            path=root,
+        ) from exc
+    if not stat.S_ISDIR(info.st_mode):
+        raise CheckpointNotFoundError(
+            f"{root}: is a file, not a checkpoint root (a folder of numbered steps). For a "
+            f"single checkpoint use `tdckpt inspect {root}` or `tdckpt validate {root}`.",
+            path=root,
+        )
+    if any(os.path.lexists(os.path.join(root, name)) for name in ("meta.json", "meta.pt")):
+        parent = os.path.dirname(os.path.abspath(root))
+        raise CheckpointNotFoundError(
+            f"{root}: is a checkpoint (it holds meta.json), not a root of numbered steps. Use "
+            f"`tdckpt inspect {root}` or `tdckpt validate {root}`, or pass the folder holding "
+            f"the steps (perhaps {parent}).",
+            path=root,
+        )
+
+
+@contextlib.contextmanager
+def _prefix_hints(prefix: str) -> Iterator[None]:
+    """Add a hint to "not a checkpoint" when the prefix is a root of managed steps."""
+    try:
+        yield
+    except CheckpointNotFoundError as exc:
+        hint = _root_hint(prefix)
+        if hint:
+            exc.message += hint
+            exc.args = (exc.message,)
+        raise
+
+
+# -- commands ----------------------------------------------------------------------------------
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from tdckpt._read.inspect import inspect
 
-    result = inspect(args.prefix, robust_key=_robust(args.robust_key))
+    with _prefix_hints(args.prefix):
+        result = inspect(args.prefix, robust_key=_robust(args.robust_key))
     if args.json:
         _print_json(result.to_json())
-        return 0
-    print(f"checkpoint   {result.prefix} ({result.storage})")
-    print(f"generation   {result.generation} (tensordict format v{result.format_version})")
-    print(f"key encoding {result.key_encoding}")
-    print(f"leaves       {result.leaf_count}, {result.total_bytes} bytes")
+        return EXIT_OK
+    _out(f"checkpoint   {result.prefix} ({result.storage})")
+    _out(f"generation   {result.generation} (tensordict format v{result.format_version})")
+    _out(f"key encoding {result.key_encoding}")
+    _out(f"leaves       {result.leaf_count}, {result.total_bytes} bytes")
     if result.migrations:
-        print(f"migrations   {', '.join(result.migrations)} (applied in memory on read)")
+        _out(f"migrations   {', '.join(result.migrations)} (applied in memory on read)")
     if result.pickles:
-        print(f"pickles      {', '.join('.'.join(k) for k in result.pickles)}")
+        _out(f"pickles      {', '.join('.'.join(map(_clean, k)) for k in result.pickles)}")
     for lost in result.lost:
-        print(f"lost         {lost}")
-    print("tree")
+        _out(f"lost         {lost}")
+    _out("tree")
     _print_tree(result.root, "  ")
     for p in result.problems:
-        print(p)
-    return 0
+        _out(str(p))
+    return EXIT_OK
 
 
 def _print_tree(info: Any, indent: str) -> None:
     for child in info.children:
-        name = child.key[-1] if child.key else "<root>"
+        name = _clean(child.key[-1]) if child.key else "<root>"
         if child.kind == "leaf":
             if child.class_name == "nested":
                 # The recorded shape is the size table's: [elements, dims per element].
@@ -81,11 +424,11 @@ def _print_tree(info: Any, indent: str) -> None:
                 what = f"nested ({n} tensors of {ndim} dims)"
             else:
                 what = str(child.shape)
-            print(f"{indent}{name}: {child.dtype} {what} ({child.nbytes} B)")
+            _out(f"{indent}{name}: {child.dtype} {what} ({child.nbytes} B)")
         else:
             extra = f" batch={child.batch_size}" if child.batch_size is not None else ""
             pickled = " [pickled]" if child.pickled else ""
-            print(f"{indent}{name}: {child.kind} {child.class_name or ''}{extra}{pickled}")
+            _out(f"{indent}{name}: {child.kind} {child.class_name or ''}{extra}{pickled}")
             _print_tree(child, indent + "  ")
 
 
@@ -96,33 +439,43 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(report.to_json())
     else:
+        hint = _root_hint(args.prefix) if any(p.code == "not-found" for p in report.errors) else ""
         for p in report.problems:
-            print(p)
-        print(f"{report.prefix}: {'ok' if report.ok else f'{len(report.errors)} error(s)'}"
-              f", {len(report.warnings)} warning(s)")
-    return 0 if report.ok else 1
+            _out(str(p) + (hint if p.code == "not-found" else ""))
+        _out(f"{report.prefix}: {'ok' if report.ok else f'{len(report.errors)} error(s)'}"
+             f", {len(report.warnings)} warning(s)")
+    if report.ok:
+        return EXIT_OK
+    _print_error(
+        f"{report.prefix}: cannot be restored: {len(report.errors)} error(s), listed in the "
+        "report on stdout (each names the file and what to do)."
+    )
+    return EXIT_PROBLEM
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
     from tdckpt._upgrade.upgrade import upgrade
 
-    report = upgrade(
-        args.prefix,
-        dry_run=args.dry_run,
-        backup=not args.no_backup,
-        convert_pickles=args.convert_pickles,
-        progress=_Progress("upgrade"),
-    )
+    with _prefix_hints(args.prefix):
+        report = upgrade(
+            args.prefix,
+            dry_run=args.dry_run,
+            backup=not args.no_backup,
+            convert_pickles=args.convert_pickles,
+            progress=_Progress("upgrade"),
+        )
     if args.json:
         _print_json(report.to_json())
-        return 0
-    print(str(report))
-    return 0
+    else:
+        _out(str(report))
+    # An upgrade with an error raises; this only guards a report that carries one anyway.
+    return EXIT_PROBLEM if any(p.severity == "error" for p in report.problems) else EXIT_OK
 
 
 def _manager(root: str) -> Any:
     from tdckpt.manager import CheckpointManager
 
+    _check_root(root)
     return CheckpointManager(root)
 
 
@@ -130,17 +483,17 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     rows = _manager(args.root).list_steps()
     if args.json:
         _print_json([row.to_json() for row in rows])
-        return 0
+        return EXIT_OK
     if not rows:
-        print(f"{args.root}: no steps")
-        return 0
-    print(f"{'step':>10}  {'status':<10} {'kind':<7} {'size':>12}  {'format':<14} metadata")
+        _out(f"{args.root}: no steps")
+        return EXIT_OK
+    _out(f"{'step':>10}  {'status':<10} {'kind':<7} {'size':>12}  {'format':<14} metadata")
     for row in rows:
         step = "-" if row.step is None else str(row.step)
         fmt = f"v{row.format_version} {row.key_encoding}" if row.format_version is not None else "-"
-        meta = json.dumps(row.metadata, sort_keys=True) if row.metadata else ""
-        print(f"{step:>10}  {row.status:<10} {row.kind:<7} {row.size:>12}  {fmt:<14} {meta}")
-    return 0
+        meta = json.dumps(_jsonable(row.metadata), sort_keys=True, default=str) if row.metadata else ""
+        _out(f"{step:>10}  {row.status:<10} {row.kind:<7} {row.size:>12}  {fmt:<14} {_clean(meta)}")
+    return EXIT_OK
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -148,8 +501,15 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(report.to_json())
     else:
-        print(report.summary())
-    return 0 if report.ok else 1
+        _out(report.summary())
+    if report.ok:
+        return EXIT_OK
+    _print_error(
+        f"step {report.step} at {report.path}: {len(report.problems)} file(s) differ from what "
+        "was saved (listed in the report on stdout); restore another step, or save this one "
+        "again."
+    )
+    return EXIT_PROBLEM
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
@@ -159,72 +519,129 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         _print_json([str(p) for p in removed])
     else:
         for p in removed:
-            print(f"removed {p}")
-        print(f"{len(removed)} stale folder(s) removed")
-    return 0
+            _out(f"removed {p}")
+        _out(f"{len(removed)} stale folder(s) removed")
+    return EXIT_OK
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from tdckpt._demo_run import run_demo
 
-    return run_demo()
+    if run_demo() == EXIT_OK:
+        return EXIT_OK
+    _print_error(
+        "the demo's resumed weights or its verify did not match what was saved (see above): "
+        "this is a bug, please report it."
+    )
+    return EXIT_PROBLEM
 
 
 def _parser() -> argparse.ArgumentParser:
     from tdckpt._read.inspect import inspect, validate
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tdckpt",
         description="Inspect, validate and upgrade TensorDict checkpoints of any tensordict "
         "release; list, verify and clean a root of managed steps.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help_: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(
+            name,
+            help=help_,
+            description=help_,
+            epilog=_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.set_defaults(func=func)
+        # Also after the command (`tdckpt ls ROOT --traceback`); SUPPRESS keeps the
+        # top-level value when it is not given here.
+        p.add_argument(
+            "--traceback", action="store_true", default=argparse.SUPPRESS, help="show the full traceback on errors"
+        )
         return p
 
+    def add_json(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="print JSON (errors too)")
+
     p = add("inspect", _first_line(inspect), _cmd_inspect)
-    p.add_argument("prefix")
+    p.add_argument("prefix", type=_path_arg)
     p.add_argument("--robust-key", choices=["auto", "true", "false"], default="auto")
-    p.add_argument("--json", action="store_true")
+    add_json(p)
     p = add("validate", _first_line(validate), _cmd_validate)
-    p.add_argument("prefix")
+    p.add_argument("prefix", type=_path_arg)
     p.add_argument("--robust-key", choices=["auto", "true", "false"], default="auto")
-    p.add_argument("--json", action="store_true")
+    add_json(p)
     p = add("upgrade", "Upgrade a checkpoint on disk to the current format (crash-safe, with a backup).", _cmd_upgrade)
-    p.add_argument("prefix")
+    p.add_argument("prefix", type=_path_arg)
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--no-backup", action="store_true", help="delete the old layout after the swap")
     p.add_argument("--convert-pickles", action="store_true", help="store pickled plain values as JSON (trusted data only: unpickles)")
-    p.add_argument("--json", action="store_true")
+    add_json(p)
     p = add("ls", "List the committed steps of a checkpoint root.", _cmd_ls)
-    p.add_argument("root")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("root", type=_path_arg)
+    add_json(p)
     p = add("verify", "Recompute every file's checksum of a step against its manifest.", _cmd_verify)
-    p.add_argument("root")
-    p.add_argument("--step", type=int, default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("root", type=_path_arg)
+    p.add_argument("--step", type=_step_arg, default=None, help="the step (default: the latest)")
+    add_json(p)
     p = add("gc", "Remove stale temporary folders left by crashed saves.", _cmd_gc)
-    p.add_argument("root")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("root", type=_path_arg)
+    add_json(p)
     add("demo", "Restore a bundled tensordict 0.3.2 checkpoint and run a small training loop.", _cmd_demo)
     return parser
 
 
+def _usage_error(exc: _UsageError, want_json: bool) -> NoReturn:
+    message = f"{exc.message} (see `{exc.parser.prog} --help`)"
+    if want_json:
+        _print_json_error("UsageError", message, None, EXIT_USAGE, {})
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        exc.parser.print_usage(sys.stderr)
+    _print_error(message)
+    raise SystemExit(EXIT_USAGE)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; return the exit code."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except TdckptError as exc:
-        if args.traceback:
+    """Run the CLI; return the exit code (``--help`` and usage errors raise SystemExit)."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    want_json = "--json" in arguments
+    want_traceback = "--traceback" in arguments
+    with _tolerant_streams(), warnings.catch_warnings():
+        # tdckpt's warnings are part of the output ("it worked, but ..."): one line each.
+        warnings.simplefilter("default")
+        warnings.showwarning = _show_warning
+        try:
+            try:
+                args = _parser().parse_args(arguments)
+            except _UsageError as exc:
+                _usage_error(exc, want_json)
+            want_json = bool(getattr(args, "json", False))
+            want_traceback = bool(args.traceback)
+            code = int(args.func(args))
+            _write("", flush=True)  # a closed pipe shows here, not at interpreter exit
+            return code
+        except (SystemExit, GeneratorExit):
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        except BrokenPipeError:
+            if want_traceback:
+                raise
+            # The reader (e.g. `head`) went away: stdout is gone, report on stderr only.
+            _stdout_to_devnull()
+            _print_error("the output was closed before tdckpt finished writing it (broken pipe).")
+            return EXIT_PROBLEM
+        except BaseException as exc:
+            if want_traceback or not isinstance(exc, (Exception, KeyboardInterrupt)):
+                raise
+            code, kind, message, path, details = _describe(exc)
+            if want_json:
+                _print_json_error(kind, message, path, code, details)
+            _print_error(message)
+            return code
 
 
 if __name__ == "__main__":  # pragma: no cover

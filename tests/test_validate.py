@@ -522,9 +522,12 @@ def test_every_problem_at_once(nested: Path, capsys: pytest.CaptureFixture[str])
         ("missing-child", ("sibling",)),
         ("unknown-dtype", ("lvl1", "lvl2", "y")),
     }
-    code, output = _validate_cli(nested, capsys, "--json")
+    capsys.readouterr()
+    code = cli.main(["validate", str(nested), "--json"])
+    out = capsys.readouterr()
     assert code == 1
-    data = json.loads(output)
+    data = json.loads(out.out)  # the report on stdout; one `error:` line on stderr
+    assert out.err.startswith("error: ") and out.err.count("\n") == 1
     assert data["ok"] is False
     assert len([p for p in data["problems"] if p["severity"] == "error"]) == len(report.errors)
 

@@ -93,7 +93,11 @@ def read_tree(storage: Storage, *, max_depth: int = MAX_DEPTH) -> VDir:
     on that directory, so validation can report all of them. Only a prefix that is not
     a checkpoint at all raises.
     """
-    root = _read_dir(storage, "", depth=0, max_depth=max_depth)
+    return _read_dir(storage, "", depth=0, max_depth=max_depth)
+
+
+def _not_a_checkpoint(storage: Storage, root: VDir) -> None:
+    """Raise unless the top level holds metadata (checked before any sub-folder is read)."""
     if root.meta is None and root.pt is None and not any(
         p.code == "bad-json" for p in root.problems
     ):
@@ -103,7 +107,6 @@ def read_tree(storage: Storage, *, max_depth: int = MAX_DEPTH) -> VDir:
             "`td.save(prefix)` wrote.",
             path=storage.location,
         )
-    return root
 
 
 def _read_dir(storage: Storage, rel: str, *, depth: int, max_depth: int) -> VDir:
@@ -149,6 +152,9 @@ def _read_dir(storage: Storage, rel: str, *, depth: int, max_depth: int) -> VDir
                 )
     elif "meta.pt" in listing.files or any(n.endswith(".meta.pt") for n in listing.files):
         node.pt = _read_pt_files(storage, rel, listing.files, node)
+    if depth == 0:
+        # Before descending: `tdckpt inspect /` must not walk the whole file system.
+        _not_a_checkpoint(storage, node)
     if listing.dirs and depth >= max_depth:
         node.problems.append(
             Problem(

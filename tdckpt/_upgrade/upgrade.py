@@ -197,7 +197,7 @@ def upgrade(
         >>> report = upgrade("runs/old_ckpt", dry_run=True)  # doctest: +SKIP
         >>> print(report)  # doctest: +SKIP
     """
-    path = Path(prefix)
+    path = _named(Path(prefix))
     if path.is_symlink():
         raise UnsafePathError(
             f"{path}: is a symlink; an upgrade renames the prefix, which would replace the "
@@ -210,6 +210,26 @@ def upgrade(
         return _upgrade_locked(
             path, dry_run=False, backup=backup, convert=convert_pickles, progress=progress
         )
+
+
+def _named(path: Path) -> Path:
+    """``path`` with a real last name: ``.``, ``..`` and ``x/..`` are resolved first.
+
+    An upgrade puts its journal, staging tree and backup beside the prefix, then renames
+    the prefix: for ``.`` they would land inside the checkpoint, and ``.`` cannot be
+    renamed. The file-system root has no name and no place beside it, so it is refused.
+    """
+    if path.name not in ("", ".."):
+        return path
+    resolved = path.resolve()
+    if not resolved.name:
+        raise UnsafePathError(
+            f"{path}: the file-system root cannot be upgraded in place (an upgrade renames "
+            "the prefix and writes beside it). Copy the checkpoint into a folder and upgrade "
+            "the copy.",
+            path=str(path),
+        )
+    return resolved
 
 
 def _upgrade_locked(
