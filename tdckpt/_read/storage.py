@@ -76,6 +76,8 @@ class Listing:
     files: dict[str, int] = field(default_factory=dict)
     dirs: set[str] = field(default_factory=set)
     unsafe: dict[str, str] = field(default_factory=dict)
+    #: the sub-directories of ``dirs`` reached through a (safe) symlink
+    links: set[str] = field(default_factory=set)
 
 
 def parse_json(data: bytes, *, where: str | Callable[[], str]) -> Any:
@@ -139,6 +141,15 @@ class Storage(ABC):
 
     def physical_path(self, rel: str) -> Path | None:
         """The real file behind ``rel`` when there is one (directories), else None."""
+        return None
+
+    def dir_identity(self, rel: str) -> tuple[int, int] | None:
+        """``(st_dev, st_ino)`` of the directory ``rel`` where the storage is a file system.
+
+        It lets a reader read each directory once, however many links or mounts lead to
+        it. None where no directory can be reached twice (archives) or when it cannot be
+        asked (then ``listdir`` says why).
+        """
         return None
 
     def display(self, rel: str) -> str:
@@ -285,6 +296,8 @@ class DirectoryStorage(Storage):
                     continue
                 if stat.S_ISDIR(st.st_mode):
                     listing.dirs.add(name)
+                    if is_link:
+                        listing.links.add(name)
                 elif stat.S_ISREG(st.st_mode):
                     listing.files[name] = st.st_size
                     if not is_link:
@@ -292,6 +305,17 @@ class DirectoryStorage(Storage):
                 else:
                     listing.unsafe[name] = "not a regular file or directory"
         return listing
+
+    def dir_identity(self, rel: str) -> tuple[int, int] | None:
+        # One stat per directory (not per leaf), before it is listed.
+        path = self._resolve(rel)
+        if rel:
+            self._check_chain(rel)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino)
 
     def _open_checked(self, rel: str) -> str:
         known = self._regular.get(rel)
