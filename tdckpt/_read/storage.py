@@ -32,6 +32,7 @@ from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsafePathErro
 
 __all__ = [
     "MAX_JSON_BYTES",
+    "MAX_JSON_CONTAINERS",
     "DirectoryStorage",
     "Listing",
     "Storage",
@@ -42,7 +43,13 @@ __all__ = [
 ]
 
 #: meta.json files larger than this are refused (a bounded header, as safetensors does).
-MAX_JSON_BYTES = 256 * 1024 * 1024
+#: A 10,000-leaf tensordict writes about 1 MB; parsed JSON takes up to ~20 times its size
+#: in memory, so this also bounds what one file can cost.
+MAX_JSON_BYTES = 64 * 1024 * 1024
+#: JSON documents with more arrays and objects than this are refused before parsing:
+#: ``[[],[],...]`` costs 64 bytes of memory per 3 bytes of file. Counted over the raw bytes
+#: (brackets inside strings count too), only for documents large enough to exceed it.
+MAX_JSON_CONTAINERS = 2_000_000
 
 MapMode = Literal["r", "r+"] | None
 
@@ -91,6 +98,16 @@ def parse_json(data: bytes, *, where: str | Callable[[], str]) -> Any:
     deep nesting, syntax errors - is handed to ``json.loads``, which accepts it or says
     why not. A property test holds the two to the same result.
     """
+    if len(data) > MAX_JSON_CONTAINERS:
+        containers = data.count(b"[") + data.count(b"{")
+        if containers > MAX_JSON_CONTAINERS:
+            where = where() if callable(where) else where
+            raise MetadataError(
+                f"{where}: about {containers} JSON arrays and objects, more than the "
+                f"{MAX_JSON_CONTAINERS} tdckpt parses in one metadata file (a real one holds "
+                "two per leaf). The file is damaged or hostile; restore it from a backup.",
+                path=where,
+            )
     try:
         return from_json(data)
     except Exception:  # noqa: BLE001 - any refusal: the stdlib parser decides
