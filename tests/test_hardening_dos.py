@@ -57,8 +57,11 @@ def vm_size():
 limit = vm_size() + (3 << 30)
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
+class CaseTimeout(BaseException):  # not an OSError: nothing in tdckpt may swallow it
+    pass
+
 def expire(signum, frame):
-    raise TimeoutError("the case ran past its alarm")
+    raise CaseTimeout("the case ran past its alarm")
 
 signal.signal(signal.SIGALRM, expire)
 for prefix in sys.argv[2:]:
@@ -87,11 +90,11 @@ for prefix in sys.argv[2:]:
 # -- the hostile prefixes -------------------------------------------------------------------
 
 
-def _symlink_dag(root: Path) -> Path:
-    """A real checkpoint beside a chain d0 .. d40 where each d_i holds two links to d_i+1."""
+def _symlink_dag(root: Path, depth: int = 40) -> Path:
+    """A real checkpoint beside a chain d0 .. d<depth> where each d_i holds two links to d_i+1
+    (2**depth paths to the last one)."""
     prefix = root / "symlink_dag"
     TensorDict({"x": torch.zeros(1)}, batch_size=[]).memmap(prefix)
-    depth = 40
     for i in range(depth + 1):
         (prefix / f"d{i}").mkdir()
     for i in range(depth):
@@ -226,21 +229,26 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
     prefixes = [make(root) for make in CASES.values()]
     digests = {p.name: tree_digest(p) for p in prefixes}
     env = subprocess_env({"PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS_DIR)])})
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(CASE_SECONDS), *map(str, prefixes)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=CASE_SECONDS * len(prefixes) + 60,
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(CASE_SECONDS), *map(str, prefixes)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=CASE_SECONDS * len(prefixes) + 60,
+        )
+        stdout, why = proc.stdout, f"the child died (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    except subprocess.TimeoutExpired as exc:  # a hang the alarm could not interrupt
+        raw = exc.stdout or b""
+        stdout, why = raw.decode() if isinstance(raw, bytes) else raw, "the child hung"
+    results: dict[str, dict[str, Any]] = {}
+    for line in stdout.splitlines():
         if line.startswith("{"):
             out = json.loads(line)
             results[out["name"]] = out
-    assert proc.returncode == 0, f"the child died (rc {proc.returncode}): {proc.stderr[-3000:]}"
     for p in prefixes:
+        results.setdefault(p.name, {"name": p.name, "crash": why})
         results[p.name]["unchanged"] = tree_digest(p) == digests[p.name]
     return results
 
@@ -329,10 +337,10 @@ def test_the_real_path_wins_over_a_link_met_first(tmp_path: Path) -> None:
 
 
 def test_symlink_dag_stays_linear_in_process(tmp_path: Path) -> None:
-    prefix = _symlink_dag(tmp_path)
+    prefix = _symlink_dag(tmp_path, depth=10)  # small: 2**10 paths if each were followed
     with open_storage(prefix) as storage:
         tree = read_tree(storage)
-    assert sum(1 for _ in tree.walk()) == 42  # the root and d0 .. d40, each once
+    assert sum(1 for _ in tree.walk()) == 12  # the root and d0 .. d10, each once
     assert set(tree.dirs["d0"].unsafe) == {"a", "b"}
 
 
