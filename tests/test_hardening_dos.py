@@ -413,3 +413,21 @@ def test_g2_stack_within_the_budget_is_inlined(tmp_path: Path) -> None:
         out = tdckpt.load_memmap(prefix)
     assert out.get("ls").batch_size == (3, 2, 4)
     assert out.get("ls").tolist()[1][0] == ["x"] * 4
+
+
+def test_g1_batch_of_thousands_of_dims_is_not_a_size(tmp_path: Path) -> None:
+    # A lazy stack nested in a G1 tensordict is recognised by comparing batch sizes one
+    # dimension at a time, each with a copy: quadratic in the number of dimensions.
+    prefix = _g1(tmp_path, "dims")
+    dims = 20_000
+    for stale in prefix.glob("*.meta.pt"):
+        stale.unlink()
+    for stale in prefix.glob("*.memmap"):
+        stale.unlink()
+    torch.save({"batch_size": torch.Size([1] * dims), "device": None}, prefix / "meta.pt")
+    (prefix / "0").mkdir()
+    torch.save({"batch_size": torch.Size([1] * (dims - 1)), "device": None}, prefix / "0" / "meta.pt")
+    report = tdckpt.validate(prefix)
+    bad = [p for p in report.errors if p.code == "bad-meta-pt"]
+    assert bad and all("no batch size" in p.message for p in bad)
+    assert {p.code for p in report.errors} <= {"bad-meta-pt", "missing-meta"}
