@@ -431,3 +431,32 @@ def test_g1_batch_of_thousands_of_dims_is_not_a_size(tmp_path: Path) -> None:
     bad = [p for p in report.errors if p.code == "bad-meta-pt"]
     assert bad and all("no batch size" in p.message for p in bad)
     assert {p.code for p in report.errors} <= {"bad-meta-pt", "missing-meta"}
+
+
+def _archive(tmp_path: Path) -> Path:
+    prefix = tmp_path / "ckpt"
+    TensorDict({"x": torch.zeros(3)}, batch_size=[3]).memmap(prefix)
+    archive = tmp_path / "ckpt.tdz"
+    with zipfile.ZipFile(archive, "w") as z:
+        for f in sorted(prefix.iterdir()):
+            z.write(f, f.name)
+    return archive
+
+
+def test_archive_declaring_millions_of_entries_is_refused_before_parsing(tmp_path: Path) -> None:
+    # The zip64 end record counts entries in 64 bits: it declares 5 million here (an honest
+    # one would take 300 MB of central directory, and minutes and gigabytes to index).
+    archive = _archive(tmp_path)
+    assert tdckpt.validate(archive).ok
+    data = archive.read_bytes()
+    end = data.rindex(b"PK\x05\x06")
+    cd_size, cd_offset = struct.unpack_from("<II", data, end + 12)
+    zip64_end = struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, 5_000_000, 5_000_000, cd_size, cd_offset)
+    locator = struct.pack("<4sIQI", b"PK\x06\x07", 0, end, 1)
+    eocd = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    archive.write_bytes(bytes(data[:end]) + zip64_end + locator + eocd)
+    report = tdckpt.validate(archive)
+    [problem] = report.errors
+    assert "5000000 entries" in problem.message and str(archive) in problem.message
+    with pytest.raises(MetadataError, match="5000000 entries"):
+        tdckpt.load_memmap(archive)

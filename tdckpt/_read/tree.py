@@ -30,9 +30,9 @@ __all__ = ["MAX_DEPTH", "MAX_ENTRIES", "VDir", "VFile", "read_tree"]
 #: Deeper trees are refused: no real tensordict nests this deep, and it bounds recursion.
 MAX_DEPTH = 200
 #: A prefix listing more entries (files, directories, links; all directories together)
-#: is refused before more are read: it bounds the memory of the tree. A 10,000-leaf
-#: tensordict lists about 10,000.
-MAX_ENTRIES = 2_000_000
+#: is refused before more are read: it bounds the memory of the tree (about 1 kB an
+#: entry). A 10,000-leaf tensordict lists about 10,000.
+MAX_ENTRIES = 1_000_000
 #: G1 metadata files are tiny; refuse anything larger before unpickling-free loading.
 #: The same bound holds for what the file's zip entries inflate to (all together), and for
 #: the values it loads, counted the way a copy would make them (a list referenced twice
