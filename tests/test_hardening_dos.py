@@ -460,3 +460,24 @@ def test_archive_declaring_millions_of_entries_is_refused_before_parsing(tmp_pat
     assert "5000000 entries" in problem.message and str(archive) in problem.message
     with pytest.raises(MetadataError, match="5000000 entries"):
         tdckpt.load_memmap(archive)
+
+
+@pytest.mark.parametrize("link", ["hard", "symbolic"])
+def test_one_metadata_file_linked_into_many_directories_is_budgeted(tmp_path: Path, link: str) -> None:
+    # 40 directories share one 1 MB meta.json: 1 MB on disk, 40 MB to parse. Over the
+    # (here lowered) total budget the read stops with an error naming where.
+    prefix = tmp_path / "ckpt"
+    TensorDict({"x": torch.zeros(3)}, batch_size=[3]).memmap(prefix)
+    big = prefix / "shared.json"
+    big.write_text(json.dumps({"pad": "x" * 1_000_000}))
+    for i in range(40):
+        (prefix / f"d{i}").mkdir()
+        if link == "hard":
+            os.link(big, prefix / f"d{i}" / "meta.json")
+        else:
+            (prefix / f"d{i}" / "meta.json").symlink_to("../shared.json")
+    with open_storage(prefix) as storage:
+        assert len(read_tree(storage, max_metadata_bytes=50_000_000).dirs) == 40
+    with open_storage(prefix) as storage, pytest.raises(MetadataError, match="more than 20000000 bytes together") as info:
+        read_tree(storage, max_metadata_bytes=20_000_000)
+    assert "meta.json" in str(info.value)

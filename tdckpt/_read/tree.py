@@ -18,14 +18,15 @@ named ``<encode_key(key)>.memmap`` and its children ``<encode_key(key)>/``.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tdckpt._read.storage import Listing, Storage, join
+from tdckpt._read.storage import MAX_JSON_BYTES, Listing, Storage, join
 from tdckpt._report import Problem
 from tdckpt.errors import CheckpointNotFoundError, MetadataError, TdckptError
 
-__all__ = ["MAX_DEPTH", "MAX_ENTRIES", "VDir", "VFile", "read_tree"]
+__all__ = ["MAX_DEPTH", "MAX_ENTRIES", "MAX_METADATA_BYTES", "VDir", "VFile", "read_tree"]
 
 #: Deeper trees are refused: no real tensordict nests this deep, and it bounds recursion.
 MAX_DEPTH = 200
@@ -38,6 +39,10 @@ MAX_ENTRIES = 1_000_000
 #: the values it loads, counted the way a copy would make them (a list referenced twice
 #: counts twice, a string counts its length).
 MAX_PT_BYTES = 1024 * 1024
+#: All the metadata of one checkpoint together (meta.json bytes, meta.pt bytes once
+#: inflated): one file hard-linked (or symlinked) into many directories is read once per
+#: directory, so the per-file caps alone would let a few megabytes on disk cost terabytes.
+MAX_METADATA_BYTES = 256 * 1024 * 1024
 #: A meta.pt zip with more entries is refused (torch.save writes about seven).
 MAX_PT_ENTRIES = 64
 #: Values of a meta.pt nested deeper are refused (real ones nest three levels).
@@ -98,13 +103,18 @@ class VDir:
 
 
 def read_tree(
-    storage: Storage, *, max_depth: int = MAX_DEPTH, max_entries: int = MAX_ENTRIES
+    storage: Storage,
+    *,
+    max_depth: int = MAX_DEPTH,
+    max_entries: int = MAX_ENTRIES,
+    max_metadata_bytes: int = MAX_METADATA_BYTES,
 ) -> VDir:
     """Read the metadata of every directory under the prefix.
 
     Problems local to one directory (invalid JSON, an unreadable meta.pt) are recorded
     on that directory, so validation can report all of them. Only a prefix that is not
-    a checkpoint at all raises, or one past a budget (``max_entries``).
+    a checkpoint at all raises, or one past a budget (``max_entries``,
+    ``max_metadata_bytes``).
 
     Each directory is read once: one reached a second time (a symlink to a directory
     of the tree, a bind mount) is reported as unsafe and not read again, so links can
@@ -113,7 +123,7 @@ def read_tree(
     read before symlinked ones, so a link, not the directory it names, is the one
     refused.
     """
-    walk = _Walk(storage, max_depth, max_entries)
+    walk = _Walk(storage, max_depth, max_entries, max_metadata_bytes)
     root = walk.read(VDir(source=""), depth=0)
     while walk.links:
         # Breadth of the links, in the order met: each names a directory already read
@@ -136,11 +146,15 @@ def read_tree(
 class _Walk:
     """One read of a prefix: the budget spent and the directories already read."""
 
-    def __init__(self, storage: Storage, max_depth: int, max_entries: int) -> None:
+    def __init__(
+        self, storage: Storage, max_depth: int, max_entries: int, max_metadata_bytes: int
+    ) -> None:
         self.storage = storage
         self.max_depth = max_depth
         self.max_entries = max_entries
         self.entries = 0
+        self.max_metadata_bytes = max_metadata_bytes
+        self.metadata_bytes = 0
         #: ``(st_dev, st_ino)`` -> the relative path it was first read as
         self.seen: dict[tuple[int, int], str] = {}
         #: symlinked sub-directories, read after every real one: (parent, name, rel, depth)
@@ -165,7 +179,7 @@ class _Walk:
                 "if it is genuine, save it in fewer, larger tensors.",
                 path=storage.display(rel),
             )
-        _fill(storage, node, listing)
+        _fill(storage, node, listing, self.charge)
         if listing.dirs and depth >= self.max_depth:
             node.problems.append(
                 Problem(
@@ -188,6 +202,19 @@ class _Walk:
             self.child(node, name, prefix + name, depth + 1)
         return node
 
+    def charge(self, where: str, size: int) -> None:
+        """Count ``size`` bytes of metadata about to be parsed from ``where``."""
+        self.metadata_bytes += size
+        if self.metadata_bytes > self.max_metadata_bytes:
+            shown = self.storage.display(where)
+            raise _OverBudget(
+                f"{shown}: the checkpoint's metadata files hold more than "
+                f"{self.max_metadata_bytes} bytes together, more than tdckpt reads for one "
+                "checkpoint (a 10,000-leaf tensordict writes about 1 MB). It is damaged or "
+                "hostile (one file linked into many directories is read in each).",
+                path=shown,
+            )
+
     def child(self, node: VDir, name: str, rel: str, depth: int) -> None:
         """Read the sub-directory ``name`` of ``node`` into ``node.dirs``."""
         try:
@@ -197,6 +224,10 @@ class _Walk:
             _unsafe(node, name, rel, f"a second path to the directory {again.first or '.'!r}, "
                     "which tdckpt already read (a symlink or a mount inside the tree); every "
                     "directory is read once")
+
+
+class _OverBudget(MetadataError):
+    """A budget of the whole read is spent: it ends the read (not one file's problem)."""
 
 
 class _SecondPath(Exception):
@@ -217,7 +248,9 @@ def _unsafe(node: VDir, name: str, rel: str, reason: str) -> None:
     )
 
 
-def _fill(storage: Storage, node: VDir, listing: Listing) -> None:
+def _fill(
+    storage: Storage, node: VDir, listing: Listing, charge: Callable[[str, int], None]
+) -> None:
     """The files, unsafe entries and metadata of one listed directory."""
     rel = node.source
     for name, reason in listing.unsafe.items():
@@ -228,6 +261,9 @@ def _fill(storage: Storage, node: VDir, listing: Listing) -> None:
         if name != "meta.json":
             files[name] = VFile(prefix + name, size)
     if "meta.json" in listing.files:
+        size = listing.files["meta.json"]
+        # A file over the per-file cap is refused unread (its own problem): it costs nothing.
+        charge(join(rel, "meta.json"), size if size <= MAX_JSON_BYTES else 0)
         try:
             meta = storage.read_json(join(rel, "meta.json"))
         except TdckptError as exc:
@@ -249,11 +285,15 @@ def _fill(storage: Storage, node: VDir, listing: Listing) -> None:
                     )
                 )
     elif "meta.pt" in listing.files or any(n.endswith(".meta.pt") for n in listing.files):
-        node.pt = _read_pt_files(storage, rel, listing.files, node)
+        node.pt = _read_pt_files(storage, rel, listing.files, node, charge)
 
 
 def _read_pt_files(
-    storage: Storage, rel: str, files: dict[str, int], node: VDir
+    storage: Storage,
+    rel: str,
+    files: dict[str, int],
+    node: VDir,
+    charge: Callable[[str, int], None],
 ) -> dict[str, dict[str, Any]]:
     """Load G1 ``meta.pt`` files with ``torch.load(weights_only=True)`` only."""
     import torch
@@ -263,12 +303,16 @@ def _read_pt_files(
         if name != "meta.pt" and not name.endswith(".meta.pt"):
             continue
         where = join(rel, name)
+        charge(where, files[name] if files[name] <= MAX_PT_BYTES else 0)
         try:
             raw = storage.read_bytes(where, max_bytes=MAX_PT_BYTES)
             if raw[:4] == b"PK\x03\x04":
                 raw = _bounded_zip(raw, storage.display(where))
+                charge(where, max(len(raw) - files[name], 0))  # what it inflated to
             value = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
             _check_expanded(value, storage.display(where))
+        except _OverBudget:
+            raise
         except TdckptError as exc:
             node.problems.append(Problem("bad-meta-pt", "error", where, (), str(exc)))
             continue
