@@ -48,6 +48,9 @@ _VIEW_CLASSES = {
     "view": "_ViewedTensorDict",
 }
 _LEAF_PT = ".meta.pt"
+#: More dimensions than any tensor has are not a size (and would cost quadratic work in
+#: the stack inference below); validation allows 64 too.
+_MAX_DIMS = 64
 
 
 def upgrade(tree: VDir, ctx: MigrationContext) -> VDir:
@@ -156,7 +159,7 @@ def _leaf_entry(info: Any) -> dict[str, Any] | None:
 
 
 def _size(value: Any) -> list[int] | None:
-    if isinstance(value, (list, tuple)) and all(
+    if isinstance(value, (list, tuple)) and len(value) <= _MAX_DIMS and all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
     ):
         return [int(d) for d in value]

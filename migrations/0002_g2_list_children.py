@@ -43,6 +43,12 @@ FROM_VERSION = 2
 TO_VERSION = 3
 
 _MAX_CHAIN = 64
+#: A stack of non-tensors inlines at most this many values (its members' values repeated
+#: over their batch sizes, all members together); a larger one is refused rather than
+#: expanded: a few bytes of metadata (``"shape": [1000000000]``) must not cost gigabytes.
+MAX_INLINE_VALUES = 1_000_000
+#: Batch sizes with more dimensions are left to validation (torch allows 64).
+_MAX_DIMS = 64
 
 
 def upgrade(tree: VDir, ctx: MigrationContext) -> VDir:
@@ -116,6 +122,8 @@ def _stack_of_non_tensors(target: Target, ctx: MigrationContext) -> None:
     batches: dict[int, list[int]] = ctx.state.setdefault("non_tensor_stack_batch", {})
     values: list[Any] = []
     member_batch: list[int] | None = None
+    # One budget for the whole tree: a hundred small stacks cannot spend it a hundred times.
+    spent: list[int] = ctx.state.setdefault("inline_budget", [MAX_INLINE_VALUES])
     for member in members:
         kind = level_kind(member.meta)
         if kind == "non-tensor":
@@ -132,10 +140,35 @@ def _stack_of_non_tensors(target: Target, ctx: MigrationContext) -> None:
             inner = member.dirs.get("_tensordict")
             shape = inner.meta.get("shape") if inner is not None and inner.meta else []
             batch = list(shape) if isinstance(shape, list) else []
+            if not _is_size(batch):
+                return  # not a batch size: left to validation, which names the member
+            spent[0] -= _numel(batch, max(spent[0], 0))
+            if spent[0] < 0:
+                ctx.problem(
+                    "too-large",
+                    "error",
+                    target,
+                    f"a stack of {len(members)} non-tensor values whose batch sizes (member "
+                    f"{member.source!r}: {batch}) expand to more than {MAX_INLINE_VALUES} "
+                    "values in all; tdckpt does not inline so many. The metadata is damaged or hostile; "
+                    "if it is genuine, load it with tensordict 0.3 and save it as a tensor.",
+                )
+                return
             values.append(_full(batch, member.meta["data"]))
         elif kind == "non-tensor-stack" and id(member) in batches:
             assert member.meta is not None
             batch = batches[id(member)]
+            spent[0] -= _numel(batch, max(spent[0], 0))
+            if spent[0] < 0:
+                ctx.problem(
+                    "too-large",
+                    "error",
+                    target,
+                    f"a stack of stacks of non-tensor values holding more than "
+                    f"{MAX_INLINE_VALUES} values; tdckpt does not inline them. The metadata "
+                    "is damaged or hostile.",
+                )
+                return
             values.append(member.meta["data"])
         else:
             return  # a stack of tensordicts
@@ -161,6 +194,24 @@ def _stack_of_non_tensors(target: Target, ctx: MigrationContext) -> None:
             "a stack of list values: tensordict's NonTensorStack loader reads list elements "
             "as one more batch dimension, so the stack restores with a larger batch size.",
         )
+
+
+def _is_size(batch: list[Any]) -> bool:
+    return len(batch) <= _MAX_DIMS and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in batch
+    )
+
+
+def _numel(batch: list[int], limit: int) -> int:
+    """The product of ``batch``, or anything above ``limit`` once it passes it."""
+    if 0 in batch:
+        return 0
+    n = 1
+    for d in batch:
+        n *= d
+        if n > limit:
+            return limit + 1
+    return n
 
 
 def _full(batch: list[int], value: Any) -> Any:

@@ -40,6 +40,7 @@ from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsafePathErro
 
 __all__ = [
     "MAX_JSON_BYTES",
+    "MAX_JSON_CONTAINERS",
     "DirectoryStorage",
     "Listing",
     "Storage",
@@ -50,7 +51,13 @@ __all__ = [
 ]
 
 #: meta.json files larger than this are refused (a bounded header, as safetensors does).
-MAX_JSON_BYTES = 256 * 1024 * 1024
+#: A 10,000-leaf tensordict writes about 1 MB; parsed JSON takes up to ~20 times its size
+#: in memory, so this also bounds what one file can cost.
+MAX_JSON_BYTES = 64 * 1024 * 1024
+#: JSON documents with more arrays and objects than this are refused before parsing:
+#: ``[[],[],...]`` costs 64 bytes of memory per 3 bytes of file. Counted over the raw bytes
+#: (brackets inside strings count too), only for documents large enough to exceed it.
+MAX_JSON_CONTAINERS = 2_000_000
 
 MapMode = Literal["r", "r+"] | None
 
@@ -95,6 +102,8 @@ class Listing:
     files: dict[str, int] = field(default_factory=dict)
     dirs: set[str] = field(default_factory=set)
     unsafe: dict[str, str] = field(default_factory=dict)
+    #: the sub-directories of ``dirs`` reached through a (safe) symlink
+    links: set[str] = field(default_factory=set)
 
 
 def parse_json(data: bytes, *, where: str | Callable[[], str]) -> Any:
@@ -108,6 +117,16 @@ def parse_json(data: bytes, *, where: str | Callable[[], str]) -> Any:
     deep nesting, syntax errors - is handed to ``json.loads``, which accepts it or says
     why not. A property test holds the two to the same result.
     """
+    if len(data) > MAX_JSON_CONTAINERS:
+        containers = data.count(b"[") + data.count(b"{")
+        if containers > MAX_JSON_CONTAINERS:
+            where = where() if callable(where) else where
+            raise MetadataError(
+                f"{where}: about {containers} JSON arrays and objects, more than the "
+                f"{MAX_JSON_CONTAINERS} tdckpt parses in one metadata file (a real one holds "
+                "two per leaf). The file is damaged or hostile; restore it from a backup.",
+                path=where,
+            )
     try:
         return from_json(data)
     except Exception:  # noqa: BLE001 - any refusal: the stdlib parser decides
@@ -160,6 +179,15 @@ class Storage(ABC):
 
     def physical_path(self, rel: str) -> Path | None:
         """The real file behind ``rel`` when there is one (directories), else None."""
+        return None
+
+    def dir_identity(self, rel: str) -> tuple[int, int] | None:
+        """``(st_dev, st_ino)`` of the directory ``rel`` where the storage is a file system.
+
+        It lets a reader read each directory once, however many links or mounts lead to
+        it. None where no directory can be reached twice (archives) or when it cannot be
+        asked (then ``listdir`` says why).
+        """
         return None
 
     def display(self, rel: str) -> str:
@@ -317,6 +345,8 @@ class DirectoryStorage(Storage):
                     continue
                 if stat.S_ISDIR(st.st_mode):
                     listing.dirs.add(name)
+                    if is_link:
+                        listing.links.add(name)
                 elif stat.S_ISREG(st.st_mode):
                     listing.files[name] = st.st_size
                     if not is_link:
@@ -324,6 +354,17 @@ class DirectoryStorage(Storage):
                 else:
                     listing.unsafe[name] = "not a regular file or directory"
         return listing
+
+    def dir_identity(self, rel: str) -> tuple[int, int] | None:
+        # One stat per directory (not per leaf), before it is listed.
+        path = self._resolve(rel)
+        if rel:
+            self._check_chain(rel)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino)
 
     def _open_checked(self, rel: str) -> str:
         known = self._regular.get(rel)

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import reprlib
 from typing import Any
 
 import pydantic
@@ -116,9 +117,22 @@ def _schema_problems(
             "schema",
             join(path, "meta.json"),
             sub,
-            f"{where}: {err['msg']} (found {err.get('input')!r:.80}). The metadata does not fit "
+            f"{where}: {err['msg']} (found {_short_repr(err.get('input')):.80}). The metadata does not fit "
             "the tensordict format; the file is damaged or was edited.",
         )
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple = 3, 8, 16, 16
+_REPR.maxstring = _REPR.maxother = 80
+
+
+def _short_repr(value: Any) -> str:
+    """A repr of at most a few hundred characters, whatever the size of ``value``.
+
+    ``f"{value!r:.80}"`` builds the whole repr first: of a 60 MB document, for one message.
+    """
+    return _REPR.repr(value)
 
 
 def _build(vdir: VDir, key: tuple[str, ...], ctx: Ctx, parent_batch: tuple[int, ...] | None) -> Node | None:
