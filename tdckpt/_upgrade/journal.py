@@ -502,14 +502,19 @@ def _build_staging(plan: UpgradePlan, staging: Path, runner: _Runner) -> None:
                     if zf is not None:
                         digest: str | None = _extract(zf, vfile, dst, algorithm)
                     else:
+                        # a copy reads the bytes anyway: checksum them (and compare with
+                        # the kept checksum); a link reads them only when none is kept
+                        copy = op.kind == "copy"
                         digest = _place_leaf(
-                            storage, vfile, dst, plan.report, copy=op.kind == "copy",
-                            algorithm=None if kept else algorithm,
+                            storage, vfile, dst, plan.report, copy=copy,
+                            algorithm=algorithm if copy or kept is None else None,
                         )
-                    if kept and digest is not None and digest != kept:
-                        plan.report.problems.append(_mismatch(op.path, kept, digest))
-                    if kept or digest:
-                        sums[op.path] = kept or digest  # type: ignore[assignment]
+                    if kept is not None:
+                        if digest is not None and digest != kept:
+                            plan.report.problems.append(_mismatch(op.path, kept, digest))
+                        sums[op.path] = kept  # never launder a change since the save
+                    elif digest is not None:
+                        sums[op.path] = digest
                 runner.step(op.kind)
             elif op.kind == "write" and op.path == schema.MANIFEST_NAME:
                 _write_file(staging / schema.MANIFEST_NAME, plan.manifest_bytes(sums))

@@ -265,6 +265,8 @@ def _upgrade_locked(
     if os.path.lexists(journal) or os.path.lexists(journal_tmp(path)):
         if dry_run:
             read_journal(path)  # a journal tdckpt did not write is refused as such
+            with upgrade_lock(path):  # LockError while that upgrade is still running
+                pass
             raise IncompleteCheckpointError(
                 f"{path}: an earlier upgrade was interrupted ({journal.name} exists). Run "
                 "`tdckpt upgrade` without --dry-run: it finishes or undoes that upgrade "
