@@ -744,3 +744,24 @@ def test_out_of_space_while_copying_is_a_clear_error(small_fs: Path) -> None:
     report = upgrade(prefix, backup=False)  # hard links: no space needed for the leaves
     assert report.operations and backups(prefix) == []
     assert tdckpt.load_memmap(prefix)["big"].sum().item() == 7 * 600 * 1024
+
+
+def test_copy_without_copy_file_range_is_checksummed_and_independent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel has no copy_file_range, the chunked copy path is taken."""
+    monkeypatch.delattr(os, "copy_file_range", raising=False)
+    root = tmp_path / "root"
+    root.mkdir()
+    step = root / "3"
+    shutil.copytree(copy_case(tmp_path, "0.8.3", "flat"), step)
+    original = tree_digest(step)
+    report = upgrade(step)
+    assert report.copied_bytes > 0
+    (backup,) = backups(step)
+    assert CheckpointManager(root).verify(3).ok
+    _flip_one_byte(step / "i64.memmap", 3)
+    assert tree_digest(backup) == original
+    assert [(p.path, p.kind) for p in CheckpointManager(root).verify(3).problems] == [
+        ("i64.memmap", "changed")
+    ]
