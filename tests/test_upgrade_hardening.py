@@ -54,7 +54,8 @@ STAMP = "20300102T030405Z"
 
 
 def backups(prefix: Path) -> list[Path]:
-    return sorted(p for p in prefix.parent.iterdir() if p.name.startswith(prefix.name + BACKUP_MARK))
+    mark = prefix.name + BACKUP_MARK
+    return sorted(p for p in prefix.parent.iterdir() if p.name.startswith(mark))
 
 
 def leftovers(prefix: Path) -> list[str]:
@@ -191,7 +192,8 @@ def _assert_refused(exc: BaseException, prefix: Path) -> None:
     message = str(exc)
     assert isinstance(exc, TdckptError)
     assert str(journal_of(prefix)) in message, message
-    assert "refusing this upgrade journal" in message and "nothing was renamed or removed" in message
+    assert "refusing this upgrade journal" in message
+    assert "nothing was renamed or removed" in message
     assert f"rm {journal_of(prefix)}" in message  # what to do
 
 
@@ -246,7 +248,9 @@ MALFORMED: dict[str, bytes] = {
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 @pytest.mark.parametrize("dry_run", [False, True], ids=["real", "dry-run"])
-def test_malformed_journal_is_refused(case: str, dry_run: bool, prefix: Path, tmp_path: Path) -> None:
+def test_malformed_journal_is_refused(
+    case: str, dry_run: bool, prefix: Path, tmp_path: Path
+) -> None:
     journal_of(prefix).write_bytes(MALFORMED[case])
     before = tree_digest(tmp_path)
     with pytest.raises(TdckptError) as info:
@@ -545,7 +549,9 @@ def test_file_system_root_is_refused() -> None:
         upgrade("/", dry_run=True)
 
 
-def test_cli_symlinked_prefix_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_symlinked_prefix_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     prefix = copy_case(tmp_path, "0.8.3", "flat")
     link = tmp_path / "link"
     link.symlink_to(prefix)
@@ -633,7 +639,9 @@ def test_read_only_parent_gets_a_clear_error_and_nothing_changes(read_only_paren
     assert tree_digest(prefix.parent) == before
 
 
-def test_concurrent_upgrades_of_one_prefix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_concurrent_upgrades_of_one_prefix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     prefix = copy_case(tmp_path, "0.3.2", "nested")
     original = tree_digest(prefix)
     proc = subprocess.Popen(
@@ -665,8 +673,10 @@ def test_concurrent_upgrades_of_one_prefix(tmp_path: Path, capsys: pytest.Captur
     assert upgrade(prefix).operations == []
 
 
-def _first_leaf_after(prefix: Path, done: int, change: Callable[[Path], None]) -> Callable[[int, int, str], None]:
-    """A progress callback that changes the leaf the upgrade will copy last, after op ``done``."""
+def _last_leaf_after(
+    prefix: Path, done: int, change: Callable[[Path], None]
+) -> Callable[[int, int, str], None]:
+    """A progress callback that changes the leaf the upgrade stages last, after op ``done``."""
     target = sorted(p for p in prefix.rglob("*.memmap") if p.stat().st_size)[-1]
 
     def progress(n: int, total: int, what: str) -> None:
@@ -689,7 +699,7 @@ def test_leaf_replaced_by_a_symlink_after_validation_is_refused(
         target.symlink_to(outside)
 
     with pytest.raises(MigrationError, match="is no longer a regular file|cannot be opened"):
-        upgrade(prefix, backup=backup, progress=_first_leaf_after(prefix, 1, swap))
+        upgrade(prefix, backup=backup, progress=_last_leaf_after(prefix, 1, swap))
     assert leftovers(prefix) == [] and backups(prefix) == []
     assert outside.read_bytes().startswith(b"S")
 
@@ -700,8 +710,9 @@ def test_leaf_truncated_after_validation_is_refused(tmp_path: Path) -> None:
     def truncate(target: Path) -> None:
         os.truncate(target, target.stat().st_size - 1)
 
-    with pytest.raises(MigrationError, match=r"bytes, not \d+,? since the checkpoint was validated"):
-        upgrade(prefix, progress=_first_leaf_after(prefix, 1, truncate))
+    changed = r"bytes, not \d+,? since the checkpoint was validated"
+    with pytest.raises(MigrationError, match=changed):
+        upgrade(prefix, progress=_last_leaf_after(prefix, 1, truncate))
     assert leftovers(prefix) == [] and backups(prefix) == []
 
 

@@ -287,12 +287,16 @@ def check_journal(prefix: Path, state: Any) -> dict[str, Any]:
     if not isinstance(staging, str) or not re.fullmatch(
         name + re.escape(STAGING_MARK) + "[0-9a-f]{12}", staging
     ):
-        raise _refuse(prefix, f"names the staging {staging!r}, which is not {prefix.name}{STAGING_MARK}<id>")
+        raise _refuse(
+            prefix, f"names the staging {staging!r}, not {prefix.name}{STAGING_MARK}<id>"
+        )
     backup = state.get("backup")
     if not isinstance(backup, str) or not re.fullmatch(
         name + re.escape(BACKUP_MARK) + r"[0-9]{8}T[0-9]{6}Z(?:-[1-9][0-9]{0,8})?", backup
     ):
-        raise _refuse(prefix, f"names the backup {backup!r}, which is not {prefix.name}{BACKUP_MARK}<UTC time>")
+        raise _refuse(
+            prefix, f"names the backup {backup!r}, not {prefix.name}{BACKUP_MARK}<UTC time>"
+        )
     new_archive = state.get("new_archive")
     if new_archive != (f"{staging}.tdz" if kind == "archive" else None):
         raise _refuse(prefix, f"names the new archive {new_archive!r}, which is not {staging}.tdz")
@@ -312,7 +316,9 @@ def check_journal(prefix: Path, state: Any) -> dict[str, Any]:
             continue
         if not test(mode):
             found = "a symlink" if stat.S_ISLNK(mode) else "something else"
-            raise _refuse(prefix, f"applies to {path}, which is {found}, not the {label} tdckpt made")
+            raise _refuse(
+                prefix, f"applies to {path}, which is {found}, not the {label} tdckpt made"
+            )
     return state
 
 
