@@ -7,7 +7,9 @@
 * save: ``CheckpointManager.save`` (checksums + fsync) vs ``td.memmap(prefix)``.
 * verify: ``CheckpointManager.verify`` vs ``sha256sum`` over the same files.
 * upgrade: ``tdckpt upgrade`` of a legacy (tensordict 0.12-layout) checkpoint with a 1 GiB
-  leaf vs one with a 1 KiB leaf (no data is copied: leaves are hard-linked).
+  leaf vs one with a 1 KiB leaf, without a backup (leaves hard-linked, read once for their
+  checksum) and with one (leaves copied - or reflinked where the file system can - so that
+  the backup shares no file with the upgraded tree).
 
 Each timing is the best of several runs; ratios < 1 mean tdckpt is faster. Nothing here
 asserts: the numbers are for people (and for the changelog), not for the test suite.
@@ -191,12 +193,21 @@ def bench_verify(work: Path, quick: bool) -> None:
         shutil.rmtree(root)
 
 
-def _legacy_checkpoint(prefix: Path, nbytes: int) -> None:
-    """A tensordict 0.12-layout checkpoint (compact JSON, no format version, raw names)."""
+def _legacy_checkpoint(prefix: Path, nbytes: int, *, fill: bool = False) -> None:
+    """A tensordict 0.12-layout checkpoint (compact JSON, no format version, raw names).
+
+    ``fill``: real bytes on disk (a sparse file would make a copy look cheaper than it is).
+    """
     prefix.mkdir(parents=True)
     data = prefix / "big leaf.memmap"
     with open(data, "wb") as fh:
-        fh.truncate(nbytes)
+        if fill:
+            chunk = os.urandom(1 << 20)
+            for _ in range(nbytes >> 20):
+                fh.write(chunk)
+            fh.write(chunk[: nbytes & ((1 << 20) - 1)])
+        else:
+            fh.truncate(nbytes)
     meta = {
         "big leaf": {"device": "cpu", "shape": [nbytes], "dtype": "torch.uint8", "is_nested": False},
         "shape": [],
@@ -211,20 +222,48 @@ def bench_upgrade(work: Path, quick: bool) -> None:
 
     print("upgrade: tdckpt upgrade of a legacy checkpoint, 1 GiB leaf vs 1 KiB leaf")
     big = 64 * 1024**2 if quick else GiB
-    times = {}
-    for label, nbytes in (("1 KiB leaf", 1024), (f"{big // 1024**2} MiB leaf", big)):
-        counter = iter(range(1000))
+    for keep in (False, True):
+        mode = "backup=True (leaves copied or reflinked)" if keep else "backup=False (leaves hard-linked)"
+        print(f"  {mode}; every leaf checksummed")
+        times = {}
+        for label, nbytes in (("1 KiB leaf", 1024), (f"{big // 1024**2} MiB leaf", big)):
+            counter = iter(range(1000))
 
-        def setup(nbytes: int = nbytes) -> Path:
-            prefix = work / f"legacy{nbytes}-{next(counter)}"
-            _legacy_checkpoint(prefix, nbytes)
-            os.sync()  # the upgrade's own fsyncs should not flush the setup's writes
-            return prefix
+            def setup(nbytes: int = nbytes, keep: bool = keep) -> Path:
+                prefix = work / f"legacy{nbytes}-{int(keep)}-{next(counter)}"
+                _legacy_checkpoint(prefix, nbytes, fill=True)
+                os.sync()  # the upgrade's own fsyncs should not flush the setup's writes
+                return prefix
 
-        times[label] = best_of(lambda p: upgrade(p, backup=False), 7, setup)
-        print(f"  {label:<14} {times[label] * 1e3:8.2f} ms")
-    small, large = times.values()
-    print(f"  ratio big/small: {large / small:.2f} (no data copied: ~1)")
+            def run(p: Path, keep: bool = keep) -> None:
+                report = upgrade(p, backup=keep)
+                if keep:
+                    shutil.rmtree(report.backup)  # type: ignore[arg-type]
+
+            times[label] = best_of(run, 7 if not keep else 5, setup)
+            print(f"    {label:<14} {times[label] * 1e3:9.2f} ms")
+            for leftover in work.glob("legacy*"):
+                shutil.rmtree(leftover)
+        small, large = times.values()
+        mib_s = (big / 1024**2) / max(large - small, 1e-9)
+        print(f"    ratio big/small: {large / small:.2f}; leaf data at {mib_s:.0f} MiB/s")
+        if keep:  # the floor of any honest copy: the same bytes through cp + fsync
+            src = work / "legacy-floor"
+            _legacy_checkpoint(src, big, fill=True)
+            os.sync()
+
+            def floor(_: Any, src: Path = src) -> None:
+                dst = work / "legacy-floor-copy.memmap"
+                shutil.copyfile(src / "big leaf.memmap", dst)
+                fd = os.open(dst, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+                dst.unlink()
+
+            base = best_of(floor, 5, lambda: None)
+            print(f"    baseline: shutil.copyfile + fsync of the same leaf {base * 1e3:9.2f} ms "
+                  f"(upgrade/baseline {large / base:.2f})")
+            shutil.rmtree(src)
 
 
 BENCHES = {"restore": bench_restore, "save": bench_save, "verify": bench_verify, "upgrade": bench_upgrade}

@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--no-backup", action="store_true")
     args = parser.parse_args()
 
+    # this checkout's tdckpt, not whichever one is installed
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tdckpt._write.atomic
     from tdckpt._upgrade.upgrade import upgrade
 

@@ -2,5 +2,5 @@
 
 * ``upgrade``: the plan (the same migrations as an in-memory read) and ``tdckpt.upgrade``.
 * ``convert``: ``convert_pickles`` - plain pickled values rewritten as JSON.
-* ``journal``: staging with hard links, the journal, the swap with a backup, recovery.
+* ``journal``: staging (leaves copied or reflinked), the journal, the swap with a backup, recovery.
 """

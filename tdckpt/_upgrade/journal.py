@@ -5,9 +5,14 @@
 1. a journal ``<prefix>.tdckpt-upgrade.journal`` is created (it is also the lock: one
    upgrade per prefix at a time);
 2. the new tree is built in ``<prefix>.tdckpt-upgrade-<id>/``: every ``meta.json`` as the
-   plan wrote it, every leaf file **hard-linked** from the old prefix (no byte is copied or
-   read; a copy only where a link is impossible, e.g. across devices, and reported), new
-   side files written, tdckpt's manifest last; files and directories fsynced;
+   plan wrote it, every leaf file a **copy of its own** of the old one - a reflink
+   (``ioctl(FICLONE)``: extents shared copy-on-write, no byte copied) where the file system
+   can, else a real copy - so that the backup and the upgraded tree never share a file (a
+   write through one never reaches the other); with ``backup=False`` (the old tree is
+   deleted) a hard link instead. Each leaf is opened once without following links, checked
+   against what was validated, and checksummed as it is copied (or read, for a link); the
+   checksums an old tdckpt manifest recorded are kept. New side files are written,
+   tdckpt's manifest last; files and directories fsynced;
 3. the journal records the inode of the old prefix and of the staged tree (``staged``);
 4. swap: the two names are exchanged atomically (``renameat2(RENAME_EXCHANGE)``) where the
    kernel can, else the old prefix is renamed to the backup name and the staged tree into
@@ -19,6 +24,8 @@ A crash at any instant leaves the old prefix intact (at its name, or, between th
 renames of the fallback, at the backup name with the journal saying so) or the new one in
 place; the next ``upgrade`` of the prefix reads the journal first and finishes the swap or
 removes the partial staging (:func:`recover`), comparing inodes rather than trusting names.
+The journal itself is never trusted either (:func:`read_journal`, :func:`check_journal`): it
+may only name what tdckpt derives from the prefix, or nothing is touched.
 
 ``.tdz`` archives follow the same protocol with files: the entries are streamed out of the
 archive into the staging directory and packed by :func:`tdckpt._read.archive.write_archive` into
@@ -31,9 +38,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import json
 import os
+import re
 import shutil
+import stat
 import uuid
 import zipfile
 from collections.abc import Iterator
@@ -44,12 +54,15 @@ from typing import TYPE_CHECKING, Any
 from tdckpt import schema
 from tdckpt._read.storage import Storage
 from tdckpt._read.tree import VFile
+from tdckpt._report import Problem
+from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     LockError,
     MigrationError,
     TdckptError,
+    UnsafePathError,
 )
 
 if TYPE_CHECKING:
@@ -58,12 +71,16 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKUP_MARK",
     "JOURNAL_SUFFIX",
+    "MAX_JOURNAL_BYTES",
     "STAGING_MARK",
+    "check_journal",
     "execute",
     "journal_path",
     "journal_tmp",
+    "read_journal",
     "recover",
     "upgrade_lock",
+    "write_error",
 ]
 
 #: ``<prefix><JOURNAL_SUFFIX>``: the journal of an upgrade in progress.
@@ -73,7 +90,20 @@ STAGING_MARK = ".tdckpt-upgrade-"
 #: ``<prefix><BACKUP_MARK><UTC time>``: the old tree, kept after the swap.
 BACKUP_MARK = ".tdckpt-backup-"
 _JOURNAL_VERSION = 1
+_JOURNAL_KEYS = frozenset(
+    {"version", "kind", "prefix", "staging", "new_archive", "backup", "keep_backup", "phase"}
+    | {"old", "new"}
+)
+#: A journal is a few hundred bytes; a larger file is not one tdckpt wrote.
+MAX_JOURNAL_BYTES = 64 * 1024
 _COPY_CHUNK = 16 << 20
+#: ``ioctl(FICLONE)`` (linux/fs.h): the destination shares the source's extents.
+_FICLONE = 0x40049409
+#: errno values for which a reflink is impossible here and a real copy is made.
+_NO_CLONE = frozenset(
+    {errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTTY, errno.ENOSYS, errno.EXDEV, errno.EINVAL}
+    | {errno.EPERM, errno.EBADF, errno.ETXTBSY}
+)
 #: errno values for which a hard link is impossible and a copy is made instead.
 _NO_LINK = frozenset(
     {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}
@@ -97,6 +127,13 @@ def upgrade_lock(prefix: Path) -> Iterator[None]:
         raise CheckpointNotFoundError(
             f"{prefix}: its directory does not exist.", path=str(prefix)
         ) from exc
+    except OSError as exc:
+        raise MigrationError(
+            f"{prefix}: cannot upgrade: its directory {parent} cannot be opened "
+            f"({exc.strerror}). Nothing was changed.",
+            script=None,
+            path=str(prefix),
+        ) from exc
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -108,7 +145,12 @@ def upgrade_lock(prefix: Path) -> Iterator[None]:
             ) from exc
         except OSError as exc:
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
-                raise
+                raise MigrationError(
+                    f"{prefix}: cannot lock {parent} for the upgrade ({exc.strerror}). "
+                    "Nothing was changed.",
+                    script=None,
+                    path=str(prefix),
+                ) from exc
         yield
     finally:
         os.close(fd)  # releases the flock
@@ -141,7 +183,10 @@ def _write_journal(prefix: Path, state: dict[str, Any], *, create: bool) -> None
     """Write the journal durably; ``create`` refuses an existing one (the lock)."""
     tmp = journal_tmp(prefix)
     data = json.dumps(state, indent=1).encode("utf-8")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a stale one (or a planted link): never written through
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(tmp, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         os.write(fd, data)
         os.fsync(fd)
@@ -164,12 +209,131 @@ def _write_journal(prefix: Path, state: dict[str, Any], *, create: bool) -> None
     _fsync_dir(prefix.parent)
 
 
-def _read_journal(prefix: Path) -> dict[str, Any] | None:
+def read_journal(prefix: Path) -> dict[str, Any] | None:
+    """The journal of ``prefix``, checked (:func:`check_journal`); None when there is none.
+
+    The file is opened once without following a link (and without blocking on a FIFO), must
+    be a regular file of at most :data:`MAX_JOURNAL_BYTES`, and must be a JSON object that
+    names only what tdckpt derives from the prefix; anything else raises before anything
+    is touched.
+    """
+    journal = journal_path(prefix)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        data = json.loads(journal_path(prefix).read_bytes())
-    except (FileNotFoundError, ValueError):
+        fd = os.open(journal, flags | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
         return None
-    return data if isinstance(data, dict) else None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(journal):
+            raise _refuse(prefix, "is a symlink; tdckpt only ever writes a regular file") from exc
+        raise _refuse(prefix, f"cannot be read ({exc.strerror})", unsafe=False) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(prefix, "is not a regular file")
+        if st.st_size > MAX_JOURNAL_BYTES:
+            raise _refuse(
+                prefix,
+                f"is {st.st_size} bytes; an upgrade journal is under {MAX_JOURNAL_BYTES} bytes",
+                unsafe=False,
+            )
+        data = os.read(fd, MAX_JOURNAL_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        state = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _refuse(prefix, f"is not valid JSON ({exc})", unsafe=False) from exc
+    return check_journal(prefix, state)
+
+
+def check_journal(prefix: Path, state: Any) -> dict[str, Any]:
+    """``state`` if it is a journal tdckpt could have written for ``prefix``; else raise.
+
+    Every name is recomputed from the prefix and compared (staging
+    ``<name>.tdckpt-upgrade-<12 hex>``, its ``.tdz``, backup
+    ``<name>.tdckpt-backup-<UTC time>[-n]``): a journal can never make tdckpt rename or
+    delete anything else. A derived path that exists must be what tdckpt made there (a real
+    directory or regular file, never a symlink).
+    """
+    if not isinstance(state, dict):
+        raise _refuse(prefix, f"holds a JSON {type(state).__name__}, not an object", unsafe=False)
+    unknown = sorted(set(state) - _JOURNAL_KEYS)
+    if unknown:
+        raise _refuse(prefix, f"has fields tdckpt never writes ({unknown})", unsafe=False)
+    if state.get("version") != _JOURNAL_VERSION:
+        raise _refuse(
+            prefix, f"has version {state.get('version')!r} (this tdckpt writes 1)", unsafe=False
+        )
+    if state.get("prefix") != prefix.name:
+        raise _refuse(prefix, f"names the prefix {state.get('prefix')!r}, not {prefix.name!r}")
+    kind, phase = state.get("kind"), state.get("phase")
+    if kind not in ("directory", "archive"):
+        raise _refuse(prefix, f"has kind {kind!r}", unsafe=False)
+    if phase not in ("staging", "staged", "swapped"):
+        raise _refuse(prefix, f"has phase {phase!r}", unsafe=False)
+    if not isinstance(state.get("keep_backup"), bool):
+        raise _refuse(prefix, "has no boolean keep_backup", unsafe=False)
+    for field in ("old", "new"):
+        value = state.get(field)
+        if value is not None and not (
+            isinstance(value, list)
+            and len(value) == 2
+            and all(type(v) is int and v >= 0 for v in value)
+        ):
+            raise _refuse(prefix, f"has {field}={value!r} (expected [device, inode])", unsafe=False)
+    name = re.escape(prefix.name)
+    staging = state.get("staging")
+    if not isinstance(staging, str) or not re.fullmatch(
+        name + re.escape(STAGING_MARK) + "[0-9a-f]{12}", staging
+    ):
+        raise _refuse(
+            prefix, f"names the staging {staging!r}, not {prefix.name}{STAGING_MARK}<id>"
+        )
+    backup = state.get("backup")
+    if not isinstance(backup, str) or not re.fullmatch(
+        name + re.escape(BACKUP_MARK) + r"[0-9]{8}T[0-9]{6}Z(?:-[1-9][0-9]{0,8})?", backup
+    ):
+        raise _refuse(
+            prefix, f"names the backup {backup!r}, not {prefix.name}{BACKUP_MARK}<UTC time>"
+        )
+    new_archive = state.get("new_archive")
+    if new_archive != (f"{staging}.tdz" if kind == "archive" else None):
+        raise _refuse(prefix, f"names the new archive {new_archive!r}, which is not {staging}.tdz")
+    parent = prefix.parent
+    want = stat.S_ISREG if kind == "archive" else stat.S_ISDIR
+    what = "regular file" if kind == "archive" else "directory"
+    for path, test, label in (
+        (prefix, want, what),
+        (parent / backup, want, what),
+        (parent / staging, stat.S_ISDIR, "directory"),
+        *([(parent / new_archive, stat.S_ISREG, "regular file")] if new_archive else []),
+        (journal_tmp(prefix), stat.S_ISREG, "regular file"),
+    ):
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        if not test(mode):
+            found = "a symlink" if stat.S_ISLNK(mode) else "something else"
+            raise _refuse(
+                prefix, f"applies to {path}, which is {found}, not the {label} tdckpt made"
+            )
+    return state
+
+
+def _refuse(prefix: Path, why: str, *, unsafe: bool = True) -> TdckptError:
+    """The error for a journal tdckpt will not act on; it says that nothing was changed."""
+    journal = journal_path(prefix)
+    message = (
+        f"{journal}: refusing this upgrade journal: it {why}. tdckpt did not write it for "
+        f"{prefix.name!r}, so nothing was renamed or removed. If no tdckpt upgrade is "
+        f"running here, inspect it and remove it by hand (rm {journal}), then run "
+        "`tdckpt upgrade` again."
+    )
+    if unsafe:
+        return UnsafePathError(message, path=str(journal))
+    return IncompleteCheckpointError(message, path=str(journal))
 
 
 def _remove_journal(prefix: Path) -> None:
@@ -252,7 +416,12 @@ def execute(plan: UpgradePlan, *, keep_backup: bool, progress: Progress | None) 
         "old": _ino(prefix),
         "new": None,
     }
-    _write_journal(prefix, state, create=True)
+    try:
+        _write_journal(prefix, state, create=True)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            journal_tmp(prefix).unlink(missing_ok=True)
+        raise write_error(prefix, exc, plan.copy_bytes) from exc
     runner = _Runner(plan, progress)
     try:
         _build_staging(plan, staging, runner)
@@ -264,17 +433,52 @@ def execute(plan: UpgradePlan, *, keep_backup: bool, progress: Progress | None) 
             state["new"] = _ino(new_archive)
         else:
             state["new"] = _ino(staging)
-    except BaseException:
+    except BaseException as exc:
         # Nothing was swapped: the old prefix is untouched. Undo the staging.
+        for leftover in (staging, new_archive):
+            with contextlib.suppress(OSError):
+                _rmtree(leftover)
         with contextlib.suppress(OSError):
-            _rmtree(staging)
-            _rmtree(new_archive)
             _remove_journal(prefix)
+        if isinstance(exc, OSError):
+            raise write_error(prefix, exc, plan.copy_bytes) from exc
         raise
-    state["phase"] = "staged"
-    _write_journal(prefix, state, create=False)
-    _swap(prefix, state, runner)
+    try:
+        state["phase"] = "staged"
+        _write_journal(prefix, state, create=False)
+        _swap(prefix, state, runner)
+    except OSError as exc:
+        raise IncompleteCheckpointError(
+            f"{prefix}: the upgrade stopped while putting the upgraded tree in place ({exc}). "
+            f"The journal {journal_path(prefix).name} records where each tree is; run "
+            "`tdckpt upgrade` again to finish it.",
+            path=str(prefix),
+        ) from exc
     plan.report.backup = str(backup) if keep_backup else None
+
+
+def write_error(prefix: Path, exc: OSError, copy_bytes: int = 0) -> TdckptError:
+    """A clear error for an upgrade that could not write beside ``prefix`` (nothing changed)."""
+    parent = prefix.parent if str(prefix.parent) else Path(".")
+    what = f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = (
+            f"the directory {parent} is not writable ({what}); an upgrade writes the new tree "
+            "beside the prefix. Make it writable, or copy the checkpoint somewhere writable "
+            "and upgrade the copy"
+        )
+    elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = (
+            f"not enough space in {parent} ({what}). An upgrade that keeps a backup copies "
+            f"the leaf data ({copy_bytes} bytes) unless the file system shares extents "
+            "(reflink); free space, or upgrade without a backup (--no-backup / backup=False), "
+            "which hard-links the leaves instead"
+        )
+    else:
+        hint = f"{what}"
+    return MigrationError(
+        f"{prefix}: cannot upgrade: {hint}. Nothing was changed.", script=None, path=str(prefix)
+    )
 
 
 def _build_staging(plan: UpgradePlan, staging: Path, runner: _Runner) -> None:
@@ -286,24 +490,40 @@ def _build_staging(plan: UpgradePlan, staging: Path, runner: _Runner) -> None:
             (staging / rel).mkdir()
     metas = dict(plan.metas)
     files = {rel: vfile for rel, vfile in plan.new_files}
+    sums: dict[str, str] = {}
     zf = zipfile.ZipFile(storage.location) if archive else None
     try:
         for op in plan.report.operations:
             if op.kind == "write-meta":
                 _write_file(staging / op.path, metas[op.path])
                 runner.step("write-meta")
-            elif op.kind in ("link", "write") and op.path in files:
+            elif op.kind in ("link", "copy", "write") and op.path in files:
                 vfile = files[op.path]
                 dst = staging / op.path
                 if vfile.data is not None:
                     _write_file(dst, vfile.data)
-                elif zf is not None:
-                    _extract(zf, vfile, dst)
                 else:
-                    _link(storage, vfile, dst, plan.report)
+                    kept = plan.kept_checksums.get(op.path)
+                    algorithm = kept.split(":", 1)[0] if kept else DEFAULT_CHECKSUM
+                    if zf is not None:
+                        digest: str | None = _extract(zf, vfile, dst, algorithm)
+                    else:
+                        # a copy reads the bytes anyway: checksum them (and compare with
+                        # the kept checksum); a link reads them only when none is kept
+                        copy = op.kind == "copy"
+                        digest = _place_leaf(
+                            storage, vfile, dst, plan.report, copy=copy,
+                            algorithm=algorithm if copy or kept is None else None,
+                        )
+                    if kept is not None:
+                        if digest is not None and digest != kept:
+                            plan.report.problems.append(_mismatch(op.path, kept, digest))
+                        sums[op.path] = kept  # never launder a change since the save
+                    elif digest is not None:
+                        sums[op.path] = digest
                 runner.step(op.kind)
             elif op.kind == "write" and op.path == schema.MANIFEST_NAME:
-                _write_file(staging / schema.MANIFEST_NAME, plan.manifest)
+                _write_file(staging / schema.MANIFEST_NAME, plan.manifest_bytes(sums))
                 runner.step("write")
                 break
     finally:
@@ -312,6 +532,18 @@ def _build_staging(plan: UpgradePlan, staging: Path, runner: _Runner) -> None:
     for rel in reversed(plan.dirs):  # children before parents
         _fsync_dir(staging / rel if rel else staging)
     _fsync_dir(staging.parent)
+
+
+def _mismatch(path: str, kept: str, found: str) -> Problem:
+    return Problem(
+        "checksum-mismatch",
+        "warning",
+        path,
+        (),
+        f"its bytes no longer match the checksum its tdckpt manifest recorded ({kept}, "
+        f"found {found}): the file changed after it was saved. The upgraded manifest keeps "
+        "the recorded checksum, so `verify` reports it; restore this leaf from a good copy.",
+    )
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -326,31 +558,172 @@ def _write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _link(storage: Storage, vfile: VFile, dst: Path, report: UpgradeReport) -> None:
+def _changed(src: Path | str, why: str) -> MigrationError:
+    return MigrationError(
+        f"{src}: {why} since the checkpoint was validated, so the upgrade stopped and nothing "
+        "was changed. Run `tdckpt upgrade` again once nothing else writes the checkpoint.",
+        script=None,
+        path=str(src),
+    )
+
+
+def _place_leaf(
+    storage: Storage,
+    vfile: VFile,
+    dst: Path,
+    report: UpgradeReport,
+    *,
+    copy: bool,
+    algorithm: str | None,
+) -> str | None:
+    """Put one leaf of the old tree into the staging; return its checksum when computed.
+
+    The source is opened once without following links and checked (a regular file of the
+    validated size); what is placed is exactly that file's bytes. ``copy``: new bytes of
+    its own (a reflink where the file system shares extents copy-on-write, else a real
+    copy, checksummed on the way), so that the backup and the upgraded tree never share a
+    file. Otherwise a hard link (no backup is kept). ``algorithm``: checksum the bytes
+    (None: the old manifest's checksum is kept, and no extra read is made for it).
+    """
     assert vfile.source is not None
     src = storage.physical_path(vfile.source)
     assert src is not None
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        os.link(src, dst)
+        fd = os.open(src, flags | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        if exc.errno not in _NO_LINK:
+        raise _changed(src, f"cannot be opened any more ({exc.strerror})") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _changed(src, "is no longer a regular file")
+        if st.st_size != vfile.size:
+            raise _changed(src, f"is {st.st_size} bytes, not {vfile.size},")
+        if copy:
+            return _copy_fd(fd, st, dst, report, algorithm, src)
+        try:
+            os.link(src, dst)
+        except OSError as exc:
+            if exc.errno not in _NO_LINK:
+                raise
+            report.copied.append(f"{vfile.source}: {os.strerror(exc.errno or 0)}; copied instead")
+            return _copy_fd(fd, st, dst, report, algorithm, src)
+        if _ino(dst) != [st.st_dev, st.st_ino]:
+            raise _changed(src, "was replaced")
+        _fsync_file(dst)
+        return _hash_fd(fd, st.st_size, algorithm, src) if algorithm else None
+    finally:
+        os.close(fd)
+
+
+def _copy_fd(
+    sfd: int,
+    st: os.stat_result,
+    dst: Path,
+    report: UpgradeReport,
+    algorithm: str | None,
+    src: Path,
+) -> str | None:
+    """Copy the open file ``sfd`` to the new file ``dst``: a reflink, else a kernel copy,
+    else chunk by chunk; checksummed with ``algorithm`` unless None."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    dfd = os.open(dst, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        digest: str | None = None
+        if st.st_size and _clone(dfd, sfd):
+            report.reflinked_bytes += st.st_size
+            if algorithm:
+                digest = _hash_fd(sfd, st.st_size, algorithm, src)
+        elif _copy_range(sfd, dfd, st.st_size, src):
+            report.copied_bytes += st.st_size
+            if algorithm:  # the bytes as written (read back from the page cache)
+                digest = _hash_fd(dfd, st.st_size, algorithm, src)
+        else:
+            hasher = new_hasher(algorithm) if algorithm else None
+            buf = bytearray(min(_COPY_CHUNK, max(st.st_size, 1)))
+            done = 0
+            while True:
+                n = os.preadv(sfd, [buf], done)
+                if not n:
+                    break
+                view = memoryview(buf)[:n]
+                if hasher is not None:
+                    hasher.update(view)
+                while view:
+                    view = view[os.write(dfd, view) :]
+                done += n
+            if done != st.st_size:
+                raise _changed(src, f"changed size ({done} bytes read, {st.st_size} expected)")
+            report.copied_bytes += done
+            if hasher is not None:
+                digest = f"{algorithm}:{hasher.hexdigest()}"
+        os.fchmod(dfd, stat.S_IMODE(st.st_mode))
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return digest
+
+
+def _copy_range(sfd: int, dfd: int, size: int, src: Path) -> bool:
+    """``copy_file_range``: the kernel copies (no round trip through user space; some file
+    systems share extents or copy server-side). False where unsupported (nothing copied)."""
+    copy_range = getattr(os, "copy_file_range", None)
+    if copy_range is None or not size:
+        return False
+    done = 0
+    while done < size:
+        try:
+            n = copy_range(sfd, dfd, min(size - done, 1 << 30), done, done)
+        except OSError as exc:
+            if done == 0 and exc.errno in _NO_CLONE:
+                return False
             raise
-        shutil.copyfile(src, dst)
-        report.copied.append(f"{vfile.source}: {os.strerror(exc.errno or 0)}; copied instead")
-    _fsync_file(dst)
+        if not n:
+            raise _changed(src, f"changed size ({done} bytes read, {size} expected)")
+        done += n
+    return True
 
 
-def _extract(zf: zipfile.ZipFile, vfile: VFile, dst: Path) -> None:
+def _clone(dfd: int, sfd: int) -> bool:
+    """``ioctl(FICLONE)``: share the source's extents copy-on-write; False where unsupported."""
+    try:
+        fcntl.ioctl(dfd, _FICLONE, sfd)
+    except OSError as exc:
+        if exc.errno in _NO_CLONE:
+            return False
+        raise
+    return True
+
+
+def _hash_fd(fd: int, size: int, algorithm: str, src: Path) -> str:
+    hasher = new_hasher(algorithm)
+    buf = bytearray(min(_COPY_CHUNK, max(size, 1)))
+    done = 0
+    while True:
+        n = os.preadv(fd, [buf], done)
+        if not n:
+            break
+        hasher.update(memoryview(buf)[:n])
+        done += n
+    if done != size:
+        raise _changed(src, f"changed size ({done} bytes read, {size} expected)")
+    return f"{algorithm}:{hasher.hexdigest()}"
+
+
+def _extract(zf: zipfile.ZipFile, vfile: VFile, dst: Path, algorithm: str) -> str:
     """Stream one entry out of the archive (bounded memory; CRC checked by zipfile)."""
     assert vfile.source is not None
+    hasher = new_hasher(algorithm)
     with zf.open(vfile.source) as src, open(dst, "xb") as out:
         while True:
             chunk = src.read(_COPY_CHUNK)
             if not chunk:
                 break
+            hasher.update(chunk)
             out.write(chunk)
         out.flush()
         os.fsync(out.fileno())
+    return f"{algorithm}:{hasher.hexdigest()}"
 
 
 def _swap(prefix: Path, state: dict[str, Any], runner: _Runner | None) -> None:
@@ -422,27 +795,26 @@ def recover(prefix: str | os.PathLike[str]) -> str | None:
     instant converges. Returns None when there was nothing to recover.
     """
     path = Path(prefix)
-    state = _read_journal(path)
+    state = read_journal(path)  # refuses a journal tdckpt did not write for this prefix
     if state is None:
-        if journal_path(path).exists() or journal_tmp(path).exists():
-            # created but never completed: nothing else was done yet
+        tmp = journal_tmp(path)
+        if os.path.lexists(tmp):
+            if not stat.S_ISREG(os.lstat(tmp).st_mode):
+                raise _refuse(path, f"has a temporary file {tmp.name} that is not a regular file")
+            # created but never linked into place: nothing else was done yet
             _remove_journal(path)
             return "an upgrade that had not started writing; its journal was removed"
         return None
-    if state.get("version") != _JOURNAL_VERSION or state.get("prefix") != path.name:
-        raise IncompleteCheckpointError(
-            f"{journal_path(path)}: an upgrade journal tdckpt cannot read (version "
-            f"{state.get('version')!r}); inspect it and remove it by hand.",
-            path=str(path),
-        )
     parent = path.parent
     staging = parent / str(state["staging"])
     if state.get("phase") == "staging":
         _rmtree(staging)
         if state.get("new_archive"):
             _rmtree(parent / str(state["new_archive"]))
-            for tmp in parent.glob(f".{state['new_archive']}.*.tmp"):
-                tmp.unlink(missing_ok=True)
+            left = re.escape(f".{state['new_archive']}.") + r"[0-9a-f]+\.tmp"
+            for tmp in parent.glob(f".{glob.escape(state['new_archive'])}.*.tmp"):
+                if re.fullmatch(left, tmp.name):  # write_archive's temporary file
+                    tmp.unlink(missing_ok=True)
         _fsync_dir(parent)
         _remove_journal(path)
         return "an upgrade interrupted while staging: the partial staging was removed"

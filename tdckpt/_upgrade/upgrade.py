@@ -4,7 +4,8 @@
 same ``migrations/`` chain as an in-memory read), names, validate - and refuses before
 touching the disk when anything is wrong. Then it plans the new tree - every ``meta.json``
 written as tensordict 0.15.3 writes it (stdlib ``json.dumps`` defaults; NonTensorStack
-compact), every leaf kept as it is, tdckpt's manifest - and the list of file operations
+compact), every leaf's bytes as they are (copied or reflinked, so the backup stays
+independent; checksummed), tdckpt's manifest - and the list of file operations
 that materialize it beside the prefix and swap it in, crash-safely and with a backup
 (:mod:`tdckpt._upgrade.journal` carries the plan out, and finishes or undoes an interrupted
 upgrade first). Re-running on an upgraded prefix is a no-op.
@@ -41,8 +42,10 @@ from tdckpt._upgrade.journal import (
     execute,
     journal_path,
     journal_tmp,
+    read_journal,
     recover,
     upgrade_lock,
+    write_error,
 )
 from tdckpt._upgrade.journal import (
     JOURNAL_SUFFIX as JOURNAL_SUFFIX,  # re-exported: the upgrade's file names
@@ -52,6 +55,7 @@ from tdckpt._version import __version__
 from tdckpt.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
+    TdckptError,
     UnsafePathError,
     ValidationError,
 )
@@ -66,8 +70,9 @@ class FileOp:
     """One file-system operation of an upgrade.
 
     Attributes:
-        kind: ``"write-meta"``, ``"link"``, ``"write"``, ``"remove"``, ``"backup"`` or
-            ``"swap"``.
+        kind: ``"write-meta"``, ``"copy"`` (a leaf, reflinked or copied), ``"link"`` (a
+            leaf, hard-linked: no backup is kept), ``"write"``, ``"remove"``, ``"backup"``
+            or ``"swap"``.
         path: for files, the path relative to the prefix in the *new* layout; for
             ``backup``/``swap``/``remove``, the prefix or the backup.
         detail: what is done (the source of a link, the size of a write, ...).
@@ -95,7 +100,11 @@ class UpgradeReport:
             legacy writers put outside the prefix.
         converted_pickles: pickle files whose values moved into meta.json.
         kept_pickles: pickle files left in place, each with the reason.
-        copied: files copied because a hard link was impossible.
+        copied: files copied because a hard link was impossible (``backup=False``).
+        copied_bytes: leaf bytes copied into the upgraded tree, so that it shares no file
+            with the backup.
+        reflinked_bytes: leaf bytes shared copy-on-write (``FICLONE``) instead of copied,
+            where the file system can: independent files at no copying cost.
         problems: warnings and notes met on the way (errors refuse the upgrade).
         dry_run: True when nothing was written.
         recovered: what an interrupted earlier upgrade left, and what was done about it.
@@ -111,6 +120,8 @@ class UpgradeReport:
     converted_pickles: list[str] = field(default_factory=list)
     kept_pickles: list[str] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
+    copied_bytes: int = 0
+    reflinked_bytes: int = 0
     problems: list[Problem] = field(default_factory=list)
     dry_run: bool = False
     recovered: str | None = None
@@ -144,6 +155,11 @@ class UpgradeReport:
                 lines.append(f"  {len(self.operations)} operations")
             if self.backup:
                 lines.append(f"  backup: {self.backup}")
+            if self.copied_bytes or self.reflinked_bytes:
+                lines.append(
+                    f"  leaf data: {self.copied_bytes} bytes copied, {self.reflinked_bytes} "
+                    "bytes reflinked (the backup shares no file with the upgraded tree)"
+                )
         for what, items in (
             ("lost (by the writer)", self.lost),
             ("pickles converted to JSON", self.converted_pickles),
@@ -197,39 +213,43 @@ def upgrade(
         >>> report = upgrade("runs/old_ckpt", dry_run=True)  # doctest: +SKIP
         >>> print(report)  # doctest: +SKIP
     """
-    path = _named(Path(prefix))
+    path = _prefix_path(prefix)
     if path.is_symlink():
         raise UnsafePathError(
             f"{path}: is a symlink; an upgrade renames the prefix, which would replace the "
             f"link, not the checkpoint. Upgrade the real path ({os.path.realpath(path)}).",
             path=str(path),
         )
-    if dry_run:
-        return _upgrade_locked(path, dry_run=True, backup=backup, convert=convert_pickles)
-    with upgrade_lock(path):
-        return _upgrade_locked(
-            path, dry_run=False, backup=backup, convert=convert_pickles, progress=progress
-        )
+    try:
+        if dry_run:
+            return _upgrade_locked(path, dry_run=True, backup=backup, convert=convert_pickles)
+        with upgrade_lock(path):
+            return _upgrade_locked(
+                path, dry_run=False, backup=backup, convert=convert_pickles, progress=progress
+            )
+    except TdckptError:
+        raise
+    except OSError as exc:  # anything the stages above did not already name
+        raise write_error(path, exc) from exc
 
 
-def _named(path: Path) -> Path:
-    """``path`` with a real last name: ``.``, ``..`` and ``x/..`` are resolved first.
+def _prefix_path(prefix: str | os.PathLike[str]) -> Path:
+    """The prefix as a path whose last component names it (``.``, ``..``, ``a/..`` resolved).
 
-    An upgrade puts its journal, staging tree and backup beside the prefix, then renames
-    the prefix: for ``.`` they would land inside the checkpoint, and ``.`` cannot be
-    renamed. The file-system root has no name and no place beside it, so it is refused.
+    An upgrade renames the prefix and writes beside it, so it needs the prefix's name in
+    its parent: ``tdckpt upgrade .`` means the current directory, by its real path.
     """
-    if path.name not in ("", ".."):
-        return path
-    resolved = path.resolve()
-    if not resolved.name:
-        raise UnsafePathError(
-            f"{path}: the file-system root cannot be upgraded in place (an upgrade renames "
-            "the prefix and writes beside it). Copy the checkpoint into a folder and upgrade "
-            "the copy.",
-            path=str(path),
-        )
-    return resolved
+    path = Path(prefix)
+    if path.name in ("", ".", ".."):
+        real = Path(os.path.realpath(path))
+        if real.parent == real:
+            raise UnsafePathError(
+                f"{prefix}: is the file-system root, which cannot be renamed; an upgrade "
+                "renames the prefix and writes its new tree beside it. Nothing was changed.",
+                path=str(prefix),
+            )
+        return real
+    return path
 
 
 def _upgrade_locked(
@@ -242,8 +262,11 @@ def _upgrade_locked(
 ) -> UpgradeReport:
     recovered = None
     journal = journal_path(path)
-    if journal.exists() or journal_tmp(path).exists():
+    if os.path.lexists(journal) or os.path.lexists(journal_tmp(path)):
         if dry_run:
+            read_journal(path)  # a journal tdckpt did not write is refused as such
+            with upgrade_lock(path):  # LockError while that upgrade is still running
+                pass
             raise IncompleteCheckpointError(
                 f"{path}: an earlier upgrade was interrupted ({journal.name} exists). Run "
                 "`tdckpt upgrade` without --dry-run: it finishes or undoes that upgrade "
@@ -286,10 +309,26 @@ class UpgradePlan:
     storage: Storage
     tree: VDir
     report: UpgradeReport
-    manifest: bytes = b""
+    manifest: schema.Manifest | None = None
     new_files: list[tuple[str, VFile]] = field(default_factory=list)
     metas: list[tuple[str, bytes]] = field(default_factory=list)
     dirs: list[str] = field(default_factory=list)
+    #: new path -> the checksum the old tdckpt manifest recorded for the same bytes.
+    kept_checksums: dict[str, str] = field(default_factory=dict)
+    #: leaf bytes the staging copies (a backup is kept) - for the out-of-space message.
+    copy_bytes: int = 0
+
+    def manifest_bytes(self, checksums: dict[str, str]) -> bytes:
+        """The manifest, with ``checksums`` (new path -> checksum) filled in."""
+        assert self.manifest is not None
+        files = [
+            r.model_copy(update={"checksum": checksums[r.path]})
+            if r.checksum is None and r.path in checksums
+            else r
+            for r in self.manifest.files
+        ]
+        data = self.manifest.model_copy(update={"files": files}).model_dump(mode="json")
+        return (json.dumps(data, indent=1, allow_nan=False) + "\n").encode("utf-8")
 
 
 def _plan(path: Path, *, convert_pickles: bool, keep_backup: bool) -> UpgradePlan:
@@ -388,6 +427,22 @@ def _read_old_manifest(storage: Storage, tree: VDir) -> dict[str, Any] | None:
         return None
 
 
+def _old_checksums(old_manifest: dict[str, Any] | None) -> dict[str, tuple[int, str]]:
+    """Old path -> (size, checksum) of each file the old tdckpt manifest checksummed.
+
+    Only algorithms ``verify`` can compute are kept; the size must still match (checked
+    by the caller), else the record describes other bytes.
+    """
+    from tdckpt._write.checksum import CHECKSUM_ALGORITHMS
+
+    out: dict[str, tuple[int, str]] = {}
+    for record in (old_manifest or {}).get("files") or []:
+        checksum = record.get("checksum")
+        if isinstance(checksum, str) and checksum.split(":", 1)[0] in CHECKSUM_ALGORITHMS:
+            out[str(record.get("path"))] = (int(record.get("size", -1)), checksum)
+    return out
+
+
 def _renamed(tree: VDir) -> bool:
     """Whether any entry of the final tree sits elsewhere than it does on disk."""
     stack: list[tuple[str, VDir]] = [("", tree)]
@@ -419,6 +474,7 @@ def _layout(
     pickles: list[schema.PickleRecord] = []
     archive = storage.kind == "archive"
     keys = _key_paths(plan.tree)
+    old_sums = _old_checksums(old_manifest)
     stack: list[tuple[str, VDir]] = [("", plan.tree)]
     while stack:
         rel, node = stack.pop()
@@ -440,12 +496,27 @@ def _layout(
             if vfile.data is not None:
                 ops.append(FileOp("write", where, f"new content, {len(vfile.data)} bytes"))
                 checksum = _sha(vfile.data)
-            elif archive:
-                ops.append(FileOp("write", where, f"extract {vfile.source} from the archive"))
-                checksum = None
             else:
-                ops.append(FileOp("link", where, f"hard link to {vfile.source}"))
                 checksum = None
+                kept = old_sums.get(vfile.source or "")
+                if kept is not None and kept[0] == vfile.size:
+                    plan.kept_checksums[where] = kept[1]
+                if archive:
+                    ops.append(
+                        FileOp("write", where, f"extract {vfile.source} from the archive")
+                    )
+                elif keep_backup:
+                    plan.copy_bytes += vfile.size
+                    ops.append(
+                        FileOp(
+                            "copy",
+                            where,
+                            f"copy of {vfile.source} (a reflink where the file system can), "
+                            "so that the backup shares no file with the upgraded tree",
+                        )
+                    )
+                else:
+                    ops.append(FileOp("link", where, f"hard link to {vfile.source} (no backup)"))
             records.append(
                 schema.FileRecord(
                     path=where,
@@ -478,9 +549,7 @@ def _layout(
         migrated_from=(old_manifest or {}).get("migrated_from") or from_gen,
         migrations=[*((old_manifest or {}).get("migrations") or []), *report.steps],
     )
-    plan.manifest = (
-        json.dumps(manifest.model_dump(mode="json"), indent=1, allow_nan=False) + "\n"
-    ).encode("utf-8")
+    plan.manifest = manifest  # leaf checksums are filled in as the staging reads the leaves
     ops.append(FileOp("write", schema.MANIFEST_NAME, "tdckpt manifest"))
     prefix = str(plan.prefix)
     if archive:
