@@ -225,3 +225,29 @@ def test_after_mode_r_no_level_is_memmapped(tmp_path: Path) -> None:
     for key, lvl in _levels(target):
         td = lvl._tensordict if isinstance(lvl, NonTensorDataBase) else lvl
         assert not td._is_memmap and td._memmap_prefix is None, key
+
+
+# -- CheckpointManager.restore_into(strict=True) on lazy stacks ------------------------------------
+
+
+def _hetero(value: float, extra: str = "y") -> LazyStackedTensorDict:
+    return LazyStackedTensorDict(
+        TensorDict(x=torch.full((2,), value), batch_size=[2]),
+        TensorDict({extra: torch.full((2, 3), value)}, batch_size=[2]),
+        stack_dim=1,
+    )
+
+
+def test_strict_restore_into_a_stack_whose_members_hold_different_keys(tmp_path: Path) -> None:
+    """tensordict's nested key walk raises TypeError on such a stack; strict compares members."""
+    mgr = tdckpt.CheckpointManager(tmp_path / "run", fsync=False)
+    mgr.save(1, TensorDict(s=_hetero(1.0), batch_size=[2]))
+    target = TensorDict(s=_hetero(0.0), batch_size=[2])
+    mgr.restore_into(target)
+    assert target["s"].tensordicts[1]["y"].tolist() == [[1.0] * 3] * 2
+    other = TensorDict(s=_hetero(0.0, extra="w"), batch_size=[2])
+    before = state(other)
+    with pytest.raises(RestoreError, match="strict=True") as info:
+        mgr.restore_into(other)
+    assert info.value.missing == [("s", "1", "w")] and info.value.unexpected == [("s", "1", "y")]
+    assert state(other) == before

@@ -251,6 +251,13 @@ def test_a_nested_size_table_that_claims_too_much(ckpt: Path, rows: list[list[in
     _refused(ckpt, "bad-shape", ("nt",), "size table claims")
 
 
+def test_a_nested_size_table_with_one_impossible_dimension(ckpt: Path) -> None:
+    # Few elements in all (a zero beside it), but a dimension no tensor can have.
+    _edit(ckpt, "", lambda m: m["nt"].update(shape=[2, 2]))
+    _sizes(ckpt, [[3, 1], [2**62 + 1, 0]])
+    _refused(ckpt, "bad-shape", ("nt",), "a dimension no tensor can have")
+
+
 def test_a_nested_tensor_must_match_the_batch(ckpt: Path) -> None:
     _edit(ckpt, "", lambda m: m["nt"].update(shape=[3, 1]))
     _sizes(ckpt, [[3], [2], [0]])

@@ -153,7 +153,7 @@ def run_one(tree: Path, mid: str, file: str, old: str, new: str, tests: list[str
         path.write_text(original.replace(old, new, 1), encoding="utf-8")
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rf", *tests],
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", *tests],
             cwd=tree,
             capture_output=True,
             text=True,
@@ -164,6 +164,8 @@ def run_one(tree: Path, mid: str, file: str, old: str, new: str, tests: list[str
     if proc.returncode == 0:
         return line, ""
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
+    if not failed and mid == "base":
+        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
     return line, failed[0] if failed else f"rc={proc.returncode}"
 
 
