@@ -95,10 +95,7 @@ def _is_non_tensor_data(obj: Any) -> bool:
 
 
 def _value_batch(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, torch.Tensor):
-        if value.is_nested:
-            return (value.size(0),)
-        return tuple(value.shape)
+    """The batch size of a non-leaf entry's value (leaves are checked from their metadata)."""
     if _is_td(value) or _is_tensorclass(value):
         return tuple(value.batch_size)
     return None
@@ -261,9 +258,9 @@ class _Preparer:
             reuse = (
                 existing is not None
                 and (
-                    (isinstance(sub, TensorDictNode) and _is_td(existing) and not _is_lazy_stack(existing) and not _is_non_tensor_data(existing))
+                    (isinstance(sub, TensorDictNode) and _is_td(existing) and not _is_lazy_stack(existing))
                     or (isinstance(sub, TensorClassNode) and _is_tensorclass(existing) and str(type(existing)) == sub.type_str)
-                    or (isinstance(sub, LazyStackNode) and _is_lazy_stack(existing) and len(existing.tensordicts) == len(sub.members) and not _is_non_tensor_data(existing))
+                    or (isinstance(sub, LazyStackNode) and _is_lazy_stack(existing) and len(existing.tensordicts) == len(sub.members))
                 )
             )
             if reuse:
@@ -310,7 +307,7 @@ def _all_td_levels(target: Any) -> list[Any]:
         if _is_lazy_stack(cur):
             stack.extend(cur.tensordicts)
             continue
-        if not _is_td(cur) or _is_non_tensor_data(cur):
+        if not _is_td(cur):  # NonTensorData is a tensorclass, never a TensorDictBase
             continue
         out.append(cur)
         stack.extend(v for v in cur._tensordict.values() if _is_td(v) or _is_tensorclass(v))
