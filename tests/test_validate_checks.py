@@ -437,3 +437,28 @@ def test_the_format_version_is_checked_before_validation(ckpt: Path) -> None:
     report = tdckpt.validate(ckpt)
     assert [p.code for p in report.errors] == ["unsupported-format"], report.problems
     assert os.fspath(Path("n") / "meta.json") in report.errors[0].message
+
+
+# -- views nested in a level -------------------------------------------------------------------
+
+
+def _nested_view(tmp_path: Path, parent_batch: list[int]) -> Path:
+    """A saved _SubTensorDict (batch [3]) moved under a TensorDict level of ``parent_batch``."""
+    source = TensorDict(b=torch.arange(6).reshape(2, 3), batch_size=[2, 3])
+    view_dir = tmp_path / "view"
+    source._get_sub_tensordict(1).memmap(view_dir)
+    prefix = tmp_path / "ckpt"
+    TensorDict(batch_size=parent_batch).memmap(prefix)
+    shutil.move(view_dir, prefix / "v")
+    _edit(prefix, "", lambda m: m.update(v={"type": "_SubTensorDict"}))
+    return prefix
+
+
+def test_a_nested_view_must_start_with_its_parents_batch(tmp_path: Path) -> None:
+    _refused(_nested_view(tmp_path, [5]), "batch-mismatch", ("v",), "parent's")
+
+
+def test_a_nested_view_with_the_parents_batch_passes(tmp_path: Path) -> None:
+    prefix = _nested_view(tmp_path, [3])
+    assert _errors(prefix) == []
+    assert tdckpt.load_memmap(prefix)["v", "b"].tolist() == [3, 4, 5]

@@ -16,6 +16,7 @@ Prints a Markdown table: mutant | file:line | change | killed by.
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import shutil
 import subprocess
@@ -88,12 +89,12 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     ("A11", APPLY, "if target.is_locked and not target.is_memmap():", "if False:", "locked target accepted"),
     ("A12", APPLY, "shape = sub.shape[:1] if sub.is_nested else sub.shape", "shape = sub.shape", "nested leaf checked by its size table"),
     ("A13", APPLY, "                if shape[:nb] != batch:\n", "                if False:\n", "leaf batch check deleted"),
-    ("A14", APPLY, "_is_td(existing) and not _is_lazy_stack(existing) and not _is_non_tensor_data(existing))", "_is_td(existing) and not _is_non_tensor_data(existing))", "lazy stack reused for a TensorDict"),
+    ("A14", APPLY, "(isinstance(sub, TensorDictNode) and _is_td(existing) and not _is_lazy_stack(existing))", "(isinstance(sub, TensorDictNode) and _is_td(existing))", "lazy stack reused for a TensorDict"),
     ("A16", APPLY, " and str(type(existing)) == sub.type_str)", ")", "other tensorclass reused"),
     ("A17", APPLY, " and len(existing.tensordicts) == len(sub.members)", "", "stack of another length reused"),
     ("A19", APPLY, "_is_non_tensor_data(existing) and type(existing).__name__ == sub.class_name:", "_is_non_tensor_data(existing):", "MetaData/NonTensorData mixed up"),
     ("A20", APPLY, "elif isinstance(sub, NonTensorNode) and _is_non_tensor_data(existing)", "elif False and isinstance(sub, NonTensorNode) and _is_non_tensor_data(existing)", "NonTensorData never reused"),
-    ("A21", APPLY, "                    self.plan.non_tensors.extend(_built_non_tensors(value, sub))\n", "", "new nested NonTensorData not memmap-flagged"),
+    ("A21", APPLY, "                    self.plan.non_tensors.extend(_built_non_tensors(value, sub))\n", "                    pass\n", "new nested NonTensorData not memmap-flagged"),
     ("A22", APPLY, "if vb is not None and vb[:nb] != batch:", "if False:", "entry batch check deleted"),
     ("A23", APPLY, "            if isinstance(sub, NonTensorNode):\n                self.plan.non_tensors", "            if False:\n                self.plan.non_tensors", "NonTensorData not memmap-flagged"),
     ("A24", APPLY, "        self.claim(target, node)\n        types", "        types", "alias check in into() deleted"),
@@ -147,7 +148,12 @@ def run_one(tree: Path, mid: str, file: str, old: str, new: str, tests: list[str
         raise SystemExit(f"{mid}: the original text occurs {count} times in {file}")
     line = original[: original.index(old)].count("\n") + 1
     if old:
-        path.write_text(original.replace(old, new, 1), encoding="utf-8")
+        mutated = original.replace(old, new, 1)
+        try:
+            ast.parse(mutated)
+        except SyntaxError as exc:
+            raise SystemExit(f"{mid}: the mutant is not valid Python ({exc}); fix its text")
+        path.write_text(mutated, encoding="utf-8")
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", *tests],
