@@ -182,7 +182,10 @@ def _full() -> TensorDict:
         a=torch.ones(2),
         v=NonTensorData("v", batch_size=[2]),
         n=TensorDict(w=NonTensorData("w", batch_size=[2]), batch_size=[2]),
-        s=LazyStackedTensorDict(*[TensorDict(x=torch.ones(2), batch_size=[2]) for _ in range(2)], stack_dim=1),
+        s=LazyStackedTensorDict(
+            *[TensorDict(x=torch.ones(2), t=NonTensorData(f"m{i}", batch_size=[2]), batch_size=[2]) for i in range(2)],
+            stack_dim=1,
+        ),
         tc=_tc(),
         batch_size=[2],
     )
@@ -207,7 +210,7 @@ def test_a_memmapped_target_ends_memmapped_at_every_level(tmp_path: Path, reuse:
     tdckpt.load_memmap_(target, prefix)
     assert target.is_locked and target.is_memmap()
     levels = _levels(target)
-    assert {k for k, _ in levels} >= {(), ("v",), ("n",), ("n", "w"), ("s", "0"), ("s", "1"), ("tc",), ("tc", "label")}
+    assert {k for k, _ in levels} >= {(), ("v",), ("n",), ("n", "w"), ("s", "0"), ("s", "1"), ("s", "1", "t"), ("tc",), ("tc", "label")}
     for key, lvl in levels:
         td = lvl._tensordict if isinstance(lvl, NonTensorDataBase) else lvl
         where = prefix.joinpath(*key) / "_tensordict" if isinstance(lvl, NonTensorDataBase) or key == ("tc",) else prefix.joinpath(*key)
