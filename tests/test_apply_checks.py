@@ -213,9 +213,11 @@ def test_a_memmapped_target_ends_memmapped_at_every_level(tmp_path: Path, reuse:
     assert {k for k, _ in levels} >= {(), ("v",), ("n",), ("n", "w"), ("s", "0"), ("s", "1"), ("s", "1", "t"), ("tc",), ("tc", "label")}
     for key, lvl in levels:
         td = lvl._tensordict if isinstance(lvl, NonTensorDataBase) else lvl
-        where = prefix.joinpath(*key) / "_tensordict" if isinstance(lvl, NonTensorDataBase) or key == ("tc",) else prefix.joinpath(*key)
-        if key and key[0] == "tc" and len(key) > 1:
-            where = prefix / "tc" / "_tensordict" / key[1] / "_tensordict"
+        parts = list(key)
+        if parts[:1] == ["tc"]:  # a tensorclass's levels live under tc/_tensordict
+            parts.insert(1, "_tensordict")
+        # a NonTensorData's (file-less) TensorDict is recorded under <its dir>/_tensordict
+        where = prefix.joinpath(*parts) / "_tensordict" if isinstance(lvl, NonTensorDataBase) else prefix.joinpath(*parts)
         assert td._is_memmap, key
         assert Path(td._memmap_prefix) == where, (key, td._memmap_prefix)
 
