@@ -589,12 +589,21 @@ def _structure(obj: Any) -> set[tuple[str, ...]]:
                 walk(v, (*prefix, str(k)))
             return
         try:
-            from tensordict import is_leaf_nontensor, is_tensor_collection
+            from tensordict import LazyStackedTensorDict, is_leaf_nontensor, is_tensor_collection
         except ImportError:  # pragma: no cover - no tensordict: only dicts and leaves
             return
-        if is_tensor_collection(node) and not is_leaf_nontensor(type(node)):
-            for key in node.keys(include_nested=True, is_leaf=is_leaf_nontensor):
-                out.add((*prefix, *((key,) if isinstance(key, str) else key)))
+        if not is_tensor_collection(node) or is_leaf_nontensor(type(node)):
+            return
+        if isinstance(node, LazyStackedTensorDict):
+            # Member by member: members may hold different keys, and tensordict's own
+            # nested key walk raises on such a stack.
+            for i, member in enumerate(node.tensordicts):
+                out.add((*prefix, str(i)))
+                walk(member, (*prefix, str(i)))
+            return
+        for key in node.keys():
+            out.add((*prefix, key))
+            walk(node.get(key), (*prefix, key))
 
     walk(obj, ())
     return out

@@ -95,10 +95,7 @@ def _is_non_tensor_data(obj: Any) -> bool:
 
 
 def _value_batch(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, torch.Tensor):
-        if value.is_nested:
-            return (value.size(0),)
-        return tuple(value.shape)
+    """The batch size of a non-leaf entry's value (leaves are checked from their metadata)."""
     if _is_td(value) or _is_tensorclass(value):
         return tuple(value.batch_size)
     return None
@@ -115,11 +112,37 @@ class _Preparer:
         self.builder = builder
         self.unpickle = unpickle
         self.plan = _Plan()
+        #: id() of every target object a saved level is loaded into -> that level's key: an
+        #: object reached twice (two keys holding the same sub-tensordict, a lazy stack
+        #: holding one member twice, a level that contains itself) is refused.
+        self.claimed: dict[int, tuple[str, ...]] = {}
 
     def where(self, node: Node) -> str:
         return self.opened.storage.display(node.path)
 
+    def claim(self, target: Any, node: Node) -> None:
+        """Refuse a target object that two saved levels would be loaded into (aliases).
+
+        Both would load into the one object and the last would silently win; the
+        checkpoint's levels are distinct objects, so no in-place restore can be faithful.
+        """
+        claimed = self.claimed
+        count = len(claimed)
+        other = claimed.setdefault(id(target), node.key)
+        if len(claimed) == count:
+            first, second = (".".join(k) or "<root>" for k in (other, node.key))
+            raise RestoreError(
+                f"{self.where(node)}: the target holds the same {_kind(target)} object under "
+                f"{first!r} and {second!r}, so both saved levels would be loaded into one object "
+                "and the last would silently win; nothing was changed. Make them distinct "
+                f"objects before restoring (e.g. clone one of them: td[{second!r}] = "
+                f"td[{second!r}].clone()), or use tdckpt.load_memmap to get a new object.",
+                key=node.key,
+                keys=[first, second],
+            )
+
     def into(self, target: Any, node: Node) -> None:
+        self.claim(target, node)
         types = _tensordict_types()
         if type(node) is TensorDictNode and types is not None and type(target) is types[4]:
             self._into_td(target, node)  # the usual case: a TensorDict level into a TensorDict
@@ -170,7 +193,7 @@ class _Preparer:
             return
         if isinstance(node, TensorDictNode):
             if isinstance(target, dict):
-                self._into_dict(target, node)
+                self._into_dict(target, node, claimed=True)
                 return
             if not _is_td(target) or _is_lazy_stack(target):
                 raise RestoreError(
@@ -191,7 +214,9 @@ class _Preparer:
             key=node.key,
         )
 
-    def _into_dict(self, target: dict[str, Any], node: TensorDictNode) -> None:
+    def _into_dict(self, target: dict[str, Any], node: TensorDictNode, claimed: bool = False) -> None:
+        if not claimed:
+            self.claim(target, node)
         new: dict[str, Any] = {}
         for key, sub in node.entries.items():
             existing = target.get(key)
@@ -233,15 +258,16 @@ class _Preparer:
             reuse = (
                 existing is not None
                 and (
-                    (isinstance(sub, TensorDictNode) and _is_td(existing) and not _is_lazy_stack(existing) and not _is_non_tensor_data(existing))
+                    (isinstance(sub, TensorDictNode) and _is_td(existing) and not _is_lazy_stack(existing))
                     or (isinstance(sub, TensorClassNode) and _is_tensorclass(existing) and str(type(existing)) == sub.type_str)
-                    or (isinstance(sub, LazyStackNode) and _is_lazy_stack(existing) and len(existing.tensordicts) == len(sub.members) and not _is_non_tensor_data(existing))
+                    or (isinstance(sub, LazyStackNode) and _is_lazy_stack(existing) and len(existing.tensordicts) == len(sub.members))
                 )
             )
             if reuse:
                 self.into(existing, sub)
                 value = existing
             elif isinstance(sub, NonTensorNode) and _is_non_tensor_data(existing) and type(existing).__name__ == sub.class_name:
+                self.claim(existing, sub)
                 value_, fields = non_tensor_value(sub, self.opened.storage, self.unpickle)
                 new_fields = {"data": value_, **fields, "_is_non_tensor": True}
                 self.plan.fields.append((existing, new_fields))
@@ -281,7 +307,7 @@ def _all_td_levels(target: Any) -> list[Any]:
         if _is_lazy_stack(cur):
             stack.extend(cur.tensordicts)
             continue
-        if not _is_td(cur) or _is_non_tensor_data(cur):
+        if not _is_td(cur):  # NonTensorData is a tensorclass, never a TensorDictBase
             continue
         out.append(cur)
         stack.extend(v for v in cur._tensordict.values() if _is_td(v) or _is_tensorclass(v))

@@ -1,0 +1,210 @@
+"""A tiny mutation check for tdckpt's validation and apply stages (no mutmut needed).
+
+Each mutant replaces one exact, unique piece of source text (a negated condition, an
+off-by-one, a deleted check) in ``tdckpt/_read/validate.py`` or ``tdckpt/_restore/apply.py``,
+runs a selection of tests with ``-x``, and records whether the suite noticed (killed) and by
+which test. It works on a private copy of the package and tests (``--work``, default a
+temporary folder), so the worktree is never modified and other test runs are not disturbed.
+
+    python tools/mutate.py                     # every mutant, the default test selection
+    python tools/mutate.py V13 A05             # only these
+    python tools/mutate.py --tests tests/test_validate.py -- V13
+
+Prints a Markdown table: mutant | file:line | change | killed by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VALIDATE = "tdckpt/_read/validate.py"
+APPLY = "tdckpt/_restore/apply.py"
+
+#: (id, file, original text, mutated text, what the mutant does)
+MUTANTS: list[tuple[str, str, str, str, str]] = [
+    ("V01", VALIDATE, "ctx.problems.extend(vdir.problems)", "pass", "read problems dropped"),
+    ("V02", VALIDATE, 'if not any(p.path.startswith(vdir.source) and p.severity == "error" for p in vdir.problems):', "if True:", "missing-meta also beside a read error"),
+    ("V03", VALIDATE, 'if not any(p.path.startswith(vdir.source) and p.severity == "error" for p in vdir.problems):', "if False:", "missing-meta never reported"),
+    ("V04", VALIDATE, "if own and key:", "if False:", "read problem not re-keyed"),
+    ("V05", VALIDATE, 'if cls_name not in _TD_CLASSES or module.split(".")[0] != "tensordict":', "if cls_name not in _TD_CLASSES:", "_class module not checked"),
+    ("V06", VALIDATE, 'if cls_name not in _TD_CLASSES or module.split(".")[0] != "tensordict":', 'if module.split(".")[0] != "tensordict":', "_class name not checked"),
+    ("V07", VALIDATE, "    if not _check_device(ctx, vdir, key, model.device):\n        return None\n    batch = model.shape", "    batch = model.shape", "TD level device check deleted"),
+    ("V08", VALIDATE, "if device is None or _is_torch_device(device):", "if True:", "every device accepted"),
+    ("V09", VALIDATE, "if model.names is not None and len(model.names) != len(batch):", "if False:", "_names length check deleted"),
+    ("V10", VALIDATE, "len(model.names) != len(batch)", "len(model.names) > len(batch)", "_names: too few accepted"),
+    ("V11", VALIDATE, "        _check_batch_prefix(built, batch, ctx)\n", "", "nested batch-prefix check deleted"),
+    ("V12", VALIDATE, "if numel * max(dtype.itemsize, 1) > MAX_BYTES:", "if numel * max(dtype.itemsize, 1) >= MAX_BYTES:", "overflow bound off by one"),
+    ("V13", VALIDATE, "if numel * max(dtype.itemsize, 1) > MAX_BYTES:", "if False:", "overflow check deleted"),
+    ("V14", VALIDATE, "if len(shape) != 2:", "if len(shape) < 2:", "size-table rank: 3-d accepted"),
+    ("V15", VALIDATE, "if leaf.shape_file.size < numel * 8:", "if leaf.shape_file.size < numel * 8 - 1:", "size table one byte short accepted"),
+    ("V16", VALIDATE, "if leaf.shape_file.size < numel * 8:", "if leaf.shape_file.size <= numel * 8:", "exact-size size table refused"),
+    ("V17", VALIDATE, "if sizes is None or (sizes < 0).any():", "if sizes is None:", "negative sizes accepted"),
+    ("V18", VALIDATE, "if any(d > MAX_BYTES for row in rows for d in row) or (", "if False or (", "huge nested dim accepted"),
+    ("V19", VALIDATE, "            leaf.numel * max(dtype.itemsize, 1) > MAX_BYTES\n", "            False\n", "huge nested total accepted"),
+    ("V20", VALIDATE, "if batch and shape[0] != batch[0]:", "if False:", "nested batch check deleted"),
+    ("V21", VALIDATE, "if shape[: len(batch)] != batch:", "if False:", "dense batch check deleted"),
+    ("V22", VALIDATE, "        if need:\n", "        if True:\n", "zero-byte leaf needs a file"),
+    ("V23", VALIDATE, "    elif vfile.size < need:", "    elif vfile.size < need - 1:", "leaf one byte short accepted"),
+    ("V24", VALIDATE, "    elif vfile.size < need:", "    elif vfile.size <= need:", "exact-size leaf refused"),
+    ("V25", VALIDATE, "    if need == 0 and not is_nested:\n", "    if False:\n", "zero-element leaf claims its file"),
+    ("V26", VALIDATE, "        if other != key:", "        if False:", "name-collision check deleted"),
+    ("V27", VALIDATE, "    if child_batch is not None and tuple(child_batch[: len(batch)]) != batch:", "    if False:", "batch-prefix check disabled"),
+    ("V28", VALIDATE, "    elif isinstance(node, TensorClassNode):\n        child_batch = node.inner.batch_size", "    elif False:\n        child_batch = node.inner.batch_size", "tensorclass batch not prefix-checked"),
+    ("V29", VALIDATE, "    elif isinstance(node, (SubTensorDictNode, LazyViewNode)):\n        child_batch = node.batch_size", "    elif False:\n        child_batch = node.batch_size", "view batch not prefix-checked"),
+    ("V30", VALIDATE, "if len(batches) > 1:", "if len(batches) > 2:", "stack batch check weakened"),
+    ("V31", VALIDATE, "if len(devices) > 1:", "if len(devices) > 2:", "stack device check weakened"),
+    ("V32", VALIDATE, "model.stack_dim > len(m.batch_size)", "model.stack_dim >= len(m.batch_size)", "stack_dim at the end refused"),
+    ("V33", VALIDATE, "model.stack_dim > len(m.batch_size)", "model.stack_dim > len(m.batch_size) + 1", "stack_dim one past accepted"),
+    ("V34", VALIDATE, 'saved.get("pickle_sha256") != digest', "False", "json_types sha256 not compared"),
+    ("V35", VALIDATE, 'not all(v in ("dict", "OrderedDict", "list", "tuple") for v in types.values())', "False", "json_types names not checked"),
+    ("V36", VALIDATE, 'cls = "MetaData" if "MetaData" in model.type_ else "NonTensorData"', 'cls = "NonTensorData"', "MetaData restored as NonTensorData"),
+    ("V37", VALIDATE, "if not node.has_data and node.pickle is None and node.json_types is None:", "if False:", "non-tensor without value accepted"),
+    ("V38", VALIDATE, "if _list_depth(model.data, 64) > 64:", "if _list_depth(model.data, 64) > 65:", "list depth bound off by one"),
+    ("V39", VALIDATE, "while isinstance(cur, list) and depth <= limit:", "while isinstance(cur, list) and depth < limit:", "list depth never exceeds the limit"),
+    ("V40", VALIDATE, "if parent_batch and len(model.data) != parent_batch[0]:", "if False:", "non-tensor stack batch check deleted"),
+    ("V41", VALIDATE, "        if node.pickle is None:\n", "        if False:\n", "missing pickle.pkl accepted"),
+    ("V42", VALIDATE, "    if not _check_device(ctx, vdir, key, model.device):\n        return None\n    node = NonTensorStackNode", "    node = NonTensorStackNode", "non-tensor stack device check deleted"),
+    ("V43", VALIDATE, "        if inner is not None:\n", "        if False:\n", "tensorclass inner kind not reported"),
+    ("V44", VALIDATE, 'meant = "ChildEntry" if "type" in entry and "dtype" not in entry else "LeafEntry"', 'meant = "LeafEntry"', "every entry read as a leaf"),
+    ("V45", VALIDATE, "                    continue\n            sub = (*key, loc[1])", "                    pass\n            sub = (*key, loc[1])", "both union branches reported"),
+    ("V46", VALIDATE, "            sub = (*key, loc[1])\n", "            sub = key\n", "schema problem not keyed by entry"),
+    ("A01", APPLY, "if not _is_tensorclass(target) or _is_non_tensor_data(target):", "if not _is_tensorclass(target):", "NonTensorData taken for a tensorclass target"),
+    ("A02", APPLY, "if not _is_tensorclass(target) or _is_non_tensor_data(target):", "if False:", "tensorclass kind check deleted"),
+    ("A03", APPLY, "if str(type(target)) != node.type_str:", "if False:", "tensorclass class check deleted"),
+    ("A04", APPLY, "            check_tensorclass_fields(type(target), fields, node.inner.entries, self.where(node))\n", "", "tensorclass field check deleted"),
+    ("A05", APPLY, "            if not _is_lazy_stack(target):\n", "            if False:\n", "lazy-stack kind check deleted"),
+    ("A06", APPLY, "if len(members) != len(node.members):", "if False:", "member count check deleted"),
+    ("A07", APPLY, "if target.stack_dim != node.stack_dim:", "if False:", "stack_dim check deleted"),
+    ("A08", APPLY, "if not _is_td(target) or _is_lazy_stack(target):", "if not _is_td(target):", "lazy stack target for a TensorDict"),
+    ("A09", APPLY, "if isinstance(sub, TensorDictNode) and isinstance(existing, dict):", "if False:", "nested dicts not reused"),
+    ("A10", APPLY, "if target.is_locked and not target.is_memmap():", "if target.is_locked:", "locked memmap target refused"),
+    ("A11", APPLY, "if target.is_locked and not target.is_memmap():", "if False:", "locked target accepted"),
+    ("A12", APPLY, "shape = sub.shape[:1] if sub.is_nested else sub.shape", "shape = sub.shape", "nested leaf checked by its size table"),
+    ("A13", APPLY, "                if shape[:nb] != batch:\n", "                if False:\n", "leaf batch check deleted"),
+    ("A14", APPLY, "(isinstance(sub, TensorDictNode) and _is_td(existing) and not _is_lazy_stack(existing))", "(isinstance(sub, TensorDictNode) and _is_td(existing))", "lazy stack reused for a TensorDict"),
+    ("A16", APPLY, " and str(type(existing)) == sub.type_str)", ")", "other tensorclass reused"),
+    ("A17", APPLY, " and len(existing.tensordicts) == len(sub.members)", "", "stack of another length reused"),
+    ("A19", APPLY, "_is_non_tensor_data(existing) and type(existing).__name__ == sub.class_name:", "_is_non_tensor_data(existing):", "MetaData/NonTensorData mixed up"),
+    ("A20", APPLY, "elif isinstance(sub, NonTensorNode) and _is_non_tensor_data(existing)", "elif False and isinstance(sub, NonTensorNode) and _is_non_tensor_data(existing)", "NonTensorData never reused"),
+    ("A21", APPLY, "                    self.plan.non_tensors.extend(_built_non_tensors(value, sub))\n", "                    pass\n", "new nested NonTensorData not memmap-flagged"),
+    ("A22", APPLY, "if vb is not None and vb[:nb] != batch:", "if False:", "entry batch check deleted"),
+    ("A23", APPLY, "            if isinstance(sub, NonTensorNode):\n                self.plan.non_tensors", "            if False:\n                self.plan.non_tensors", "NonTensorData not memmap-flagged"),
+    ("A24", APPLY, "        self.claim(target, node)\n        types", "        types", "alias check in into() deleted"),
+    ("A25", APPLY, "                self.claim(existing, sub)\n", "", "alias check of NonTensorData deleted"),
+    ("A26", APPLY, "        if not claimed:\n", "        if False:\n", "alias check of nested dicts deleted"),
+    ("A27", APPLY, "        if len(claimed) == count:", "        if False:", "alias check disabled"),
+    ("A28", APPLY, "if _is_td(inner) and inner.device is not None:", "if False:", "target device ignored"),
+    ("A29", APPLY, "if was_locked and root_td is not None and not root_td.is_locked:", "if False:", "no relock on rollback"),
+    ("A30", APPLY, "            if mapper.records_prefix:", "            if True:", "memmap kept after an 'r' restore"),
+    ("A31", APPLY, "                    lvl._is_memmap = True\n", "                    lvl._is_memmap = False\n", "memmap flag not set"),
+    ("A32", APPLY, "                root_td.lock_()\n            else:", "                pass\n            else:", "memmap target not relocked"),
+    ("A33", APPLY, "    levels += _non_tensor_levels(levels)\n", "", "NonTensorData flags not snapshotted"),
+    ("A34", APPLY, "_all_td_levels(target) if was_memmap else", "[lvl for lvl, _ in plan.prefixes] if was_memmap else", "only planned levels snapshotted"),
+    ("A35", APPLY, "        if _is_lazy_stack(cur):\n", "        if False:\n", "lazy-stack members not walked"),
+    ("A36", APPLY, "        if _is_tensorclass(cur) and not _is_non_tensor_data(cur):\n", "        if False:\n", "tensorclass levels not walked"),
+    ("A37", APPLY, "    if isinstance(node, TensorClassNode) and _is_tensorclass(value):", "    if False:", "NonTensorData in new tensorclass missed"),
+    ("A38", APPLY, "    if isinstance(node, LazyStackNode) and _is_lazy_stack(value):", "    if False:", "NonTensorData in new stack missed"),
+    ("A39", APPLY, 'ntd._tensordict._memmap_prefix = path / "_tensordict" if path is not None else None', "ntd._tensordict._memmap_prefix = None", "NonTensorData prefix not set"),
+    ("A40", APPLY, "type(obj) is types[4] or isinstance(obj, types[0])", "type(obj) is types[4]", "TensorDict subclasses not TensorDicts"),
+    ("A41", APPLY, "            store.clear()\n            store.update(new)", "            store.update(new)", "stale keys kept"),
+    ("A42", APPLY, "        for store, items in snapshot_items:\n            store.clear()", "        for store, items in []:\n            store.clear()", "items not rolled back"),
+    ("A43", APPLY, "        for obj, fields in snapshot_fields:\n", "        for obj, fields in []:\n", "fields not rolled back"),
+    ("A44", APPLY, "        for lvl, prefix, is_memmap in snapshot_flags:\n", "        for lvl, prefix, is_memmap in []:\n", "flags not rolled back"),
+]
+
+DEFAULT_TESTS = {
+    VALIDATE: ["tests/test_validate_checks.py", "tests/test_validate.py", "tests/test_views.py", "tests/test_hostile.py", "tests/test_hostile_metadata.py"],
+    APPLY: ["tests/test_apply_checks.py", "tests/test_restore_aliases.py", "tests/test_restore_failures.py", "tests/test_restore.py", "tests/test_restore_tensorclass.py", "tests/test_views.py"],
+}
+
+
+def copy_tree(work: Path) -> Path:
+    """The package, tests and what they read, copied under ``work``."""
+    dst = work / "tree"
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for name in ("tdckpt", "tests", "migrations", "schemas"):
+        shutil.copytree(ROOT / name, dst / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "CHANGELOG.md"):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dst / name)
+    return dst
+
+
+def run_one(tree: Path, mid: str, file: str, old: str, new: str, tests: list[str]) -> tuple[int, str]:
+    path = tree / file
+    original = path.read_text(encoding="utf-8")
+    count = original.count(old) if old else 1
+    if count != 1:
+        raise SystemExit(f"{mid}: the original text occurs {count} times in {file}")
+    line = original[: original.index(old)].count("\n") + 1
+    if old:
+        mutated = original.replace(old, new, 1)
+        try:
+            ast.parse(mutated)
+        except SyntaxError as exc:
+            raise SystemExit(f"{mid}: the mutant is not valid Python ({exc}); fix its text")
+        path.write_text(mutated, encoding="utf-8")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", *tests],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    finally:
+        path.write_text(original, encoding="utf-8")
+    if proc.returncode == 0:
+        return line, ""
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
+    if not failed and mid == "base":
+        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+    return line, failed[0] if failed else f"rc={proc.returncode}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("ids", nargs="*", help="mutant ids (default: all)")
+    parser.add_argument("--tests", nargs="+", help="test files to run instead of the defaults")
+    parser.add_argument("--work", type=Path, help="where to put the copy (default: a temporary folder)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tdckpt-mutate-") as tmp:
+        tree = copy_tree(args.work or Path(tmp))
+        return run_all(tree, args)
+
+
+def run_all(tree: Path, args: argparse.Namespace) -> int:
+    chosen = [m for m in MUTANTS if not args.ids or m[0] in args.ids]
+    for file in sorted({m[1] for m in chosen}):
+        check = subprocess.run(
+            [sys.executable, "-c", "import tdckpt; print(tdckpt.__file__)"], cwd=tree, capture_output=True, text=True
+        )
+        if not check.stdout.startswith(str(tree)):
+            raise SystemExit(f"the copy does not import its own tdckpt: {check.stdout or check.stderr}")
+        # The unmutated copy must pass, or every mutant would look killed.
+        baseline = run_one(tree, "base", file, "", "", args.tests or DEFAULT_TESTS[file])[1]
+        if baseline:
+            raise SystemExit(f"the unmutated tests fail ({baseline}); fix that first")
+    print("| mutant | file:line | change | killed by |")
+    print("|---|---|---|---|")
+    survivors = 0
+    for mid, file, old, new, what in chosen:
+        line, killer = run_one(tree, mid, file, old, new, args.tests or DEFAULT_TESTS[file])
+        survivors += not killer
+        print(f"| {mid} | {file}:{line} | {what} | {killer or '**SURVIVED**'} |", flush=True)
+    print(f"\n{len(chosen) - survivors}/{len(chosen)} killed")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
