@@ -20,10 +20,13 @@ SIGBUS, in every mode (a private map reads through to the file until a page is w
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,11 +34,11 @@ import torch
 from _restore_helpers import state
 from conftest import subprocess_env
 from tensordict import TensorDict
+from test_storage import _run_unprivileged
 
 import tdckpt
 from tdckpt.errors import TdckptError
 
-ROOT = os.geteuid() == 0  # root writes every file: the read-only cases cannot be shown
 
 
 def _saved(tmp_path: Path, *, archive: str | None = None) -> Path:
@@ -83,25 +86,47 @@ def test_writes_into_a_directory_restore(tmp_path: Path, mode: str | None, reach
         assert tdckpt.load_memmap(prefix)["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-@pytest.mark.skipif(ROOT, reason="root can write a read-only file")
-def test_mode_none_on_a_read_only_file_is_copy_on_write(tmp_path: Path) -> None:
-    prefix = _saved(tmp_path)
-    (prefix / "a.memmap").chmod(0o444)
-    before = _file_bytes(prefix)
-    restored = tdckpt.load_memmap(prefix, mode=None)
-    restored["a"][0] = 42.0
-    assert _file_bytes(prefix) == before
+@pytest.fixture
+def readable_prefix() -> Iterator[Path]:
+    """A saved prefix any user can read, its leaf ``a.memmap`` read-only (pytest's tmp_path is
+    private to root, and root writes every file: the check runs as uid 65534 below)."""
+    base = Path(tempfile.mkdtemp(prefix="tdckpt-modes-"))
+    try:
+        base.chmod(0o755)
+        prefix = _saved(base)
+        for path in [prefix, *prefix.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        (prefix / "a.memmap").chmod(0o444)
+        yield prefix
+    finally:
+        shutil.rmtree(base)
 
 
-@pytest.mark.skipif(ROOT, reason="root can write a read-only file")
-def test_mode_r_plus_on_a_read_only_file_is_refused(tmp_path: Path) -> None:
-    prefix = _saved(tmp_path)
-    (prefix / "a.memmap").chmod(0o444)
-    target = TensorDict(a=torch.zeros(4), batch_size=[4])
-    before = state(target)
-    with pytest.raises(TdckptError, match="r\\+"):
-        tdckpt.load_memmap_(target, prefix, mode="r+")
-    assert state(target) == before
+def test_mode_none_on_a_read_only_file_is_copy_on_write(readable_prefix: Path) -> None:
+    before = _file_bytes(readable_prefix)
+
+    def write_through_restore() -> float:
+        restored = tdckpt.load_memmap(readable_prefix, mode=None)
+        restored["a"][0] = 42.0
+        return float(restored["a"][0].item())
+
+    assert _run_unprivileged(write_through_restore) == 42.0  # the write landed in memory...
+    assert _file_bytes(readable_prefix) == before  # ...not in the file
+
+
+def test_mode_r_plus_on_a_read_only_file_is_refused(readable_prefix: Path) -> None:
+    def refused() -> str:
+        target = TensorDict(a=torch.zeros(4), batch_size=[4])
+        before = state(target)
+        try:
+            tdckpt.load_memmap_(target, readable_prefix, mode="r+")
+        except TdckptError as exc:
+            assert state(target) == before
+            return str(exc)
+        raise AssertionError("mode='r+' on a read-only leaf was not refused")
+
+    message = _run_unprivileged(refused)
+    assert isinstance(message, str) and "r+" in message
 
 
 @pytest.mark.parametrize(("mode", "reaches"), [(None, False), ("r", False), ("r+", True)])
