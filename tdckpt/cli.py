@@ -30,7 +30,6 @@ import stat
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
 from tdckpt.errors import CheckpointNotFoundError, TdckptError

@@ -19,7 +19,13 @@ import pytest
 import torch
 from _restore_helpers import state
 from fixture_types import FixtureTC
-from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, is_tensorclass
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    TensorDict,
+    TensorDictBase,
+    is_tensorclass,
+)
 from tensordict.tensorclass import MetaData, NonTensorDataBase
 
 import tdckpt

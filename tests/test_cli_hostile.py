@@ -25,7 +25,6 @@ import json
 import os
 import pickle
 import shutil
-import signal
 import stat
 import subprocess
 import sys

@@ -19,7 +19,6 @@ SIGBUS, in every mode (a private map reads through to the file until a page is w
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -38,7 +37,6 @@ from test_storage import _run_unprivileged
 
 import tdckpt
 from tdckpt.errors import TdckptError
-
 
 
 def _saved(tmp_path: Path, *, archive: str | None = None) -> Path:
