@@ -21,6 +21,7 @@ import torch
 
 from tdckpt import schema
 from tdckpt._keys import LEAF_SUFFIX, NESTED_SHAPE_SUFFIX, encode_key
+from tdckpt._read.classes import declared_fields, resolve_class
 from tdckpt._read.detect import level_kind
 from tdckpt._read.levels import LeafSpec, read_td_level
 from tdckpt._read.nodes import (
@@ -434,6 +435,16 @@ def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyStackNode | 
         if member is not None:
             node.members.append(member)
         i += 1
+    stray = sorted(name for name in vdir.dirs if name.isdigit() and int(name) >= i)
+    if stray or i == 0:
+        ctx.add(
+            "stack-mismatch",
+            vdir.source,
+            key,
+            f"lazy-stack members are the directories 0, 1, ...; found {i} of them"
+            + (f", and then {stray[:5]} after a gap" if stray else "")
+            + ". A member is missing; restore it from a backup.",
+        )
     batches = {m.batch_size for m in node.members if isinstance(m, TensorDictNode)}
     if len(batches) > 1:
         ctx.add("stack-mismatch", vdir.source, key, f"lazy-stack members have different batch sizes {sorted(map(list, batches))}.")
@@ -549,4 +560,36 @@ def _build_tensorclass(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorClas
             ctx.add("schema", join(inner_dir.source, "meta.json"), key, "a tensorclass's _tensordict must be a TensorDict level.")
         return None
     fields = {k: v for k, v in vdir.meta.items() if k != "_type"}
+    if not _check_tensorclass(ctx, vdir, key, model.type_, set(fields) | set(inner.entries)):
+        return None
     return TensorClassNode(key=key, path=vdir.source, type_str=model.type_, fields=fields, inner=inner, pickle=vdir.files.get("other.pickle"))
+
+
+def _check_tensorclass(ctx: Ctx, vdir: VDir, key: tuple[str, ...], type_str: str, saved: set[str]) -> bool:
+    """The saved class, where this process can resolve it: a tensorclass with these fields.
+
+    A class whose module is not imported is not judged (the restore asks to import it).
+    """
+    found = resolve_class(type_str)
+    if found.problem is not None:
+        ctx.add(
+            "unknown-class",
+            join(vdir.source, "meta.json"),
+            key,
+            f"_type: {found.problem}, so the tensorclass cannot be rebuilt. The metadata is "
+            "damaged or was edited, or the class changed since it was saved.",
+        )
+        return False
+    if found.cls is not None:
+        unknown = sorted(saved - declared_fields(found.cls))
+        if unknown:
+            ctx.add(
+                "unknown-field",
+                join(vdir.source, "meta.json"),
+                key,
+                f"field(s) {unknown} that the class {found.name} does not declare. The class "
+                "changed since the checkpoint was written, or the metadata was edited: restore "
+                "with the class definition that saved it.",
+            )
+            return False
+    return True
