@@ -65,8 +65,14 @@ def resolve_class(type_str: str) -> ResolvedClass:
         # Every tensorclass registers itself here, also one defined inside a function.
         if str(cls) == type_str and _is_tensorclass(cls):
             return ResolvedClass(name, module_name, cls, None)
-    module = sys.modules.get(module_name)
-    if module is None:
+    # The longest imported module prefix (a nested class's module is shorter than rpartition's).
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:cut]))
+        if module is not None:
+            module_name, qualname = ".".join(parts[:cut]), ".".join(parts[cut:])
+            break
+    else:
         return ResolvedClass(name, module_name, None, None)
     if "<locals>" in qualname:
         return ResolvedClass(name, module_name, None, f"{name} is a class defined inside a function; it cannot be found by name")

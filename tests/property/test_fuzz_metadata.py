@@ -47,9 +47,10 @@ from typing import Any
 import pytest
 import torch
 from conftest import EXTRA_FIXTURES, copy_case, fixture_cases, tree_digest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+import fixture_types  # noqa: F401 - the corpus's tensorclass and pickled classes must resolve
 import tdckpt
 from tdckpt.errors import RestoreError, TdckptError
 
@@ -745,6 +746,7 @@ def test_the_seeds_validate_and_restore(pristine_dir: dict[str, Path]) -> None:
 
 def test_fuzz_metadata(fuzz_examples: int, generated_dir: Path, pristine_dir: dict[str, Path]) -> None:
     outcomes = {"refused": 0, "restored": 0}
+    tally: dict[str, int] = {}
 
     @settings(
         max_examples=fuzz_examples,
@@ -776,9 +778,13 @@ def test_fuzz_metadata(fuzz_examples: int, generated_dir: Path, pristine_dir: di
             what = f"{_seed_id(seed)}: {'; '.join(done)}"
             with watchdog(WATCHDOG_S, what), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                outcomes[check_mutant(prefix, pristine_dir[_seed_id(seed)], what)] += 1
+                outcome = check_mutant(prefix, pristine_dir[_seed_id(seed)], what)
+            outcomes[outcome] += 1
+            event(outcome)
+            tally[f"{outcome}: {done[0].split(' ')[0] if done else '-'}"] = tally.get(f"{outcome}: {done[0].split(' ')[0] if done else '-'}", 0) + 1
 
     run()
+    print(f"metadata fuzzer: {outcomes} {sorted(tally.items())}")
     # Not a vacuous run: mutants were both refused and restored.
     if fuzz_examples >= 50:
         assert outcomes["refused"] and outcomes["restored"], outcomes
