@@ -38,7 +38,7 @@ from tdckpt._read.nodes import (
 )
 from tdckpt._read.storage import Storage, join
 from tdckpt._read.tree import VDir, VFile
-from tdckpt._read.views import build_sub_td, build_view
+from tdckpt._read.views import build_sub_td, build_view, node_batch
 from tdckpt._report import Problem
 from tdckpt.errors import TdckptError
 
@@ -445,10 +445,20 @@ def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyStackNode | 
             + (f", and then {stray[:5]} after a gap" if stray else "")
             + ". A member is missing; restore it from a backup.",
         )
-    batches = {m.batch_size for m in node.members if isinstance(m, TensorDictNode)}
+    for m in node.members:
+        if not isinstance(m, (TensorDictNode, LazyStackNode)):
+            ctx.add(
+                "stack-mismatch",
+                join(m.path, "meta.json"),
+                m.key,
+                f"a lazy-stack member must be a TensorDict (or a lazy stack); found a "
+                f"{type(m).__name__.removesuffix('Node')}. The metadata is damaged or was edited.",
+            )
+    members = [m for m in node.members if isinstance(m, (TensorDictNode, LazyStackNode))]
+    batches = {b for b in map(node_batch, members) if b is not None}
     if len(batches) > 1:
         ctx.add("stack-mismatch", vdir.source, key, f"lazy-stack members have different batch sizes {sorted(map(list, batches))}.")
-    devices = {m.device for m in node.members if isinstance(m, TensorDictNode)}
+    devices = {d for m in members for d in _stack_devices(m)}
     if len(devices) > 1:
         ctx.add(
             "stack-mismatch",
@@ -457,11 +467,18 @@ def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyStackNode | 
             f"lazy-stack members are on different devices {sorted(map(str, devices))}; "
             "tensordict cannot stack them. The metadata is damaged or was edited.",
         )
-    for m in node.members:
-        if isinstance(m, TensorDictNode) and model.stack_dim > len(m.batch_size):
-            ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"stack_dim {model.stack_dim} exceeds the members' {len(m.batch_size)} batch dims.")
+    for b in batches:
+        if model.stack_dim > len(b):
+            ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"stack_dim {model.stack_dim} exceeds the members' {len(b)} batch dims.")
             break
     return node
+
+
+def _stack_devices(node: TensorDictNode | LazyStackNode) -> set[str | None]:
+    """The devices of a stack member (a nested stack's: those of its members)."""
+    if isinstance(node, TensorDictNode):
+        return {node.device}
+    return {d for m in node.members if isinstance(m, (TensorDictNode, LazyStackNode)) for d in _stack_devices(m)}
 
 
 def _json_types(vdir: VDir, ctx: Ctx) -> dict[str, str] | None:

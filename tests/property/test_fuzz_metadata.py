@@ -385,8 +385,9 @@ def _retype(data: Any, value: Any) -> Any:
 class Mutable:
     """A checkpoint on disk (directory or .tdz) whose metadata can be edited and written back."""
 
-    def __init__(self, prefix: Path) -> None:
+    def __init__(self, prefix: Path, donors: list[Path] | None = None) -> None:
         self.prefix = prefix
+        self.donors = donors or []
         self.archive = prefix.is_file()
         self.docs: dict[str, Any] = {}
         self.pts: dict[str, dict[Any, Any]] = {}
@@ -511,11 +512,27 @@ class Mutable:
         ops = []
         if dirs:
             ops += ["rm_dir", "dup_dir", "rename_dir"]
+        if self.donors:
+            ops += ["graft"] * 4
         if leaves:
             ops += ["truncate", "grow", "rm_leaf"]
         if not ops:
             return "no file op"
         op = data.draw(st.sampled_from(ops), label="file op")
+        if op == "graft":
+            # Another level of a real checkpoint (a NonTensorData, a tensorclass, a stack, a
+            # view...) takes the place of a member, a child or a new key.
+            donor = data.draw(st.sampled_from(self.donors), label="donor")
+            where = data.draw(st.sampled_from(["", *dirs]), label="graft into")
+            name = data.draw(st.sampled_from(["0", "1", "2", "3", "_tensordict", "_source", "lvl1", "sub", "s", "tc", "x"]), label="as")
+            dst = self.prefix / where / name
+            if dst.exists():
+                shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
+            shutil.copytree(donor, dst, symlinks=True, ignore=shutil.ignore_patterns("*.tdz"))
+            rel = dst.relative_to(self.prefix).as_posix()
+            self.docs = {k: v for k, v in self.docs.items() if (self.prefix / k).exists()}
+            self.dirty &= set(self.docs) | set(self.pts)
+            return f"graft {donor} -> {rel}"
         if op in ("rm_dir", "dup_dir", "rename_dir"):
             rel = data.draw(st.sampled_from(dirs), label="dir")
             src = self.prefix / rel
@@ -723,6 +740,15 @@ def _seed_id(seed: Any) -> str:
 _BY_ID = {_seed_id(seed): seed for seed in _SEEDS}
 
 
+def _donors(pristine: dict[str, Path]) -> list[Path]:
+    """Every level (a directory with a meta.json) of the current-format seeds."""
+    out = []
+    for name, prefix in sorted(pristine.items()):
+        if prefix.is_dir() and (name.startswith("0.15.3-") or name in GENERATED):
+            out += sorted(p.parent for p in prefix.rglob("meta.json"))
+    return out
+
+
 @pytest.fixture(scope="module")
 def pristine_dir(generated_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One unmutated copy of every seed (the targets are loaded from these)."""
@@ -746,6 +772,7 @@ def test_the_seeds_validate_and_restore(pristine_dir: dict[str, Path]) -> None:
 
 def test_fuzz_metadata(fuzz_examples: int, generated_dir: Path, pristine_dir: dict[str, Path]) -> None:
     outcomes = {"refused": 0, "restored": 0}
+    donors = _donors(pristine_dir)
     tally: dict[str, int] = {}
 
     @settings(
@@ -759,12 +786,12 @@ def test_fuzz_metadata(fuzz_examples: int, generated_dir: Path, pristine_dir: di
         seed = _BY_ID[data.draw(st.sampled_from(sorted(_BY_ID)), label="seed")]
         with tempfile.TemporaryDirectory(prefix="tdckpt-fuzz-") as tmp:
             prefix = _copy_seed(seed, generated_dir, Path(tmp))
-            ck = Mutable(prefix)
+            ck = Mutable(prefix, donors)
             done = []
             for _ in range(data.draw(st.integers(1, 3), label="mutations")):
                 kinds = ["json"] * 6 if ck.docs else []
                 kinds += ["pt"] * 3 if ck.pts else []
-                kinds += ["files"] if not ck.archive else []
+                kinds += ["files"] * 2 if not ck.archive else []
                 if not kinds:
                     break
                 kind = data.draw(st.sampled_from(kinds), label="kind")
