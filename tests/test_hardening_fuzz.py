@@ -199,3 +199,42 @@ def test_verify_still_checks_a_valid_sha256_manifest(tmp_path: Path) -> None:
     with CheckpointManager(root) as mgr, warnings.catch_warnings():
         report = mgr.verify(1)
     assert [(p.path, p.kind) for p in report.problems] == [("a.memmap", "changed")]
+
+
+# -- lazy stacks whose members are not TensorDicts -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("donor_case", "donor_rel", "says"),
+    [
+        # RuntimeError('devices differ, got cpu and None') from LazyStackedTensorDict.
+        ("non_tensor_json", "s", "found a NonTensor"),
+        # Built a "stack" of a TensorDict [2] and a FixtureTC [3] without a word.
+        ("tensorclass_in_td", "tc", "found a TensorClass"),
+        # RuntimeError('batch sizes in tensordicts differs, ...'): a nested stack of [3, 2].
+        ("lazy_stack", "", "different batch sizes"),
+    ],
+)
+def test_a_lazy_stack_member_that_is_not_a_fitting_tensordict_is_refused(
+    tmp_path: Path, donor_case: str, donor_rel: str, says: str
+) -> None:
+    # The fuzzer's "graft <level> -> 1" on 0.15.3-lazy_stack.
+    prefix = _case(tmp_path, "0.15.3", "lazy_stack")
+    donor = _case(tmp_path / "donor", "0.15.3", donor_case) / donor_rel
+    target = tdckpt.load_memmap(prefix)
+    shutil.rmtree(prefix / "1")
+    shutil.copytree(donor, prefix / "1")
+    assert says in str(_refused_untouched(prefix, target, "stack-mismatch"))
+
+
+def test_a_lazy_stack_of_lazy_stacks_still_restores(tmp_path: Path) -> None:
+    inner = [
+        LazyStackedTensorDict(*(TensorDict(x=torch.full((2,), float(i + j))) for j in range(2)), stack_dim=0)
+        for i in range(3)
+    ]
+    outer = LazyStackedTensorDict(*inner, stack_dim=0)
+    outer.memmap(tmp_path / "ckpt")
+    assert tdckpt.validate(tmp_path / "ckpt").ok
+    out = tdckpt.load_memmap(tmp_path / "ckpt")
+    assert out.batch_size == outer.batch_size
+    assert torch.equal(out.tensordicts[2].tensordicts[1]["x"], torch.full((2,), 3.0))
