@@ -9,6 +9,7 @@ and the restore refuses it with a TdckptError, the target and the prefix untouch
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import warnings
 from collections.abc import Callable
@@ -19,7 +20,7 @@ import fixture_types
 import pytest
 import torch
 from conftest import copy_case, fixture_cases, tree_digest
-from tensordict import LazyStackedTensorDict, TensorDict, is_tensorclass
+from tensordict import LazyStackedTensorDict, TensorDict, is_tensorclass, tensorclass
 
 import tdckpt
 from tdckpt.errors import RestoreError, TdckptError, ValidationError
@@ -238,3 +239,64 @@ def test_a_lazy_stack_of_lazy_stacks_still_restores(tmp_path: Path) -> None:
     out = tdckpt.load_memmap(tmp_path / "ckpt")
     assert out.batch_size == outer.batch_size
     assert torch.equal(out.tensordicts[2].tensordicts[1]["x"], torch.full((2,), 3.0))
+
+
+# -- a tensorclass field stored twice --------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["obs", "label"])
+def test_a_tensorclass_field_in_meta_json_and_in_its_tensordict_is_refused(tmp_path: Path, field: str) -> None:
+    # The fuzzer's "add tc/meta.json:[] obs": tensordict's _from_tensordict raised
+    # "KeyError: 'obs is present in both tensor and non-tensor dicts.'"; in place, the
+    # target's tensorclass ended up holding the field twice.
+    prefix = _case(tmp_path, "0.15.3", "tensorclass_in_td")
+    target = tdckpt.load_memmap(prefix).clone()
+    _edit(prefix / "tc" / "meta.json", lambda m: m.update({field: 1}))
+    assert "both in meta.json and in _tensordict" in str(_refused_untouched(prefix, target, "schema"))
+
+
+def test_a_tensorclass_field_pickled_and_in_its_tensordict_is_refused(tmp_path: Path) -> None:
+    # The same, through other.pickle: validation does not unpickle, so the restore refuses.
+    prefix = _case(tmp_path, "0.15.3", "tensorclass_in_td")
+    target = tdckpt.load_memmap(prefix).clone()
+    (prefix / "tc" / "other.pickle").write_bytes(pickle.dumps({"obs": 1}))
+    before = tree_digest(prefix)
+    with pytest.raises(RestoreError, match="both as non-tensor data and in its _tensordict"):
+        tdckpt.load_memmap(prefix, allow_pickle=True)
+    state = _state(target)
+    with pytest.raises(RestoreError, match="both as non-tensor data"):
+        tdckpt.load_memmap_(target, prefix, allow_pickle=True)
+    assert _state(target) == state
+    assert tree_digest(prefix) == before
+
+
+# -- the last line of defence: a constructor that fails after validation ---------------------
+
+
+@tensorclass
+class Checked:
+    """A user tensorclass whose __post_init__ refuses some values (tensordict runs it on load)."""
+
+    obs: torch.Tensor
+    label: str
+
+    def __post_init__(self) -> None:
+        if self.label == "bad":
+            raise ValueError("label may not be 'bad'")
+
+
+def test_a_constructor_failing_after_validation_becomes_a_restore_error_naming_the_key(tmp_path: Path) -> None:
+    td = TensorDict(c=Checked(obs=torch.zeros(3), label="ok", batch_size=[3]), batch_size=[3])
+    td.memmap(tmp_path / "ckpt")
+    _edit(tmp_path / "ckpt" / "c" / "_tensordict" / "label" / "meta.json", lambda m: m.update(data="bad"))
+    assert tdckpt.validate(tmp_path / "ckpt").ok  # only the class knows
+    with pytest.raises(RestoreError, match=r"'c' passed validation but cannot be rebuilt \(ValueError: label may not be 'bad'\)") as info:
+        tdckpt.load_memmap(tmp_path / "ckpt")
+    assert info.value.key == ("c",)
+    target = TensorDict(c=Checked(obs=torch.ones(3), label="x", batch_size=[3]), batch_size=[3])
+    del target["c"]  # a new value is built for a key the target lacks
+    target["other"] = torch.ones(3)
+    state = _state(target)
+    with pytest.raises(RestoreError, match="cannot be rebuilt"):
+        tdckpt.load_memmap_(target, tmp_path / "ckpt")
+    assert _state(target) == state

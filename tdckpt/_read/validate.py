@@ -577,16 +577,30 @@ def _build_tensorclass(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorClas
             ctx.add("schema", join(inner_dir.source, "meta.json"), key, "a tensorclass's _tensordict must be a TensorDict level.")
         return None
     fields = {k: v for k, v in vdir.meta.items() if k != "_type"}
-    if not _check_tensorclass(ctx, vdir, key, model.type_, set(fields) | set(inner.entries)):
+    if not _check_tensorclass(ctx, vdir, key, model.type_, fields, set(inner.entries)):
         return None
     return TensorClassNode(key=key, path=vdir.source, type_str=model.type_, fields=fields, inner=inner, pickle=vdir.files.get("other.pickle"))
 
 
-def _check_tensorclass(ctx: Ctx, vdir: VDir, key: tuple[str, ...], type_str: str, saved: set[str]) -> bool:
-    """The saved class, where this process can resolve it: a tensorclass with these fields.
+def _check_tensorclass(
+    ctx: Ctx, vdir: VDir, key: tuple[str, ...], type_str: str, fields: dict[str, Any], inner: set[str]
+) -> bool:
+    """A tensorclass level: no field both in meta.json and in ``_tensordict``, and the saved
+    class, where this process can resolve it, a tensorclass that declares every field.
 
     A class whose module is not imported is not judged (the restore asks to import it).
     """
+    both = sorted(k for k, v in fields.items() if k in inner and v is not None)
+    if both:
+        ctx.add(
+            "schema",
+            join(vdir.source, "meta.json"),
+            key,
+            f"field(s) {both} are stored both in meta.json and in _tensordict/; a tensorclass "
+            "holds each field once. The metadata is damaged or was edited.",
+        )
+        return False
+    saved = set(fields) | inner
     found = resolve_class(type_str)
     if found.problem is not None:
         ctx.add(

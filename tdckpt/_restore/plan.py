@@ -218,11 +218,21 @@ def tensorclass_fields(node: TensorClassNode, storage: Storage, unpickle: bool) 
 
 
 def check_tensorclass_fields(cls: type, fields: dict[str, Any], inner_keys: Any, where: str) -> None:
-    """Refuse saved fields the class does not declare (a renamed or edited class)."""
+    """Refuse saved fields the class does not declare (a renamed or edited class), and a
+    field saved twice (pickled in other.pickle and in ``_tensordict/``)."""
     try:
         declared = declared_fields(cls)
     except TypeError:  # pragma: no cover - every tensorclass is a dataclass
         return
+    both = sorted(k for k, v in fields.items() if v is not None and k in inner_keys)
+    if both:
+        raise RestoreError(
+            f"{where}: the saved {cls.__qualname__} stores field(s) {both} both as non-tensor "
+            "data and in its _tensordict/; a tensorclass holds each field once. The checkpoint "
+            "is damaged or was edited.",
+            path=where,
+            fields=both,
+        )
     unknown = sorted((set(fields) | set(inner_keys)) - declared)
     if unknown:
         raise RestoreError(

@@ -437,6 +437,14 @@ class Mutable:
         self.get(rel, path[:-1])[path[-1]] = value
 
     # mutations -----------------------------------------------------------------------------
+    def new_key(self, data: Any) -> str:
+        """A key name: a format field, one this checkpoint uses elsewhere, or any text."""
+        seen = sorted({k for rel, path in self.positions() for k in path[-1:] if isinstance(k, str)})
+        return data.draw(
+            st.one_of(st.sampled_from(_NEW_KEYS), st.sampled_from(seen or _NEW_KEYS), st.text(max_size=4)),
+            label="new key",
+        )
+
     def mutate_json(self, data: Any) -> str:
         rel, path = data.draw(st.sampled_from(self.positions()), label="position")
         value = self.get(rel, path)
@@ -460,16 +468,16 @@ class Mutable:
             del container[path[-1]]
             self.dirty.add(rel)
         elif op == "add":
-            new = data.draw(st.one_of(st.sampled_from(_NEW_KEYS), st.text(max_size=4)), label="new key")
+            new = self.new_key(data)
             value[new] = _domain_value(data, new)
             self.dirty.add(rel)
         elif op == "add_entry":
-            new = data.draw(st.one_of(st.sampled_from(_NEW_KEYS), st.text(max_size=4)), label="new key")
+            new = self.new_key(data)
             value[new] = _entry_value(data)
             self.dirty.add(rel)
         elif op == "rename":
             old = data.draw(st.sampled_from(sorted(value, key=str)), label="old key")
-            new = data.draw(st.one_of(st.sampled_from(_NEW_KEYS), st.text(max_size=4)), label="new key")
+            new = self.new_key(data)
             value[new] = value.pop(old)
             self.dirty.add(rel)
         elif op == "append":
