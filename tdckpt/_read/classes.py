@@ -91,4 +91,4 @@ def declared_fields(cls: type) -> set[str]:
     """The fields a tensorclass declares (a tensorclass is a dataclass)."""
     import dataclasses
 
-    return {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return {f.name for f in dataclasses.fields(cls)}
