@@ -515,6 +515,8 @@ class Mutable:
 
     def mutate_files(self, data: Any) -> str:
         """A structural edit: member directories and leaf files (directories only)."""
+        self.write()  # earlier edits reach the disk first: the edit copies and moves files
+        self.dirty.clear()
         dirs = sorted(p.relative_to(self.prefix).as_posix() for p in self.prefix.rglob("*") if p.is_dir() and not p.is_symlink())
         leaves = sorted(p.relative_to(self.prefix).as_posix() for p in self.prefix.rglob("*.memmap") if p.is_file())
         ops = []
@@ -538,9 +540,8 @@ class Mutable:
                 shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
             shutil.copytree(donor, dst, symlinks=True, ignore=shutil.ignore_patterns("*.tdz"))
             rel = dst.relative_to(self.prefix).as_posix()
-            self.docs = {k: v for k, v in self.docs.items() if (self.prefix / k).exists()}
-            self.dirty &= set(self.docs) | set(self.pts)
-            return f"graft {donor} -> {rel}"
+            self._rescan(rel)
+            return f"graft {'/'.join(donor.parts[-4:])} -> {rel}"
         if op in ("rm_dir", "dup_dir", "rename_dir"):
             rel = data.draw(st.sampled_from(dirs), label="dir")
             src = self.prefix / rel
@@ -555,9 +556,9 @@ class Mutable:
                     shutil.copytree(src, src.parent / new, symlinks=True)
                 else:
                     src.rename(src.parent / new)
-            self.docs = {k: v for k, v in self.docs.items() if (self.prefix / k).exists()}
-            self.pts = {k: v for k, v in self.pts.items() if (self.prefix / k).exists()}
-            self.dirty &= set(self.docs) | set(self.pts)
+            self._rescan(rel)
+            if op != "rm_dir":
+                self._rescan((src.parent / new).relative_to(self.prefix).as_posix())
             return f"{op} {rel}"
         rel = data.draw(st.sampled_from(leaves), label="leaf")
         path = self.prefix / rel
@@ -570,6 +571,21 @@ class Mutable:
             with path.open("ab") as fh:
                 fh.write(b"\0" * data.draw(st.integers(1, 64), label="grow by"))
         return f"{op} {rel}"
+
+    def _rescan(self, rel_dir: str) -> None:
+        """Re-read the documents under ``rel_dir`` after a structural edit there."""
+        under = rel_dir.rstrip("/") + "/"
+        for table in (self.docs, self.pts):
+            for k in [k for k in table if k.startswith(under)]:
+                del table[k]
+        self.dirty = {k for k in self.dirty if not k.startswith(under)}
+        top = self.prefix / rel_dir
+        for path in sorted(top.rglob("*")) if top.is_dir() else []:
+            rel = path.relative_to(self.prefix).as_posix()
+            if path.name in ("meta.json", "tdckpt.manifest.json") and path.is_file():
+                self.docs[rel] = json.loads(path.read_text(encoding="utf-8"))
+            elif path.name.endswith("meta.pt") and path.is_file():
+                self.pts[rel] = torch.load(path, weights_only=True)
 
     def write(self) -> None:
         if self.archive:
