@@ -50,14 +50,20 @@ from conftest import EXTRA_FIXTURES, copy_case, fixture_cases, tree_digest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import fixture_types  # noqa: F401 - the corpus's tensorclass and pickled classes must resolve
 import tdckpt
 from tdckpt.errors import RestoreError, TdckptError
 
 tensordict = pytest.importorskip("tensordict")
-from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, TensorDictBase  # noqa: E402
-from tensordict import is_tensorclass  # noqa: E402
+from tensordict import (  # noqa: E402
+    LazyStackedTensorDict,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+    is_tensorclass,
+)
 from tensordict.tensorclass import NonTensorDataBase  # noqa: E402
+
+import fixture_types  # noqa: E402, F401 - the corpus's tensorclass and pickled classes resolve
 
 #: Seconds one example may take before the watchdog calls it a hang.
 WATCHDOG_S = 60
