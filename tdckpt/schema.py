@@ -23,6 +23,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tdckpt._write.checksum import CHECKSUM_ALGORITHMS, DIGEST_HEX_LENGTHS
+
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
@@ -180,6 +182,10 @@ class TensorClassMeta(_Model):
 # -- tdckpt manifest ----------------------------------------------------------------------
 
 
+#: A checksum: one of the algorithms ``verify`` computes, then its hex digest.
+_CHECKSUM_PATTERN = "^(" + "|".join(sorted(CHECKSUM_ALGORITHMS)) + "):[0-9a-f]+$"
+
+
 class FileRecord(_Model):
     """One file of the checkpoint, as written."""
 
@@ -187,11 +193,25 @@ class FileRecord(_Model):
     size: int = Field(ge=0)
     checksum: str | None = Field(
         default=None,
-        description="'<algorithm>:<hex digest>'; None when not computed (an in-place upgrade "
-        "links data files without reading them)",
-        pattern=r"^[a-z0-9_]+:[0-9a-f]+$",
+        description="'<algorithm>:<hex digest>' with an algorithm tdckpt computes (crc32 or a "
+        "fixed-length hashlib algorithm); None when not computed",
+        pattern=_CHECKSUM_PATTERN,
     )
     key: list[str] | None = Field(default=None, description="the nested key it stores, if a leaf")
+
+    @field_validator("checksum")
+    @classmethod
+    def _digest_length(cls, value: str | None) -> str | None:
+        # The pattern admits only algorithms verify computes; a digest of another length
+        # can never match, so it is a damaged manifest, not a changed file.
+        if value is not None:
+            algorithm, _, digest = value.partition(":")
+            if len(digest) != DIGEST_HEX_LENGTHS[algorithm]:
+                raise ValueError(
+                    f"a {algorithm} digest has {DIGEST_HEX_LENGTHS[algorithm]} hex digits, "
+                    f"found {len(digest)}"
+                )
+        return value
 
 
 class PickleRecord(_Model):

@@ -38,6 +38,34 @@ TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
+#: Examples per metadata-fuzzer test when neither ``--fuzz-examples`` nor the
+#: ``TDCKPT_FUZZ_EXAMPLES`` environment variable says otherwise (sized for CI).
+DEFAULT_FUZZ_EXAMPLES = 150
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="examples per metadata-fuzzer test (tests/property/test_fuzz_metadata.py); "
+        f"default: $TDCKPT_FUZZ_EXAMPLES or {DEFAULT_FUZZ_EXAMPLES}",
+    )
+
+
+@pytest.fixture(scope="session")
+def fuzz_examples(request: pytest.FixtureRequest) -> int:
+    """``max_examples`` for the metadata fuzzer: the option, else the env var, else the default."""
+    value = request.config.getoption("--fuzz-examples")
+    if value is None:
+        env = os.environ.get("TDCKPT_FUZZ_EXAMPLES", "").strip()
+        value = int(env) if env else DEFAULT_FUZZ_EXAMPLES
+    if value < 1:
+        raise pytest.UsageError(f"--fuzz-examples / TDCKPT_FUZZ_EXAMPLES must be >= 1, got {value}")
+    return int(value)
+
+
 #: Root of the copied tensordict fixture corpus.
 FIXTURES = TESTS_DIR / "fixtures" / "tensordict"
 #: Root of the cross-version corpus: the same cases, written by the releases FIXTURES lacks

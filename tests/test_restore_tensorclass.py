@@ -1,4 +1,8 @@
-"""Tensorclass checkpoints whose saved fields the class does not declare."""
+"""Tensorclass checkpoints whose saved fields the class does not declare.
+
+Where the class is imported, validation reports such fields (``unknown-field``), so the
+restore refuses with a ValidationError before anything is built.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from conftest import copy_case, tree_digest
 from fixture_types import FixtureTC
 
 import tdckpt
-from tdckpt.errors import RestoreError
+from tdckpt.errors import ValidationError
 
 
 def _with_extra_field(tmp_path: Path) -> Path:
@@ -24,7 +28,8 @@ def _with_extra_field(tmp_path: Path) -> Path:
 
 def test_load_memmap_refuses_undeclared_fields(tmp_path: Path) -> None:
     prefix = _with_extra_field(tmp_path)
-    with pytest.raises(RestoreError, match=r"renamed_field.*does not declare"):
+    assert [p.code for p in tdckpt.validate(prefix).errors] == ["unknown-field"]
+    with pytest.raises(ValidationError, match=r"renamed_field.*does not declare"):
         tdckpt.load_memmap(prefix)
 
 
@@ -33,7 +38,7 @@ def test_load_memmap__refuses_undeclared_fields_and_keeps_the_target(tmp_path: P
     before = tree_digest(prefix)
     target = FixtureTC(obs=torch.zeros(3, 2), reward=torch.zeros(3), label="x", extra=None, batch_size=[3])
     obs, non_tensor = target.obs, dict(target._non_tensordict)
-    with pytest.raises(RestoreError, match="renamed_field"):
+    with pytest.raises(ValidationError, match="renamed_field"):
         tdckpt.load_memmap_(target, prefix)
     assert target.obs is obs
     assert dict(target._non_tensordict) == non_tensor

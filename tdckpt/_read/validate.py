@@ -22,6 +22,7 @@ import torch
 
 from tdckpt import schema
 from tdckpt._keys import LEAF_SUFFIX, NESTED_SHAPE_SUFFIX, encode_key
+from tdckpt._read.classes import declared_fields, resolve_class
 from tdckpt._read.detect import level_kind
 from tdckpt._read.levels import LeafSpec, read_td_level
 from tdckpt._read.nodes import (
@@ -38,7 +39,7 @@ from tdckpt._read.nodes import (
 )
 from tdckpt._read.storage import Storage, join
 from tdckpt._read.tree import VDir, VFile
-from tdckpt._read.views import build_sub_td, build_view
+from tdckpt._read.views import build_sub_td, build_view, node_batch
 from tdckpt._report import Problem
 from tdckpt.errors import TdckptError
 
@@ -433,10 +434,30 @@ def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyStackNode | 
         if member is not None:
             node.members.append(member)
         i += 1
-    batches = {m.batch_size for m in node.members if isinstance(m, TensorDictNode)}
+    stray = sorted(name for name in vdir.dirs if name.isdigit() and int(name) >= i)
+    if stray or i == 0:
+        ctx.add(
+            "stack-mismatch",
+            vdir.source,
+            key,
+            f"lazy-stack members are the directories 0, 1, ...; found {i} of them"
+            + (f", and then {stray[:5]} after a gap" if stray else "")
+            + ". A member is missing; restore it from a backup.",
+        )
+    for m in node.members:
+        if not isinstance(m, (TensorDictNode, LazyStackNode)):
+            ctx.add(
+                "stack-mismatch",
+                join(m.path, "meta.json"),
+                m.key,
+                f"a lazy-stack member must be a TensorDict (or a lazy stack); found a "
+                f"{type(m).__name__.removesuffix('Node')}. The metadata is damaged or was edited.",
+            )
+    members = [m for m in node.members if isinstance(m, (TensorDictNode, LazyStackNode))]
+    batches = {b for b in map(node_batch, members) if b is not None}
     if len(batches) > 1:
         ctx.add("stack-mismatch", vdir.source, key, f"lazy-stack members have different batch sizes {sorted(map(list, batches))}.")
-    devices = {m.device for m in node.members if isinstance(m, TensorDictNode)}
+    devices = {d for m in members for d in _stack_devices(m)}
     if len(devices) > 1:
         ctx.add(
             "stack-mismatch",
@@ -445,11 +466,18 @@ def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyStackNode | 
             f"lazy-stack members are on different devices {sorted(map(str, devices))}; "
             "tensordict cannot stack them. The metadata is damaged or was edited.",
         )
-    for m in node.members:
-        if isinstance(m, TensorDictNode) and model.stack_dim > len(m.batch_size):
-            ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"stack_dim {model.stack_dim} exceeds the members' {len(m.batch_size)} batch dims.")
+    for b in batches:
+        if model.stack_dim > len(b):
+            ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"stack_dim {model.stack_dim} exceeds the members' {len(b)} batch dims.")
             break
     return node
+
+
+def _stack_devices(node: TensorDictNode | LazyStackNode) -> set[str | None]:
+    """The devices of a stack member (a nested stack's: those of its members)."""
+    if isinstance(node, TensorDictNode):
+        return {node.device}
+    return {d for m in node.members if isinstance(m, (TensorDictNode, LazyStackNode)) for d in _stack_devices(m)}
 
 
 def _json_types(vdir: VDir, ctx: Ctx) -> dict[str, str] | None:
@@ -548,4 +576,50 @@ def _build_tensorclass(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorClas
             ctx.add("schema", join(inner_dir.source, "meta.json"), key, "a tensorclass's _tensordict must be a TensorDict level.")
         return None
     fields = {k: v for k, v in vdir.meta.items() if k != "_type"}
+    if not _check_tensorclass(ctx, vdir, key, model.type_, fields, set(inner.entries)):
+        return None
     return TensorClassNode(key=key, path=vdir.source, type_str=model.type_, fields=fields, inner=inner, pickle=vdir.files.get("other.pickle"))
+
+
+def _check_tensorclass(
+    ctx: Ctx, vdir: VDir, key: tuple[str, ...], type_str: str, fields: dict[str, Any], inner: set[str]
+) -> bool:
+    """A tensorclass level: no field both in meta.json and in ``_tensordict``, and the saved
+    class, where this process can resolve it, a tensorclass that declares every field.
+
+    A class whose module is not imported is not judged (the restore asks to import it).
+    """
+    both = sorted(k for k, v in fields.items() if k in inner and v is not None)
+    if both:
+        ctx.add(
+            "schema",
+            join(vdir.source, "meta.json"),
+            key,
+            f"field(s) {both} are stored both in meta.json and in _tensordict/; a tensorclass "
+            "holds each field once. The metadata is damaged or was edited.",
+        )
+        return False
+    saved = set(fields) | inner
+    found = resolve_class(type_str)
+    if found.problem is not None:
+        ctx.add(
+            "unknown-class",
+            join(vdir.source, "meta.json"),
+            key,
+            f"_type: {found.problem}, so the tensorclass cannot be rebuilt. The metadata is "
+            "damaged or was edited, or the class changed since it was saved.",
+        )
+        return False
+    if found.cls is not None:
+        unknown = sorted(saved - declared_fields(found.cls))
+        if unknown:
+            ctx.add(
+                "unknown-field",
+                join(vdir.source, "meta.json"),
+                key,
+                f"field(s) {unknown} that the class {found.name} does not declare. The class "
+                "changed since the checkpoint was written, or the metadata was edited: restore "
+                "with the class definition that saved it.",
+            )
+            return False
+    return True

@@ -49,7 +49,7 @@ from tdckpt._restore.plan import (
     tensorclass_fields,
 )
 from tdckpt._restore.policy import check_allow_pickle, resolve_pickle_policy, user_stacklevel
-from tdckpt.errors import RestoreError, ValidationError
+from tdckpt.errors import RestoreError, TdckptError, ValidationError
 from tdckpt.warnings import TdckptWarning
 
 __all__ = ["load_memmap", "load_memmap_", "open_for_restore"]
@@ -164,6 +164,26 @@ class _Builder:
         NonTensorData (and NonTensorStack from 0.15.3) record no device of their own:
         tensordict's loader moves them to the device of the tensordict that holds them.
         """
+        if isinstance(node, LeafNode):
+            return self.mapper.leaf(node)
+        try:
+            return self._build(node, batch, parent_device)
+        except TdckptError:
+            raise
+        except (AttributeError, IndexError, KeyError, OverflowError, RuntimeError, TypeError, ValueError) as exc:
+            # The last line of defence: validation should have refused whatever makes a
+            # torch or tensordict constructor fail. Name the key, never a raw traceback.
+            where = self.opened.storage.display(node.path)
+            raise RestoreError(
+                f"{where}: the saved {type(node).__name__.removesuffix('Node')} at key "
+                f"{'.'.join(node.key) or '<root>'!r} passed validation but cannot be rebuilt "
+                f"({type(exc).__name__}: {exc}); nothing was changed. The checkpoint is damaged "
+                "or was edited; please report it as a tdckpt bug, with `tdckpt validate` output.",
+                path=where,
+                key=node.key,
+            ) from exc
+
+    def _build(self, node: Node, batch: tuple[int, ...], parent_device: torch.device | None) -> Any:
         if isinstance(node, LeafNode):
             return self.mapper.leaf(node)
         if isinstance(node, TensorDictNode):

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tdckpt._read.classes import declared_fields, resolve_class
 from tdckpt._read.nodes import LeafNode, NonTensorNode, NonTensorStackNode, TensorClassNode
 from tdckpt._read.storage import MapMode, Storage
 from tdckpt.errors import RestoreError, TdckptError
@@ -217,13 +218,21 @@ def tensorclass_fields(node: TensorClassNode, storage: Storage, unpickle: bool) 
 
 
 def check_tensorclass_fields(cls: type, fields: dict[str, Any], inner_keys: Any, where: str) -> None:
-    """Refuse saved fields the class does not declare (a renamed or edited class)."""
-    import dataclasses
-
+    """Refuse saved fields the class does not declare (a renamed or edited class), and a
+    field saved twice (pickled in other.pickle and in ``_tensordict/``)."""
     try:
-        declared = {f.name for f in dataclasses.fields(cls)}
+        declared = declared_fields(cls)
     except TypeError:  # pragma: no cover - every tensorclass is a dataclass
         return
+    both = sorted(k for k, v in fields.items() if v is not None and k in inner_keys)
+    if both:
+        raise RestoreError(
+            f"{where}: the saved {cls.__qualname__} stores field(s) {both} both as non-tensor "
+            "data and in its _tensordict/; a tensorclass holds each field once. The checkpoint "
+            "is damaged or was edited.",
+            path=where,
+            fields=both,
+        )
     unknown = sorted((set(fields) | set(inner_keys)) - declared)
     if unknown:
         raise RestoreError(
@@ -241,28 +250,21 @@ def resolve_tensorclass(type_str: str, where: str) -> type:
 
     Like tensordict, tdckpt never imports a module named by a checkpoint (that would run
     code chosen by whoever wrote the file): the class must be imported already.
+    Validation refused every name that resolves to something else than a tensorclass.
     """
-    import sys
-
-    name = type_str.removeprefix("<class '").removesuffix("'>")
-    module_name, _, qualname = name.rpartition(".")
-    try:
-        from tensordict import base as td_base
-
-        for cls in getattr(td_base, "_ACCEPTED_CLASSES", ()):
-            if str(cls) == type_str:
-                return cls  # type: ignore[no-any-return]
-    except ImportError:  # pragma: no cover - only called with tensordict
-        pass
-    module = sys.modules.get(module_name)
-    cls = getattr(module, qualname, None) if module is not None and "<locals>" not in qualname else None
-    if isinstance(cls, type):
-        return cls
+    found = resolve_class(type_str)
+    if found.cls is not None:
+        return found.cls
+    if found.problem is not None:
+        raise RestoreError(
+            f"{where}: the saved tensorclass cannot be rebuilt: {found.problem}.",
+            path=where,
+            class_name=found.name,
+        )
     raise RestoreError(
-        f"{where}: the saved tensorclass {name} is not imported. Import the module that "
-        f"defines it (`import {module_name}`) before restoring; tdckpt never imports modules "
+        f"{where}: the saved tensorclass {found.name} is not imported. Import the module that "
+        f"defines it (`import {found.module}`) before restoring; tdckpt never imports modules "
         "named by a checkpoint.",
         path=where,
-        class_name=name,
+        class_name=found.name,
     )
-

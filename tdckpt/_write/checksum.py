@@ -20,7 +20,14 @@ import hashlib
 import zlib
 from typing import Any, Protocol
 
-__all__ = ["CHECKSUM_ALGORITHMS", "CHUNK_BYTES", "DEFAULT_CHECKSUM", "Hasher", "new_hasher"]
+__all__ = [
+    "CHECKSUM_ALGORITHMS",
+    "CHUNK_BYTES",
+    "DEFAULT_CHECKSUM",
+    "DIGEST_HEX_LENGTHS",
+    "Hasher",
+    "new_hasher",
+]
 
 #: The default checksum algorithm (see the module docstring for the measurements).
 DEFAULT_CHECKSUM = "crc32"
@@ -28,6 +35,10 @@ DEFAULT_CHECKSUM = "crc32"
 CHECKSUM_ALGORITHMS = frozenset(
     {"crc32"} | {a for a in hashlib.algorithms_guaranteed if not a.startswith("shake")}
 )
+#: algorithm -> hex digits of its digest (a manifest's checksum must have exactly these).
+DIGEST_HEX_LENGTHS = {
+    a: 8 if a == "crc32" else hashlib.new(a).digest_size * 2 for a in CHECKSUM_ALGORITHMS
+}
 #: Bytes per write/hash call: large enough for sequential I/O, small enough to stay in
 #: cache between the write and the hash of the same chunk.
 CHUNK_BYTES = 4 << 20
