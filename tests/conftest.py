@@ -33,10 +33,18 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
+
+# CI (``CI=true``) draws the same examples on every run, so a red run reproduces and a green
+# one stays green for the same code; locally every run explores new ones (more with
+# ``--fuzz-examples`` / ``TDCKPT_HYPOTHESIS_EXAMPLES``).
+hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}:
+    hypothesis_settings.load_profile("ci")
 
 #: Examples per metadata-fuzzer test when neither ``--fuzz-examples`` nor the
 #: ``TDCKPT_FUZZ_EXAMPLES`` environment variable says otherwise (sized for CI).

@@ -575,7 +575,8 @@ def test_opens_ten_thousand_entries_quickly(tmp_path: Path) -> None:
         elapsed = time.perf_counter() - start
         assert len(storage.listdir("").dirs) == 50
         assert len(storage.listdir("d7").files) == 200
-    assert elapsed < 2.0, elapsed
+    # About 1 s on a loaded 2-core machine; a quadratic index would take minutes.
+    assert elapsed < 10.0, elapsed
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,7 @@ import tdckpt
 from tdckpt.errors import RestoreError, TdckptError
 
 tensordict = pytest.importorskip("tensordict")
+import fixture_types  # noqa: E402, F401 - the corpus's tensorclass and pickled classes resolve
 from tensordict import (  # noqa: E402
     LazyStackedTensorDict,
     NonTensorStack,
@@ -62,8 +63,6 @@ from tensordict import (  # noqa: E402
     is_tensorclass,
 )
 from tensordict.tensorclass import NonTensorDataBase  # noqa: E402
-
-import fixture_types  # noqa: E402, F401 - the corpus's tensorclass and pickled classes resolve
 
 #: Seconds one example may take before the watchdog calls it a hang.
 WATCHDOG_S = 60
