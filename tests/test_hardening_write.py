@@ -16,10 +16,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import warnings
@@ -30,6 +33,7 @@ from typing import Any
 import pytest
 import torch
 from _save_crash_child import make_td, value_of
+from _unprivileged import run_unprivileged
 from conftest import subprocess_env
 from tensordict import TensorDict
 
@@ -181,7 +185,7 @@ def test_hostile_lock_contents_held_are_refused_and_free_are_taken_over(
 def test_a_huge_pid_without_flock_is_refused_not_an_overflow(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_lock, "_flock", lambda fd: None)  # e.g. NFS without locks
+    monkeypatch.setattr(_lock, "try_flock", lambda fd: None)  # e.g. NFS without locks
     for pid in (10**30, -5):
         (tmp_path / LOCK_NAME).write_bytes(_lock_json(pid=pid))
         with pytest.raises(LockError, match="does not support flock"):
@@ -241,14 +245,28 @@ def test_a_fifo_or_directory_lock_path_is_refused_without_hanging(tmp_path: Path
     assert (tmp_path / LOCK_NAME).is_dir()
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores modes")
-def test_a_read_only_root_gets_a_lock_error(tmp_path: Path) -> None:
-    tmp_path.chmod(0o555)
+def test_a_read_only_root_gets_a_lock_error() -> None:
+    base = Path(tempfile.mkdtemp(prefix="tdckpt-ro-root-"))  # tmp_path is private to root
+    root = base / "run"
+    root.mkdir()
+    base.chmod(0o755)
+    root.chmod(0o555)
+
+    def refused() -> str:
+        try:
+            CheckpointManager(root).gc()
+        except LockError as exc:
+            return str(exc)
+        raise AssertionError("a root this user cannot write was locked")
+
     try:
-        with pytest.raises(LockError, match="cannot create the lock file .*writable"):
-            CheckpointManager(tmp_path).gc()
+        message = run_unprivileged(refused)  # as uid 65534: root ignores modes
+        assert isinstance(message, str)
+        assert re.search("cannot create the lock file .*writable", message, re.S), message
+        assert list(root.iterdir()) == []
     finally:
-        tmp_path.chmod(0o755)
+        root.chmod(0o755)
+        shutil.rmtree(base)
 
 
 def test_a_read_only_root_gets_a_lock_error_even_as_root(
@@ -432,7 +450,7 @@ def test_a_save_in_progress_of_the_same_prefix_is_refused(tmp_path: Path) -> Non
 def test_without_flock_only_an_old_journal_is_recovered(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_export, "_try_flock", lambda fd: None)  # e.g. NFS without locks
+    monkeypatch.setattr(_export, "try_flock", lambda fd: None)  # e.g. NFS without locks
     prefix = tmp_path / "ckpt"
     tdckpt.save(make_td(1), prefix)
     token = "12" * 8

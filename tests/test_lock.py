@@ -130,7 +130,7 @@ def test_a_fresh_empty_lock_file_is_being_created(
 def test_without_flock_a_live_pid_holds_and_a_dead_one_does_not(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_lock, "_flock", lambda fd: None)  # e.g. an NFS mount without locks
+    monkeypatch.setattr(_lock, "try_flock", lambda fd: None)  # e.g. an NFS mount without locks
     _write_lock(tmp_path, pid=os.getpid())
     with pytest.raises(LockError, match="does not support flock"):
         RootLock(tmp_path, manager_id="x").acquire()

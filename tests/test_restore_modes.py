@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 from _restore_helpers import state
+from _unprivileged import run_unprivileged
 from conftest import subprocess_env
 from tensordict import TensorDict
-from test_storage import _run_unprivileged
 
 import tdckpt
 from tdckpt.errors import TdckptError
@@ -108,7 +108,7 @@ def test_mode_none_on_a_read_only_file_is_copy_on_write(readable_prefix: Path) -
         restored["a"][0] = 42.0
         return float(restored["a"][0].item())
 
-    assert _run_unprivileged(write_through_restore) == 42.0  # the write landed in memory...
+    assert run_unprivileged(write_through_restore) == 42.0  # the write landed in memory...
     assert _file_bytes(readable_prefix) == before  # ...not in the file
 
 
@@ -123,7 +123,7 @@ def test_mode_r_plus_on_a_read_only_file_is_refused(readable_prefix: Path) -> No
             return str(exc)
         raise AssertionError("mode='r+' on a read-only leaf was not refused")
 
-    message = _run_unprivileged(refused)
+    message = run_unprivileged(refused)
     assert isinstance(message, str) and "r+" in message
 
 

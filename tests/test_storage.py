@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from _unprivileged import run_unprivileged
 from conftest import tree_digest
 
-import tdckpt._read.storage as storage_module
 from tdckpt._read.storage import (
     MAX_JSON_BYTES,
     DirectoryStorage,
@@ -182,46 +181,6 @@ def test_map_never_grows_a_short_file(layout: tuple[Path, Path], mode: str | Non
     assert tree_digest(prefix) == before
 
 
-def _run_unprivileged(func: Callable[[], object]) -> object:
-    """Run ``func`` as an unprivileged user: in a forked child that drops root, if root.
-
-    Root opens read-only files for writing, so permission checks are only meaningful for
-    another user. The child is a fork of this interpreter (no new Python to start), and
-    sends back what ``func`` returned or raised.
-    """
-    if os.geteuid() != 0:
-        return func()
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child's coverage is not collected
-        code = 0
-        try:
-            os.close(read_fd)
-            os.setgid(65534)
-            os.setuid(65534)
-            storage_module._effective_uid.cache_clear()  # asked once per process: ask again
-            try:
-                outcome: tuple[str, object] = ("ok", func())
-            except BaseException as exc:  # noqa: BLE001 - sent back to the parent
-                outcome = ("raised", (type(exc).__name__, str(exc)))
-            with os.fdopen(write_fd, "wb") as fh:
-                pickle.dump(outcome, fh)
-        except BaseException:  # noqa: BLE001
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as fh:
-        data = fh.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0 and data, "the unprivileged child failed"
-    kind, value = pickle.loads(data)
-    if kind == "raised":
-        name, message = value  # type: ignore[misc]
-        raise AssertionError(f"unprivileged child raised {name}: {message}")
-    return value
-
-
 @pytest.fixture
 def shared_dir() -> Iterator[Path]:
     """A prefix any user can read (pytest's tmp_path is private to root)."""
@@ -249,7 +208,7 @@ def test_map_r_plus_needs_a_writable_file(shared_dir: Path) -> None:
             return str(exc)
         return "mapped"
 
-    message = _run_unprivileged(attempt)
+    message = run_unprivileged(attempt)
     assert "ro.memmap" in str(message) and "mode='r+' needs a writable file" in str(message)
 
 
@@ -260,7 +219,7 @@ def test_map_default_mode_is_copy_on_write_for_a_read_only_file(shared_dir: Path
         t.add_(1)  # copy-on-write: the file keeps its bytes
         return t.tolist()
 
-    assert _run_unprivileged(attempt) == [1.0, 2.0, 3.0, 4.0]
+    assert run_unprivileged(attempt) == [1.0, 2.0, 3.0, 4.0]
     assert (shared_dir / "ro.memmap").read_bytes() == torch.arange(4, dtype=torch.float32).numpy().tobytes()
 
 
@@ -271,7 +230,7 @@ def test_map_default_mode_shares_a_file_writable_through_group_or_other_bits(sha
         storage.map("rw.memmap", torch.float32, 4, mode=None).fill_(9.0)
         storage.map("rw.memmap", torch.float32, 4, mode="r+")[0] = 5.0
 
-    _run_unprivileged(attempt)
+    run_unprivileged(attempt)
     raw = (shared_dir / "rw.memmap").read_bytes()
     assert torch.frombuffer(bytearray(raw), dtype=torch.float32).tolist() == [5.0, 9.0, 9.0, 9.0]
 

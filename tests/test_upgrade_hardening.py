@@ -16,7 +16,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from _unprivileged import run_unprivileged
 from conftest import copy_case, subprocess_env, tree_digest
 
 tensordict = pytest.importorskip("tensordict")
@@ -570,36 +570,6 @@ def test_prefix_under_a_symlinked_directory_is_upgraded_in_the_real_one(tmp_path
     assert alias.is_symlink() and len(backups(prefix)) == 1 and leftovers(prefix) == []
 
 
-def _run_unprivileged(func: Callable[[], object]) -> object:
-    """Run ``func`` in a forked child that drops root (root writes everywhere)."""
-    if os.geteuid() != 0:
-        return func()
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child's coverage is not collected
-        code = 0
-        try:
-            os.close(read_fd)
-            os.setgid(65534)
-            os.setuid(65534)
-            try:
-                outcome: tuple[str, object] = ("ok", func())
-            except BaseException as exc:  # noqa: BLE001 - sent back to the parent
-                outcome = ("raised", (type(exc).__name__, str(exc)))
-            with os.fdopen(write_fd, "wb") as fh:
-                pickle.dump(outcome, fh)
-        except BaseException:  # noqa: BLE001
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as fh:
-        data = fh.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0 and data, "the unprivileged child failed"
-    return pickle.loads(data)
-
-
 @pytest.fixture
 def read_only_parent() -> Iterator[Path]:
     """A legacy prefix in a directory the (unprivileged) upgrader cannot write."""
@@ -630,9 +600,7 @@ def test_read_only_parent_gets_a_clear_error_and_nothing_changes(read_only_paren
             return (len(dry.operations), type(exc).__name__, str(exc))
         return "upgraded"
 
-    outcome = _run_unprivileged(attempt)
-    assert outcome[0] == "ok", outcome
-    n_ops, kind, message = outcome[1]  # type: ignore[misc]
+    n_ops, kind, message = run_unprivileged(attempt)  # type: ignore[misc]
     assert n_ops > 0 and kind == "MigrationError"
     assert "is not writable" in message and "Nothing was changed" in message
     assert str(prefix.parent) in message

@@ -37,8 +37,6 @@ old (a save of the same prefix is refused until then).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import re
@@ -52,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from tdckpt._write import atomic as _atomic
+from tdckpt._write.lock import try_flock
 from tdckpt._write.save import write_checkpoint
 from tdckpt.errors import CheckpointExistsError, LockError, UnsafePathError
 from tdckpt.schema import Manifest
@@ -126,19 +125,6 @@ def _remove(path: Path) -> bool:
     return True
 
 
-def _try_flock(fd: int) -> bool | None:
-    """Take the flock without waiting: True taken, False held elsewhere, None unsupported."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError as exc:
-        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
-            return None  # no flock here: the journal still makes a crash recoverable
-        raise
-    return True
-
-
 def _journal_record(names: _Names, token: str) -> bytes:
     return json.dumps({"tdckpt_save": 1, "prefix": names.name, "token": token}).encode()
 
@@ -180,7 +166,7 @@ def _recover(names: _Names, *, fsync: bool, stacklevel: int) -> None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _foreign_journal(names, "not a regular file")
-        got = _try_flock(fd)
+        got = try_flock(fd)
         if got is False or (got is None and time.time() - st.st_mtime < _NO_FLOCK_GRACE):
             # Without flock (some network mounts) only a journal left for a while is stale.
             held = "is locked" if got is False else "is recent and cannot be locked here"
@@ -243,7 +229,7 @@ def _remove_stale_new_journals(names: _Names) -> None:
             continue
         try:
             st = os.fstat(fd)
-            got = _try_flock(fd)
+            got = try_flock(fd)
             if (
                 stat.S_ISREG(st.st_mode)
                 and (got or (got is None and time.time() - st.st_mtime > _NO_FLOCK_GRACE))
@@ -265,7 +251,7 @@ def _begin(names: _Names, *, fsync: bool, stacklevel: int) -> tuple[int, str]:
     tmp = names.journal_new(token)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o644)
     try:
-        _try_flock(fd)  # a fresh file nobody else has opened: always ours
+        try_flock(fd)  # a fresh file nobody else has opened: always ours
         data = _journal_record(names, token)
         os.pwrite(fd, data, 0)
         if fsync:

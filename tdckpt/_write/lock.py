@@ -144,8 +144,8 @@ def read_lock_info(root: str | os.PathLike[str]) -> LockInfo | None:
         os.close(fd)
 
 
-def _flock(fd: int) -> bool | None:
-    """Try to take the flock: True taken, False held elsewhere, None unsupported here."""
+def try_flock(fd: int) -> bool | None:
+    """Take the flock without waiting: True taken, False held elsewhere, None unsupported."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -352,7 +352,7 @@ class RootLock:
         # A contender may hold the flock for an instant while it reads the (still empty)
         # file; it backs off, as the file is fresh.
         while True:
-            got = _flock(fd)
+            got = try_flock(fd)
             if got is not False or time.monotonic() > deadline:
                 break
             time.sleep(_RETRY_SLEEP)
@@ -369,7 +369,7 @@ class RootLock:
 
     def _take_existing(self, fd: int, deadline: float) -> bool:
         """The file exists: take it over if stale, retry, or raise. True: we hold it."""
-        got = _flock(fd)
+        got = try_flock(fd)
         info = _parse_info(_read_fd(fd))
         if got is True and not _same_file(fd, self.path):
             os.close(fd)  # released and maybe re-created meanwhile
