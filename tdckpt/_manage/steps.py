@@ -133,32 +133,32 @@ class StepIndex:
 
     @staticmethod
     def _manifest_bytes(where: Path, kind: str, size: int) -> bytes:
-        if kind == "dir":
-            if size > _MAX_MANIFEST_BYTES:
-                raise MetadataError(
-                    f"{where}: {size} bytes, too large for a manifest.", path=str(where)
-                )
-            with open(where, "rb") as fh:
-                return fh.read(_MAX_MANIFEST_BYTES + 1)
+        # Opened once, never through a link and without blocking (a FIFO swapped in after
+        # the stat above must not hang a listing), then judged on the open file.
         try:
-            with zipfile.ZipFile(where) as zf:
-                info = zf.getinfo(MANIFEST_NAME)
-                if info.file_size > _MAX_MANIFEST_BYTES:
+            fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise MetadataError(
+                f"{where}: cannot be opened ({exc.strerror}); expected the step's manifest "
+                "as a regular file. The step is damaged or was changed while being read.",
+                path=str(where),
+            ) from exc
+        with open(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise MetadataError(
+                    f"{where}: not a regular file; expected the step's manifest. The step is "
+                    "damaged or was changed while being read.",
+                    path=str(where),
+                )
+            if kind == "dir":
+                if st.st_size > _MAX_MANIFEST_BYTES:
                     raise MetadataError(
-                        f"{where}: its manifest is {info.file_size} bytes, too large.",
+                        f"{where}: {st.st_size} bytes, too large for a manifest.",
                         path=str(where),
                     )
-                return zf.read(info)
-        except KeyError as exc:
-            raise MetadataError(
-                f"{where}: the archive holds no {MANIFEST_NAME}; it was not written by tdckpt.",
-                path=str(where),
-            ) from exc
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise MetadataError(
-                f"{where}: not a readable archive ({exc}); it is truncated or damaged.",
-                path=str(where),
-            ) from exc
+                return fh.read(_MAX_MANIFEST_BYTES + 1)
+            return _archive_manifest(where, fh)
 
     def entries(self) -> dict[int, dict[str, Path]]:
         """Every step-named entry of the root, committed or not: step -> kind -> path."""
@@ -278,3 +278,26 @@ class StepIndex:
             raise self.not_found(step)
         path, manifest = preferred(forms, archive=archive)
         return step, path, manifest
+
+
+def _archive_manifest(where: Path, fh: Any) -> bytes:
+    """The manifest entry of a step archive read from the open file ``fh`` (size-capped)."""
+    try:
+        with zipfile.ZipFile(fh) as zf:
+            info = zf.getinfo(MANIFEST_NAME)
+            if info.file_size > _MAX_MANIFEST_BYTES:
+                raise MetadataError(
+                    f"{where}: its manifest is {info.file_size} bytes, too large.",
+                    path=str(where),
+                )
+            return zf.read(info)
+    except KeyError as exc:
+        raise MetadataError(
+            f"{where}: the archive holds no {MANIFEST_NAME}; it was not written by tdckpt.",
+            path=str(where),
+        ) from exc
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise MetadataError(
+            f"{where}: not a readable archive ({exc}); it is truncated or damaged.",
+            path=str(where),
+        ) from exc
