@@ -35,7 +35,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tdckpt._manage.steps import StepIndex, StepStatus, preferred
 from tdckpt._manage.verify import (
@@ -57,6 +57,9 @@ from tdckpt.errors import (
 )
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
 from tdckpt.schema import Manifest
+
+if TYPE_CHECKING:
+    from tdckpt._read.pipeline import OpenedCheckpoint
 
 __all__ = ["CheckpointManager", "StepStatus", "VerifyProblem", "VerifyReport"]
 
@@ -528,17 +531,19 @@ class CheckpointManager:
             IntegrityError: ``verify=True`` and the step is damaged (every problem listed).
             RestoreError: ``strict=True`` and the keys differ (``.missing``/``.unexpected``).
         """
-        from tdckpt._restore.engine import load_memmap, load_memmap_
+        from tdckpt._restore.engine import _Builder, _check_args, restore_in_place
+        from tdckpt._restore.keys import key_difference, saved_structure, target_structure
 
+        _check_args(True, allow_pickle, mode)
         with self._using(step) as (resolved, path, manifest):
             if verify:
                 self._verified(resolved, path, manifest)
-            if strict:
-                probe = load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
-                saved, target = _structure(probe), _structure(td)
-                if saved != target:
-                    missing = sorted(target - saved)
-                    unexpected = sorted(saved - target)
+
+            def same_keys(opened: OpenedCheckpoint) -> None:
+                # On the validated node tree, before any leaf is mapped or value unpickled.
+                saved = saved_structure(opened, _Builder)
+                missing, unexpected = key_difference(saved, target_structure(td, opaque=saved.opaque))
+                if missing or unexpected:
                     raise RestoreError(
                         f"{path}: step {resolved} does not have the target's keys (strict=True); "
                         f"nothing was changed. In the target but not the checkpoint: "
@@ -550,7 +555,10 @@ class CheckpointManager:
                         missing=missing,
                         unexpected=unexpected,
                     )
-            load_memmap_(td, path, True, allow_pickle=allow_pickle, mode=mode)
+
+            restore_in_place(
+                td, path, True, allow_pickle=allow_pickle, mode=mode, check=same_keys if strict else None
+            )
         return td
 
     def restore(
@@ -576,37 +584,6 @@ class CheckpointManager:
             if verify:
                 self._verified(resolved, path, manifest)
             return load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
-
-
-def _structure(obj: Any) -> set[tuple[str, ...]]:
-    """Every nested key of ``obj`` (inner nodes and leaves; non-tensor data are leaves)."""
-    out: set[tuple[str, ...]] = set()
-
-    def walk(node: Any, prefix: tuple[str, ...]) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                out.add((*prefix, str(k)))
-                walk(v, (*prefix, str(k)))
-            return
-        try:
-            from tensordict import LazyStackedTensorDict, is_leaf_nontensor, is_tensor_collection
-        except ImportError:  # pragma: no cover - no tensordict: only dicts and leaves
-            return
-        if not is_tensor_collection(node) or is_leaf_nontensor(type(node)):
-            return
-        if isinstance(node, LazyStackedTensorDict):
-            # Member by member: members may hold different keys, and tensordict's own
-            # nested key walk raises on such a stack.
-            for i, member in enumerate(node.tensordicts):
-                out.add((*prefix, str(i)))
-                walk(member, (*prefix, str(i)))
-            return
-        for key in node.keys():
-            out.add((*prefix, key))
-            walk(node.get(key), (*prefix, key))
-
-    walk(obj, ())
-    return out
 
 
 def _show_keys(keys: list[tuple[str, ...]], limit: int = 10) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -52,7 +52,7 @@ from tdckpt._restore.policy import check_allow_pickle, resolve_pickle_policy, us
 from tdckpt.errors import RestoreError, TdckptError, ValidationError
 from tdckpt.warnings import TdckptWarning
 
-__all__ = ["load_memmap", "load_memmap_", "open_for_restore"]
+__all__ = ["load_memmap", "load_memmap_", "open_for_restore", "restore_in_place"]
 
 _MODES = (None, "r", "r+")
 
@@ -433,12 +433,29 @@ def load_memmap_(
         (True, ['a'], [1.0, 1.0, 1.0])
     """
     _check_args(robust_key, allow_pickle, mode)
+    return restore_in_place(target, prefix, robust_key, allow_pickle=allow_pickle, mode=mode)
+
+
+def restore_in_place(
+    target: Any,
+    prefix: str | os.PathLike[str],
+    robust_key: bool | None,
+    *,
+    allow_pickle: bool | None,
+    mode: str | None,
+    check: Callable[[OpenedCheckpoint], None] | None = None,
+) -> Any:
+    """:func:`load_memmap_` (arguments already checked), with ``check(opened)`` run on the
+    validated checkpoint after the pickle policy and before any leaf is mapped or value
+    unpickled: whatever it raises leaves the target untouched."""
     # Plain try/finally rather than context managers: this is the hot path of small restores.
     gc_enabled = gc.isenabled()
     gc.disable()  # as _gc_paused()
     try:
         opened, unpickle = open_for_restore(prefix, robust_key=robust_key, allow_pickle=allow_pickle)
         try:
+            if check is not None:
+                check(opened)
             restore_into_target(
                 target, opened, mode=mode, unpickle=unpickle, builder_factory=_Builder  # type: ignore[arg-type]
             )

@@ -1,0 +1,176 @@
+"""The key structure of a restore, for ``CheckpointManager.restore_into(strict=True)``.
+
+:func:`saved_structure` reads every nested key a restore of the validated node tree would
+give, without mapping a leaf or unpickling a value; :func:`target_structure` reads the same
+from the object a restore would load into. The strict check compares the two before the
+restore starts, so a mismatch is refused with the target untouched and nothing mapped.
+
+The rules, the same on both sides: every level's keys, nested levels walked (a lazy stack
+member by member, its members keyed ``"0"``, ``"1"``...; a tensorclass through the
+tensordict that holds its fields); tensors and non-tensor data are leaves. A sub-tensordict
+or lazy view shows the keys that tensordict's view of its source shows: it is built over
+structure-only (``device="meta"``) leaves and walked as the target is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tdckpt._read.nodes import (
+    LazyStackNode,
+    LazyViewNode,
+    LeafNode,
+    Node,
+    NonTensorNode,
+    NonTensorStackNode,
+    SubTensorDictNode,
+    TensorClassNode,
+    TensorDictNode,
+)
+from tdckpt._read.pipeline import OpenedCheckpoint
+from tdckpt._restore.plan import Mapper, has_tensordict
+
+__all__ = ["Key", "SavedStructure", "key_difference", "saved_structure", "target_structure"]
+
+Key = tuple[str, ...]
+
+
+class SavedStructure:
+    """What a restore of the checkpoint gives: its keys, and where values are opaque.
+
+    ``opaque``: the keys of non-tensor data (a plain dict there in the target is a value).
+    ``open``: levels whose other keys are only known by unpickling (without tensordict, a
+    tensorclass with pickled fields): the target's extra keys there are not compared.
+    """
+
+    __slots__ = ("keys", "opaque", "open")
+
+    def __init__(self, keys: set[Key], opaque: set[Key], open: set[Key]) -> None:
+        self.keys = keys
+        self.opaque = opaque
+        self.open = open
+
+
+def key_difference(saved: SavedStructure, target: set[Key]) -> tuple[list[Key], list[Key]]:
+    """``(missing, unexpected)``: sorted keys in the target only, in the checkpoint only."""
+    missing = target - saved.keys
+    if saved.open:
+        missing = {k for k in missing if not any(k[:j] in saved.open and k[: j + 1] not in saved.keys for j in range(len(k)))}
+    return sorted(missing), sorted(saved.keys - target)
+
+
+def saved_structure(opened: OpenedCheckpoint, builder_factory: Any) -> SavedStructure:
+    """Every nested key of the validated checkpoint, as a restore of it holds them.
+
+    Reads no leaf and unpickles nothing. ``builder_factory`` builds a view's structure
+    (``engine._Builder``); it is only called for sub-tensordicts and lazy views.
+    """
+    root = opened.root
+    assert root is not None
+    with_td = has_tensordict()
+    keys: set[Key] = set()
+    opaque: set[Key] = set()
+    open_: set[Key] = set()
+    builder: list[Any] = []  # made on the first view
+
+    def view_keys(node: Node, prefix: Key) -> None:
+        if not builder:
+            meta = Mapper(opened.storage, "r", torch.device("meta"))
+            builder.append(builder_factory(opened, meta, False))
+        built = builder[0].build(node)
+        keys.update(target_structure(built, prefix=prefix) - {prefix})
+
+    # An explicit stack rather than recursion: a deep checkpoint is not a RecursionError.
+    stack: list[tuple[Node, Key]] = [(root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        kind = type(node)
+        if kind is LeafNode:
+            continue
+        if kind is TensorDictNode:
+            children = node.entries.items()  # type: ignore[union-attr]
+        elif kind is LazyStackNode:
+            if not with_td:  # a plain list of members: a leaf for the walk
+                continue
+            children = ((str(i), m) for i, m in enumerate(node.members))  # type: ignore[union-attr]
+        elif kind is TensorClassNode:
+            assert isinstance(node, TensorClassNode)
+            children = node.inner.entries.items()
+            if not with_td:  # a plain dict: its tensordict's entries and its fields
+                fields = {k: v for k, v in node.fields.items() if k not in node.inner.entries}
+                for k in fields:
+                    keys.add((*prefix, k))
+                    opaque.add((*prefix, k))
+                if node.pickle is not None:
+                    # Fields in other.pickle: their names are only known once unpickled,
+                    # which the check never does; the target's keys there are not compared.
+                    open_.add(prefix)
+        elif kind in (NonTensorNode, NonTensorStackNode):
+            opaque.add(prefix)
+            continue
+        elif kind in (SubTensorDictNode, LazyViewNode):
+            if with_td:
+                view_keys(node, prefix)
+            else:  # materialized as nested dicts: the keys of its source
+                stack.append((node.source, prefix))  # type: ignore[union-attr]
+            continue
+        else:  # pragma: no cover - every node kind is handled above
+            raise AssertionError(kind)
+        for k, sub in children:
+            key = (*prefix, k)
+            keys.add(key)
+            stack.append((sub, key))
+    return SavedStructure(keys, opaque, open_)
+
+
+def target_structure(obj: Any, *, opaque: set[Key] | frozenset[Key] = frozenset(), prefix: Key = ()) -> set[Key]:
+    """Every nested key of ``obj`` (inner levels and leaves), under ``prefix``.
+
+    Tensors and non-tensor data are leaves; a tensorclass shows the keys of the tensordict
+    that holds its fields. A plain dict at a key in ``opaque`` (where the checkpoint holds
+    non-tensor data) is a value, not a level.
+    """
+    out: set[Key] = set()
+    try:
+        from tensordict import (
+            LazyStackedTensorDict,
+            TensorDict,
+            is_leaf_nontensor,
+            is_tensor_collection,
+            is_tensorclass,
+        )
+    except ImportError:
+        tensordict = False
+    else:
+        tensordict = True
+    stack: list[tuple[Any, Key]] = [(obj, prefix)]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, dict):
+            if at in opaque:
+                continue
+            for k, v in node.items():
+                key = (*at, str(k))
+                out.add(key)
+                stack.append((v, key))
+            continue
+        if not tensordict or not is_tensor_collection(node) or is_leaf_nontensor(type(node)):
+            continue
+        if is_tensorclass(node):
+            node = node._tensordict  # its non-tensor fields are leaves, never unwrapped values
+        if isinstance(node, LazyStackedTensorDict):
+            # Member by member: members may hold different keys, and tensordict's own
+            # nested key walk raises on such a stack.
+            for i, member in enumerate(node.tensordicts):
+                key = (*at, str(i))
+                out.add(key)
+                stack.append((member, key))
+            continue
+        items = node._tensordict.items() if type(node) is TensorDict else ((k, node.get(k)) for k in node.keys())
+        for k, v in items:
+            key = (*at, k)
+            out.add(key)
+            stack.append((v, key))
+    return out
