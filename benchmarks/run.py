@@ -1,9 +1,12 @@
 """tdckpt benchmarks: one command, every ratio measured against its baseline in the same run.
 
-    python benchmarks/run.py [restore|save|verify|upgrade ...] [--quick]
+    python benchmarks/run.py [restore|restore_into|save|verify|upgrade ...] [--quick]
 
 * restore: ``tdckpt.load_memmap_`` vs tensordict's ``td.load_memmap_`` on the same
-  checkpoints (10, 1,000 and 10,000 leaves; one 1 GiB leaf vs one 1 KiB leaf).
+  checkpoints (10, 1,000 and 10,000 leaves; one 1 GiB leaf vs one 1 KiB leaf), and
+  restore_into.
+* restore_into: ``CheckpointManager.restore_into`` (strict) vs tensordict's ``td.load_memmap_``
+  on the same committed step of 10,000 leaves, ``tdckpt.load_memmap_`` of it beside them.
 * save: ``CheckpointManager.save`` (checksums + fsync) vs ``td.memmap(prefix)``.
 * verify: ``CheckpointManager.verify`` vs ``sha256sum`` over the same files.
 * upgrade: ``tdckpt upgrade`` of a legacy (tensordict 0.12-layout) checkpoint with a 1 GiB
@@ -110,6 +113,7 @@ def bench_restore(work: Path, quick: bool) -> None:
                 lambda t: t.load_memmap_(prefix), lambda t: tdckpt.load_memmap_(t, prefix), reps, target, cold=cold
             )
             row(f"{n} leaves ({'cold' if cold else 'warm'})", base, ours, "tensordict")
+    bench_restore_into(work, quick)
     big = 64 * 1024**2 if quick else GiB
     results = {}
     for label, nbytes in (("1 KiB leaf", 1024), (f"{big // 1024**2} MiB leaf", big)):
@@ -129,6 +133,35 @@ def bench_restore(work: Path, quick: bool) -> None:
         shutil.rmtree(prefix)
     small, large = results.values()
     print(f"  big leaf / small leaf restore time (cold): {large / small:.2f} (metadata-only restore: ~1)")
+
+
+def bench_restore_into(work: Path, quick: bool) -> None:
+    """``CheckpointManager.restore_into`` (strict, the default) vs tensordict's ``load_memmap_``
+    on the same committed step; ``tdckpt.load_memmap_`` of that step beside it."""
+    from tensordict import TensorDict
+
+    import tdckpt
+
+    n = 1000 if quick else 10000
+    mgr = tdckpt.CheckpointManager(work / "managed", fsync=False)
+    mgr.save(1, _flat_td(n))
+    step = mgr.path(1)
+
+    def target() -> Any:
+        return TensorDict({f"k{i}": torch.zeros(4) for i in range(n)}, batch_size=[4])
+
+    print(f"restore_into: CheckpointManager.restore_into (strict) vs tensordict td.load_memmap_, {n} leaves")
+    for cold in (True, False):
+        when = "cold" if cold else "warm"
+        base, ours = head_to_head(
+            lambda t: t.load_memmap_(step), lambda t: mgr.restore_into(t, allow_pickle=False), 3, target, cold=cold
+        )
+        row(f"restore_into ({when})", base, ours, "tensordict")
+        base, ours = head_to_head(
+            lambda t: t.load_memmap_(step), lambda t: tdckpt.load_memmap_(t, step, allow_pickle=False), 3, target, cold=cold
+        )
+        row(f"load_memmap_ of the step ({when})", base, ours, "tensordict")
+    shutil.rmtree(work / "managed")
 
 
 def bench_save(work: Path, quick: bool) -> None:
@@ -266,7 +299,13 @@ def bench_upgrade(work: Path, quick: bool) -> None:
             shutil.rmtree(src)
 
 
-BENCHES = {"restore": bench_restore, "save": bench_save, "verify": bench_verify, "upgrade": bench_upgrade}
+BENCHES = {
+    "restore": bench_restore,
+    "restore_into": bench_restore_into,  # also part of "restore"; alone, for a quick look
+    "save": bench_save,
+    "verify": bench_verify,
+    "upgrade": bench_upgrade,
+}
 
 
 def main() -> int:
@@ -279,7 +318,7 @@ def main() -> int:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHES)}")
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="tdckpt-bench-") as tmp:
-        for name in args.which or BENCHES:
+        for name in args.which or [b for b in BENCHES if b != "restore_into"]:
             BENCHES[name](Path(tmp), args.quick)
     return 0
 
