@@ -298,3 +298,59 @@ def test_views_show_the_keys_tensordict_shows(tmp_path: Path, name: str) -> None
         opened.close()
     assert saved.keys == target_structure(restored, opaque=saved.opaque)
     assert ("v",) in saved.keys and len(saved.keys) > 1
+
+
+# -- without tensordict ------------------------------------------------------------------------
+
+_NO_TD_CHILD = """
+import json, sys, warnings
+sys.modules["tensordict"] = None
+warnings.simplefilter("ignore")
+from tdckpt._read.pipeline import open_checkpoint
+from tdckpt._restore.engine import _Builder, load_memmap
+from tdckpt._restore.keys import saved_structure, target_structure
+from tdckpt.errors import RestoreError
+from tdckpt.manager import CheckpointManager
+out = {}
+for prefix in sys.argv[2:]:
+    opened = open_checkpoint(prefix, robust_key=True)
+    saved = saved_structure(opened, _Builder)
+    opened.close()
+    out[prefix] = saved.keys == target_structure(load_memmap(prefix, allow_pickle=True), opaque=saved.opaque)
+mgr = CheckpointManager(sys.argv[1], fsync=False)
+target = mgr.restore(allow_pickle=True)
+out["same"] = mgr.restore_into(target, allow_pickle=True) is target
+target["lvl1"]["new"] = 0
+try:
+    mgr.restore_into(target, allow_pickle=True)
+except RestoreError as exc:
+    out["missing"] = exc.missing
+print(json.dumps(out))
+"""
+
+
+def test_node_tree_keys_without_tensordict(tmp_path: Path) -> None:
+    """The plain-dict back-end: lazy stacks are lists, tensorclasses and non-tensor values
+    dicts and values; the node walk gives the keys of what that restore returns."""
+    import json
+    import subprocess
+
+    from conftest import copy_case, subprocess_env
+
+    names = ["nested", "non_tensor_json", "non_tensor_lossy", "lazy_stack", "tensorclass", "tensorclass_in_td"]
+    prefixes = [str(copy_case(tmp_path, "0.15.3", name)) for name in names]
+    with reference():
+        content = load_memmap(copy_case(tmp_path / "m", "0.15.3", "nested"), allow_pickle=False)
+    CheckpointManager(tmp_path / "run", fsync=False).save(1, content)
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_TD_CHILD, str(tmp_path / "run"), *prefixes],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        env=subprocess_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result.pop("missing") == [["lvl1", "new"]]
+    assert result == {**{p: True for p in prefixes}, "same": True}
