@@ -32,7 +32,7 @@ from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict  # noqa:
 from tdckpt._read.archive import ArchiveStorage  # noqa: E402
 from tdckpt._read.pipeline import open_checkpoint  # noqa: E402
 from tdckpt._read.storage import DirectoryStorage  # noqa: E402
-from tdckpt._restore.engine import _Builder, load_memmap  # noqa: E402
+from tdckpt._restore.engine import _Builder, load_memmap, open_for_restore  # noqa: E402
 from tdckpt._restore.keys import saved_structure, target_structure  # noqa: E402
 from tdckpt.errors import RestoreError, TdckptError  # noqa: E402
 from tdckpt.manager import CheckpointManager  # noqa: E402
@@ -230,6 +230,23 @@ def test_key_mismatch_is_refused_before_any_map(
     assert len(unpickled) == PICKLED
 
 
+def test_a_checkpoint_saved_on_a_gpu_restores_strictly(tmp_path: Path) -> None:
+    """The former probe built a new object, which refuses a level recorded on another device
+    than the CPU (its leaves are CPU maps); the in-place restore takes the target's device,
+    as ``tdckpt.load_memmap_`` always did. (meta.json edited as tensordict writes it on a GPU.)"""
+    import json
+
+    mgr, path = _saved(tmp_path, pickles=False)
+    for meta in (path / "meta.json", path / "n" / "meta.json", path / "n" / "m" / "meta.json"):
+        saved = json.loads(meta.read_text())
+        assert saved["device"] == "cpu"
+        saved["device"] = "cuda:0"
+        meta.write_text(json.dumps(saved))
+    target = _content(0.0, pickles=False)
+    assert mgr.restore_into(target) is target
+    assert target["n", "m", "c"].tolist() == [1.0, 1.0] and target.device is None
+
+
 # -- the rules ---------------------------------------------------------------------------------
 
 
@@ -258,8 +275,12 @@ def test_node_tree_keys_are_the_restored_objects_keys(fc: Any) -> None:
         warnings.simplefilter("ignore")  # content the writer lost: reported, not the point here
         try:
             restored = load_memmap(fc.target, robust_key=True, allow_pickle=True)
-        except TdckptError:
-            pytest.skip("not restorable (refused on purpose)")
+        except TdckptError as exc:
+            # Refused on purpose (a writer put files outside the checkpoint, ...): refused
+            # when opened, before the key check, so a strict restore_into says the same.
+            with pytest.raises(type(exc)):
+                open_for_restore(fc.target, robust_key=True, allow_pickle=True)[0].close()
+            return
         opened = open_checkpoint(fc.target, robust_key=True)
     try:
         saved = saved_structure(opened, _Builder)
