@@ -531,7 +531,7 @@ class CheckpointManager:
             IntegrityError: ``verify=True`` and the step is damaged (every problem listed).
             RestoreError: ``strict=True`` and the keys differ (``.missing``/``.unexpected``).
         """
-        from tdckpt._restore.engine import _Builder, _check_args, restore_in_place
+        from tdckpt._restore.engine import _check_args, restore_in_place
         from tdckpt._restore.keys import key_difference, saved_structure, target_structure
 
         _check_args(True, allow_pickle, mode)
@@ -541,7 +541,7 @@ class CheckpointManager:
 
             def same_keys(opened: OpenedCheckpoint) -> None:
                 # On the validated node tree, before any leaf is mapped or value unpickled.
-                saved = saved_structure(opened, _Builder)
+                saved = saved_structure(opened)
                 missing, unexpected = key_difference(saved, target_structure(td, opaque=saved.opaque))
                 if missing or unexpected:
                     raise RestoreError(

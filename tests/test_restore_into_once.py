@@ -27,13 +27,13 @@ from conftest import EXTRA_FIXTURES, FIXTURES, fixture_cases
 tensordict = pytest.importorskip("tensordict")
 
 import fixture_types  # noqa: E402
-from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict  # noqa: E402
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 
 from tdckpt._read.archive import ArchiveStorage  # noqa: E402
 from tdckpt._read.pipeline import open_checkpoint  # noqa: E402
 from tdckpt._read.storage import DirectoryStorage  # noqa: E402
-from tdckpt._restore.engine import _Builder, load_memmap, open_for_restore  # noqa: E402
-from tdckpt._restore.keys import saved_structure, target_structure  # noqa: E402
+from tdckpt._restore.engine import load_memmap, open_for_restore, restore_in_place  # noqa: E402
+from tdckpt._restore.keys import key_difference, saved_structure, target_structure  # noqa: E402
 from tdckpt.errors import RestoreError, TdckptError  # noqa: E402
 from tdckpt.manager import CheckpointManager  # noqa: E402
 from tdckpt.warnings import TdckptDeprecationWarning  # noqa: E402
@@ -283,7 +283,7 @@ def test_node_tree_keys_are_the_restored_objects_keys(fc: Any) -> None:
             return
         opened = open_checkpoint(fc.target, robust_key=True)
     try:
-        saved = saved_structure(opened, _Builder)
+        saved = saved_structure(opened)
     finally:
         opened.close()
     assert saved.keys == target_structure(restored, opaque=saved.opaque)
@@ -301,24 +301,50 @@ def _views() -> dict[str, Any]:
     src["nt"] = NonTensorData("hello", batch_size=[3])
     out = {f"nested_{k}": TensorDict(v=v, x=torch.zeros(())) for k, v in views().items()}
     out.update({f"stack_{i}": TensorDict(v=src._get_sub_tensordict(idx)) for i, idx in enumerate((slice(0, 2), 1, torch.tensor([2, 0])))})
+    # pickled non-tensor data (a value, a stack of values, a tensorclass field) under a view
+    pickled = TensorDict(a=torch.zeros(3, 2), batch_size=[3])
+    pickled["ns"] = NonTensorStack(*(NonTensorData(Counted(f"s{i}")) for i in range(3)))
+    pickled.set_non_tensor("p", Counted("p"))
+    pickled["tc"] = fixture_types.FixtureTC(
+        obs=torch.ones(3, 1), reward=torch.ones(3), label="l", extra=Counted("tc"), batch_size=[3]
+    )
+    out.update({f"pickled_{i}": TensorDict(v=pickled._get_sub_tensordict(idx)) for i, idx in enumerate((slice(0, 2), 1))})
     return out
 
 
 @pytest.mark.parametrize("name", sorted(_views()))
-def test_views_show_the_keys_tensordict_shows(tmp_path: Path, name: str) -> None:
+def test_views_show_the_keys_tensordict_shows(
+    tmp_path: Path, name: str, maps: Counter[str], unpickled: list[str]
+) -> None:
     """A nested sub-tensordict or lazy view: its keys (a lazy stack under an index included)
     are those of the restored view, and a strict restore into a same-keyed target works."""
     content = _views()[name]
     with reference():
         content.memmap(tmp_path / "ckpt")
-    restored = load_memmap(tmp_path / "ckpt", allow_pickle=False)
+    restored = load_memmap(tmp_path / "ckpt", allow_pickle=True)
+    unpickled.clear()
     opened = open_checkpoint(tmp_path / "ckpt", robust_key=True)
     try:
-        saved = saved_structure(opened, _Builder)
+        saved = saved_structure(opened)
     finally:
         opened.close()
+    assert unpickled == []  # the view's stand-ins unpickle nothing
     assert saved.keys == target_structure(restored, opaque=saved.opaque)
     assert ("v",) in saved.keys and len(saved.keys) > 1
+    # restore_into's pipeline (the manager saves no views: tensordict wrote this one)
+    target = load_memmap(tmp_path / "ckpt", allow_pickle=True)
+    maps.clear()
+    unpickled.clear()
+
+    def same_keys(opened: Any) -> None:
+        saved = saved_structure(opened)
+        assert key_difference(saved, target_structure(target, opaque=saved.opaque)) == ([], [])
+        assert sum(maps.values()) == 0 and unpickled == []
+
+    restore_in_place(target, tmp_path / "ckpt", True, allow_pickle=True, mode="r", check=same_keys)
+    assert maps and set(maps.values()) == {1}
+    # the view's source is saved whole: each of its five values unpickled once
+    assert sorted(unpickled) == (["p", "s0", "s1", "s2", "tc"] if name.startswith("pickled") else [])
 
 
 # -- without tensordict ------------------------------------------------------------------------
@@ -328,14 +354,14 @@ import json, sys, warnings
 sys.modules["tensordict"] = None
 warnings.simplefilter("ignore")
 from tdckpt._read.pipeline import open_checkpoint
-from tdckpt._restore.engine import _Builder, load_memmap
+from tdckpt._restore.engine import load_memmap
 from tdckpt._restore.keys import saved_structure, target_structure
 from tdckpt.errors import RestoreError
 from tdckpt.manager import CheckpointManager
 out = {}
 for prefix in sys.argv[2:]:
     opened = open_checkpoint(prefix, robust_key=True)
-    saved = saved_structure(opened, _Builder)
+    saved = saved_structure(opened)
     opened.close()
     out[prefix] = saved.keys == target_structure(load_memmap(prefix, allow_pickle=True), opaque=saved.opaque)
 mgr = CheckpointManager(sys.argv[1], fsync=False)

@@ -286,6 +286,24 @@ class _Builder:
         return td
 
 
+class _StructureBuilder(_Builder):
+    """Builds stand-ins with a restore's keys, for the strict key check of a view's keys.
+
+    Leaves are ``device="meta"`` tensors (the mapper's structure-only mode), non-tensor data
+    a meta tensor of its level's batch size (a leaf, indexed as a view indexes it), a
+    tensorclass its tensordict (the keys it shows): nothing is read, unpickled or run.
+    """
+
+    def build(
+        self, node: Node, batch: tuple[int, ...] = (), parent_device: torch.device | None = None
+    ) -> Any:
+        if isinstance(node, (NonTensorNode, NonTensorStackNode)):
+            return torch.empty(batch, device="meta")
+        if isinstance(node, TensorClassNode):
+            return self.tensordict(node.inner)
+        return super().build(node, batch, parent_device)
+
+
 def _check_plain_view(node: SubTensorDictNode | LazyViewNode, where: str) -> None:
     if isinstance(node, LazyViewNode):
         values = [v for v in node.kwargs.values()]

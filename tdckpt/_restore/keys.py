@@ -9,7 +9,8 @@ The rules, the same on both sides: every level's keys, nested levels walked (a l
 member by member, its members keyed ``"0"``, ``"1"``...; a tensorclass through the
 tensordict that holds its fields); tensors and non-tensor data are leaves. A sub-tensordict
 or lazy view shows the keys that tensordict's view of its source shows: it is built over
-structure-only (``device="meta"``) leaves and walked as the target is.
+structure-only stand-ins (``device="meta"`` tensors for its leaves and non-tensor data, a
+tensorclass's own tensordict for the tensorclass) and walked as the target is.
 """
 
 from __future__ import annotations
@@ -61,11 +62,11 @@ def key_difference(saved: SavedStructure, target: set[Key]) -> tuple[list[Key], 
     return sorted(missing), sorted(saved.keys - target)
 
 
-def saved_structure(opened: OpenedCheckpoint, builder_factory: Any) -> SavedStructure:
+def saved_structure(opened: OpenedCheckpoint) -> SavedStructure:
     """Every nested key of the validated checkpoint, as a restore of it holds them.
 
-    Reads no leaf and unpickles nothing. ``builder_factory`` builds a view's structure
-    (``engine._Builder``); it is only called for sub-tensordicts and lazy views.
+    Reads no leaf and unpickles nothing (a view is built over structure-only leaves, see
+    ``engine._StructureBuilder``).
     """
     root = opened.root
     assert root is not None
@@ -77,8 +78,10 @@ def saved_structure(opened: OpenedCheckpoint, builder_factory: Any) -> SavedStru
 
     def view_keys(node: Node, prefix: Key) -> None:
         if not builder:
+            from tdckpt._restore.engine import _StructureBuilder
+
             meta = Mapper(opened.storage, "r", torch.device("meta"))
-            builder.append(builder_factory(opened, meta, False))
+            builder.append(_StructureBuilder(opened, meta, False))
         built = builder[0].build(node)
         keys.update(target_structure(built, prefix=prefix) - {prefix})
 
