@@ -150,17 +150,23 @@ def bench_restore_into(work: Path, quick: bool) -> None:
     def target() -> Any:
         return TensorDict({f"k{i}": torch.zeros(4) for i in range(n)}, batch_size=[4])
 
-    print(f"restore_into: CheckpointManager.restore_into (strict) vs tensordict td.load_memmap_, {n} leaves")
+    print(f"restore_into: CheckpointManager.restore_into (strict) vs td.load_memmap_, {n} leaves")
+
+    def theirs(t: Any) -> None:
+        t.load_memmap_(step)
+
+    def managed(t: Any) -> None:
+        mgr.restore_into(t, allow_pickle=False)
+
+    def plain(t: Any) -> None:
+        tdckpt.load_memmap_(t, step, allow_pickle=False)
+
     for cold in (True, False):
         when = "cold" if cold else "warm"
-        base, ours = head_to_head(
-            lambda t: t.load_memmap_(step), lambda t: mgr.restore_into(t, allow_pickle=False), 3, target, cold=cold
-        )
+        base, ours = head_to_head(theirs, managed, 3, target, cold=cold)
         row(f"restore_into ({when})", base, ours, "tensordict")
-        base, ours = head_to_head(
-            lambda t: t.load_memmap_(step), lambda t: tdckpt.load_memmap_(t, step, allow_pickle=False), 3, target, cold=cold
-        )
-        row(f"load_memmap_ of the step ({when})", base, ours, "tensordict")
+        base, ours = head_to_head(theirs, plain, 3, target, cold=cold)
+        row(f"tdckpt.load_memmap_ ({when})", base, ours, "tensordict")
     shutil.rmtree(work / "managed")
 
 

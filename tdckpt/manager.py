@@ -523,8 +523,12 @@ class CheckpointManager:
             verify: first re-read every file and compare it with the manifest; on any
                 mismatch raise :class:`~tdckpt.errors.IntegrityError` with ``td`` untouched.
             strict: refuse (:class:`~tdckpt.errors.RestoreError`, ``td`` untouched) when
-                ``td``'s keys differ from the checkpoint's; with False, ``td`` takes the
-                checkpoint's structure (keys the checkpoint lacks are removed).
+                ``td``'s keys differ from the checkpoint's - compared on the validated
+                metadata, before any file is mapped or value unpickled, so the step is
+                restored once either way; with False, ``td`` takes the checkpoint's
+                structure (keys the checkpoint lacks are removed). Keys are compared at
+                every level (lazy stacks member by member); tensors and non-tensor data,
+                a tensorclass's non-tensor fields included, are leaves.
 
         Raises:
             CheckpointNotFoundError: no such step.

@@ -70,7 +70,9 @@ def maps(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     for cls in (DirectoryStorage, ArchiveStorage):
         original = cls.map
 
-        def counting(self: Any, rel: str, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+        def counting(
+            self: Any, rel: str, *args: Any, _original: Any = original, **kwargs: Any
+        ) -> Any:
             counts[rel] += 1
             return _original(self, rel, *args, **kwargs)
 
@@ -90,12 +92,22 @@ def _content(value: float, *, pickles: bool = True) -> TensorDict:
     ``pickles``) pickled non-tensor data at the root, in a nested level and in a stack member."""
     td = TensorDict(
         a=torch.full((2,), value),
-        n=TensorDict(b=torch.full((2, 3), value), m=TensorDict(c=torch.full((2,), value), batch_size=[2]), batch_size=[2]),
+        n=TensorDict(
+            b=torch.full((2, 3), value),
+            m=TensorDict(c=torch.full((2,), value), batch_size=[2]),
+            batch_size=[2],
+        ),
         s=LazyStackedTensorDict(
-            TensorDict(x=torch.full((3,), value)), TensorDict(y=torch.full((4,), value)), stack_dim=0
+            TensorDict(x=torch.full((3,), value)),
+            TensorDict(y=torch.full((4,), value)),
+            stack_dim=0,
         ),
         tc=fixture_types.FixtureTC(
-            obs=torch.full((2, 1), value), reward=torch.full((2,), value), label="l", extra=None, batch_size=[2]
+            obs=torch.full((2, 1), value),
+            reward=torch.full((2,), value),
+            label="l",
+            extra=None,
+            batch_size=[2],
         ),
         batch_size=[2],
     )
@@ -111,7 +123,9 @@ def _content(value: float, *, pickles: bool = True) -> TensorDict:
 PICKLED = 3
 
 
-def _saved(tmp_path: Path, *, archive: bool = False, pickles: bool = True) -> tuple[CheckpointManager, Path]:
+def _saved(
+    tmp_path: Path, *, archive: bool = False, pickles: bool = True
+) -> tuple[CheckpointManager, Path]:
     mgr = CheckpointManager(tmp_path / "run", fsync=False, archive=archive)
     path = mgr.save(1, _content(1.0, pickles=pickles))
     return mgr, path
@@ -125,7 +139,9 @@ def _line() -> int:
 
 
 @pytest.mark.parametrize("archive", [False, True], ids=["directory", "archive"])
-def test_strict_restore_into_maps_each_leaf_once(tmp_path: Path, archive: bool, maps: Counter[str]) -> None:
+def test_strict_restore_into_maps_each_leaf_once(
+    tmp_path: Path, archive: bool, maps: Counter[str]
+) -> None:
     mgr, _ = _saved(tmp_path, archive=archive, pickles=False)
     mgr.restore(1)  # a new object: each leaf file mapped once
     leaves = len(maps)
@@ -138,7 +154,9 @@ def test_strict_restore_into_maps_each_leaf_once(tmp_path: Path, archive: bool, 
     assert target["s"].tensordicts[1]["y"].tolist() == [1.0] * 4
 
 
-def test_strict_restore_into_unpickles_once(tmp_path: Path, maps: Counter[str], unpickled: list[str]) -> None:
+def test_strict_restore_into_unpickles_once(
+    tmp_path: Path, maps: Counter[str], unpickled: list[str]
+) -> None:
     mgr, _ = _saved(tmp_path)
     target = _content(0.0)
     unpickled.clear()  # building the target's own values unpickles nothing, but be sure
@@ -149,7 +167,9 @@ def test_strict_restore_into_unpickles_once(tmp_path: Path, maps: Counter[str], 
     assert set(maps.values()) == {1}
 
 
-def test_strict_restore_into_warns_once_at_the_callers_line(tmp_path: Path, unpickled: list[str]) -> None:
+def test_strict_restore_into_warns_once_at_the_callers_line(
+    tmp_path: Path, unpickled: list[str]
+) -> None:
     mgr, path = _saved(tmp_path)
     target = _content(0.0)
     with pytest.warns(TdckptDeprecationWarning) as rec:
@@ -191,7 +211,11 @@ def _mismatches() -> dict[str, tuple[Any, list[tuple[str, ...]], list[tuple[str,
 
     return {
         "extra_leaf": (extra_leaf, [("n", "m", "extra")], []),
-        "lost_level": (lost_level, [], [("n",), ("n", "b"), ("n", "m"), ("n", "m", "c"), ("n", "p")]),
+        "lost_level": (
+            lost_level,
+            [],
+            [("n",), ("n", "b"), ("n", "m"), ("n", "m", "c"), ("n", "p")],
+        ),
         "member_keys": (member_keys, [("s", "0", "w")], [("s", "0", "x")]),
         "tensorclass_key": (tensorclass_key, [], [("tc", "reward")]),
         "non_tensor": (non_tensor, [], [("n", "p")]),
@@ -265,7 +289,11 @@ def test_a_dict_valued_non_tensor_field_is_a_leaf(tmp_path: Path) -> None:
 
 
 def _cases() -> list[Any]:
-    return [pytest.param(fc, id=fc.id) for root in (FIXTURES, EXTRA_FIXTURES) for fc in fixture_cases(root=root)]
+    return [
+        pytest.param(fc, id=fc.id)
+        for root in (FIXTURES, EXTRA_FIXTURES)
+        for fc in fixture_cases(root=root)
+    ]
 
 
 @pytest.mark.parametrize("fc", _cases())
@@ -294,13 +322,21 @@ def _views() -> dict[str, Any]:
 
     src = TensorDict(
         ls=LazyStackedTensorDict(
-            TensorDict(a=torch.zeros(2)), TensorDict(b=torch.zeros(2)), TensorDict(a=torch.ones(2)), stack_dim=0
+            TensorDict(a=torch.zeros(2)),
+            TensorDict(b=torch.zeros(2)),
+            TensorDict(a=torch.ones(2)),
+            stack_dim=0,
         ),
         batch_size=[3],
     )
     src["nt"] = NonTensorData("hello", batch_size=[3])
     out = {f"nested_{k}": TensorDict(v=v, x=torch.zeros(())) for k, v in views().items()}
-    out.update({f"stack_{i}": TensorDict(v=src._get_sub_tensordict(idx)) for i, idx in enumerate((slice(0, 2), 1, torch.tensor([2, 0])))})
+    out.update(
+        {
+            f"stack_{i}": TensorDict(v=src._get_sub_tensordict(idx))
+            for i, idx in enumerate((slice(0, 2), 1, torch.tensor([2, 0])))
+        }
+    )
     # pickled non-tensor data (a value, a stack of values, a tensorclass field) under a view
     pickled = TensorDict(a=torch.zeros(3, 2), batch_size=[3])
     pickled["ns"] = NonTensorStack(*(NonTensorData(Counted(f"s{i}")) for i in range(3)))
@@ -308,7 +344,12 @@ def _views() -> dict[str, Any]:
     pickled["tc"] = fixture_types.FixtureTC(
         obs=torch.ones(3, 1), reward=torch.ones(3), label="l", extra=Counted("tc"), batch_size=[3]
     )
-    out.update({f"pickled_{i}": TensorDict(v=pickled._get_sub_tensordict(idx)) for i, idx in enumerate((slice(0, 2), 1))})
+    out.update(
+        {
+            f"pickled_{i}": TensorDict(v=pickled._get_sub_tensordict(idx))
+            for i, idx in enumerate((slice(0, 2), 1))
+        }
+    )
     return out
 
 
@@ -344,7 +385,9 @@ def test_views_show_the_keys_tensordict_shows(
     restore_in_place(target, tmp_path / "ckpt", True, allow_pickle=True, mode="r", check=same_keys)
     assert maps and set(maps.values()) == {1}
     # the view's source is saved whole: each of its five values unpickled once
-    assert sorted(unpickled) == (["p", "s0", "s1", "s2", "tc"] if name.startswith("pickled") else [])
+    assert sorted(unpickled) == (
+        ["p", "s0", "s1", "s2", "tc"] if name.startswith("pickled") else []
+    )
 
 
 # -- without tensordict ------------------------------------------------------------------------
@@ -363,7 +406,8 @@ for prefix in sys.argv[2:]:
     opened = open_checkpoint(prefix, robust_key=True)
     saved = saved_structure(opened)
     opened.close()
-    out[prefix] = saved.keys == target_structure(load_memmap(prefix, allow_pickle=True), opaque=saved.opaque)
+    restored = load_memmap(prefix, allow_pickle=True)
+    out[prefix] = saved.keys == target_structure(restored, opaque=saved.opaque)
 mgr = CheckpointManager(sys.argv[1], fsync=False)
 target = mgr.restore(allow_pickle=True)
 out["same"] = mgr.restore_into(target, allow_pickle=True) is target
@@ -384,7 +428,14 @@ def test_node_tree_keys_without_tensordict(tmp_path: Path) -> None:
 
     from conftest import copy_case, subprocess_env
 
-    names = ["nested", "non_tensor_json", "non_tensor_lossy", "lazy_stack", "tensorclass", "tensorclass_in_td"]
+    names = [
+        "nested",
+        "non_tensor_json",
+        "non_tensor_lossy",
+        "lazy_stack",
+        "tensorclass",
+        "tensorclass_in_td",
+    ]
     prefixes = [str(copy_case(tmp_path, "0.15.3", name)) for name in names]
     with reference():
         content = load_memmap(copy_case(tmp_path / "m", "0.15.3", "nested"), allow_pickle=False)

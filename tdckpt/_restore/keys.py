@@ -58,7 +58,11 @@ def key_difference(saved: SavedStructure, target: set[Key]) -> tuple[list[Key], 
     """``(missing, unexpected)``: sorted keys in the target only, in the checkpoint only."""
     missing = target - saved.keys
     if saved.open:
-        missing = {k for k in missing if not any(k[:j] in saved.open and k[: j + 1] not in saved.keys for j in range(len(k)))}
+        missing = {
+            k
+            for k in missing
+            if not any(k[:j] in saved.open and k[: j + 1] not in saved.keys for j in range(len(k)))
+        }
     return sorted(missing), sorted(saved.keys - target)
 
 
@@ -128,7 +132,9 @@ def saved_structure(opened: OpenedCheckpoint) -> SavedStructure:
     return SavedStructure(keys, opaque, open_)
 
 
-def target_structure(obj: Any, *, opaque: set[Key] | frozenset[Key] = frozenset(), prefix: Key = ()) -> set[Key]:
+def target_structure(
+    obj: Any, *, opaque: set[Key] | frozenset[Key] = frozenset(), prefix: Key = ()
+) -> set[Key]:
     """Every nested key of ``obj`` (inner levels and leaves), under ``prefix``.
 
     Tensors and non-tensor data are leaves; a tensorclass shows the keys of the tensordict
@@ -171,7 +177,11 @@ def target_structure(obj: Any, *, opaque: set[Key] | frozenset[Key] = frozenset(
                 out.add(key)
                 stack.append((member, key))
             continue
-        items = node._tensordict.items() if type(node) is TensorDict else ((k, node.get(k)) for k in node.keys())
+        items = (
+            node._tensordict.items()
+            if type(node) is TensorDict
+            else ((k, node.get(k)) for k in node.keys())  # noqa: SIM118 - a tensordict, not a dict
+        )
         for k, v in items:
             key = (*at, k)
             out.add(key)
