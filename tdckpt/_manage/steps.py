@@ -10,10 +10,13 @@ or left incomplete by a crash - as a :class:`StepStatus`. It only reads;
 
 from __future__ import annotations
 
+import lzma
 import os
 import stat
+import struct
 import threading
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,24 @@ __all__ = ["StepIndex", "StepStatus", "preferred"]
 
 #: Manifests larger than this are refused (bounded parsing).
 _MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+#: What zipfile raises on a damaged or hostile archive besides BadZipFile: an encrypted
+#: entry (RuntimeError), an unknown method (NotImplementedError), bad compressed data
+#: (zlib.error, LZMAError; bz2 raises OSError), lying or truncated structures.
+ZIP_READ_ERRORS: tuple[type[BaseException], ...] = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    OSError,
+    EOFError,
+    ValueError,
+    RuntimeError,
+    NotImplementedError,
+    OverflowError,
+    IndexError,
+    struct.error,
+    zlib.error,
+    lzma.LZMAError,
+)
 
 
 @dataclass(frozen=True)
@@ -296,7 +317,7 @@ def _archive_manifest(where: Path, fh: Any) -> bytes:
             f"{where}: the archive holds no {MANIFEST_NAME}; it was not written by tdckpt.",
             path=str(where),
         ) from exc
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+    except ZIP_READ_ERRORS as exc:
         raise MetadataError(
             f"{where}: not a readable archive ({exc}); it is truncated or damaged.",
             path=str(where),

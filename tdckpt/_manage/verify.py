@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tdckpt._keys import decode_key
+from tdckpt._manage.steps import ZIP_READ_ERRORS
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import CHUNK_BYTES, new_hasher
 from tdckpt.schema import MANIFEST_NAME, Manifest
@@ -286,7 +287,7 @@ def _verify_archive(
 ) -> None:
     try:
         zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+    except ZIP_READ_ERRORS as exc:
         report.problems.append(VerifyProblem("", None, "unreadable", "a zip archive", str(exc)))
         return
     with zf:
@@ -310,7 +311,7 @@ def _verify_archive(
             try:
                 with zf.open(info) as fh:
                     digest, _ = hashing.digest(_Reader(fh), _algorithm(record.checksum))
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            except ZIP_READ_ERRORS as exc:
                 report.problems.append(
                     VerifyProblem(rel, key, "changed", record.checksum, f"unreadable ({exc})")
                 )
