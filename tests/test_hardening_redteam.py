@@ -6,15 +6,21 @@ unlucky user would, and asserts a clear TdckptError (or a clean report) and no o
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
 import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from tensordict import TensorDict
 
 from tdckpt import CheckpointManager
-from tdckpt.errors import IncompleteCheckpointError
+from tdckpt.errors import IncompleteCheckpointError, IntegrityError
 from tdckpt.schema import MANIFEST_NAME
 
 
@@ -83,3 +89,113 @@ def test_verify_reports_an_archive_leaf_zipfile_cannot_read(tmp_path: Path, dama
     assert not report.ok
     assert [(p.path, p.key, p.kind) for p in report.problems] == [("a.memmap", ("a",), "changed")]
     assert "unreadable" in (report.problems[0].found or "")
+
+
+# -- step manifests that name files outside the step, twice, or another step ----------------
+
+
+def _rewrite_manifest(step_dir: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    where = step_dir / MANIFEST_NAME
+    manifest = json.loads(where.read_text())
+    change(manifest)
+    where.write_text(json.dumps(manifest))
+
+
+_HOSTILE_PATHS = {
+    "dotdot": lambda m, out: m["files"].append(_record("../outside")),
+    "absolute": lambda m, out: m["files"].append(_record(str(out))),
+    "empty": lambda m, out: m["files"].append(_record("")),
+    "dot": lambda m, out: m["files"].append(_record("n/./b.memmap")),
+    "nul": lambda m, out: m["files"].append(_record("a\x00.memmap")),
+    "twice": lambda m, out: m["files"].append(dict(m["files"][0], size=1)),
+}
+
+
+def _record(path: str) -> dict[str, Any]:
+    return {"path": path, "size": 6, "checksum": None, "key": None}
+
+
+@pytest.mark.parametrize("case", sorted(_HOSTILE_PATHS))
+def test_a_manifest_naming_a_file_outside_the_step_or_twice_is_damaged(
+    tmp_path: Path, case: str
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()  # verify would report "found a directory" if it looked there
+    with CheckpointManager(tmp_path / "run", fsync=False) as mgr:
+        mgr.save(1, _td())
+        step_dir = mgr.save(2, _td())
+        _rewrite_manifest(step_dir, lambda m: _HOSTILE_PATHS[case](m, outside))
+        assert mgr.steps() == [1]
+        report = mgr.verify(2)
+        assert [p.kind for p in report.problems] == ["manifest"]
+        with pytest.raises(IncompleteCheckpointError, match="step 2"):
+            mgr.restore_into(_td().zero_(), step=2)
+        assert mgr.gc() == [] and step_dir.is_dir()  # damaged, not garbage
+
+
+def test_verify_reports_a_manifest_of_another_step(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run", fsync=False) as mgr:
+        step_dir = mgr.save(2, _td())
+        _rewrite_manifest(step_dir, lambda m: m.update(step=7))
+        report = mgr.verify(2)
+        assert [(p.path, p.kind, p.expected, p.found) for p in report.problems] == [
+            (MANIFEST_NAME, "manifest", "step 2", "step 7")
+        ]
+        with pytest.raises(IntegrityError, match="step 7"):
+            mgr.restore_into(_td().zero_(), step=2, verify=True)
+
+
+# -- verify racing a swap of what it walked ---------------------------------------------------
+
+
+@pytest.fixture
+def no_hang() -> Iterator[None]:
+    def hung(signum: int, frame: object) -> None:
+        raise AssertionError("verify blocked")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _swap_fifo(step_dir: Path, outside: Path) -> None:
+    (step_dir / "n" / "b.memmap").unlink()
+    os.mkfifo(step_dir / "n" / "b.memmap")
+
+
+def _swap_link(step_dir: Path, outside: Path) -> None:
+    (step_dir / "n" / "b.memmap").unlink()
+    (step_dir / "n" / "b.memmap").symlink_to(outside / "b.memmap")
+
+
+def _swap_parent(step_dir: Path, outside: Path) -> None:
+    shutil.rmtree(step_dir / "n")
+    (step_dir / "n").symlink_to(outside, target_is_directory=True)
+
+
+@pytest.mark.parametrize(
+    "swap", [_swap_fifo, _swap_link, _swap_parent], ids=["fifo", "leaf-link", "dir-link"]
+)
+def test_verify_never_reads_through_what_was_swapped_in_after_its_walk(
+    tmp_path: Path, swap: Callable[[Path, Path], None], no_hang: None
+) -> None:
+    with CheckpointManager(tmp_path / "run", fsync=False) as mgr:
+        step_dir = mgr.save(1, _td())
+        outside = tmp_path / "outside"
+        shutil.copytree(step_dir / "n", outside)  # the same bytes: a read would pass
+        outside_bytes = (outside / "b.memmap").read_bytes()
+        swapped: list[bool] = []
+
+        def progress(done: int, total: int) -> None:
+            if not swapped:  # after the walk, while the first file (a.memmap) is read
+                swapped.append(True)
+                swap(step_dir, outside)
+
+        report = mgr.verify(1, progress=progress)
+    assert swapped
+    assert ("n/b.memmap", "not_a_file") in [(p.path, p.kind) for p in report.problems]
+    assert (outside / "b.memmap").read_bytes() == outside_bytes
