@@ -52,11 +52,12 @@ from tdckpt._write.save import check_json_data, write_checkpoint
 from tdckpt.errors import (
     CheckpointExistsError,
     IntegrityError,
+    LockError,
     MetadataError,
     RestoreError,
 )
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
-from tdckpt.schema import Manifest
+from tdckpt.schema import MANIFEST_NAME, Manifest
 
 __all__ = ["CheckpointManager", "StepStatus", "VerifyProblem", "VerifyReport"]
 
@@ -163,14 +164,38 @@ class CheckpointManager:
             if self._lock is not None and not self._lock.held:
                 self._lock = None  # a forked child let go of its parent's lock
             if self._lock is None:
+                self._check_root()
                 if not self.root.is_dir():
-                    self.root.mkdir(parents=True, exist_ok=True)
+                    try:
+                        self.root.mkdir(parents=True, exist_ok=True)
+                    except OSError as exc:  # a file in the way, a read-only parent
+                        raise LockError(
+                            f"{self.root}: cannot create the checkpoint root "
+                            f"({exc.strerror}: {exc.filename}). Pass a directory, or a path "
+                            "whose parent this process can write.",
+                            root=str(self.root),
+                            path=str(self.root),
+                        ) from exc
                     if self.fsync:  # the root's own name must survive a crash too
                         _atomic.fsync_dir(self.root.parent)
                 lock = RootLock(self.root, manager_id=self.id, fsync=self.fsync)
                 # warning -> acquire <- _ensure_lock <- save/gc <- the user's line
                 lock.acquire(stacklevel=3)
                 self._lock = lock
+
+    def _check_root(self) -> None:
+        """Refuse a root that is, or lies inside, a checkpoint: saving there changes it."""
+        markers = ("meta.json", "meta.pt", MANIFEST_NAME)
+        for where in (self.root, *self.root.absolute().parents):
+            inside = [m for m in markers if os.path.lexists(where / m)]
+            if inside and (where == self.root or MANIFEST_NAME in inside):
+                raise LockError(
+                    f"{self.root}: {'is' if where == self.root else 'lies inside'} a "
+                    f"checkpoint ({where / inside[0]} exists); a manager saving here would "
+                    "change that checkpoint. Pass a separate folder as the root.",
+                    root=str(self.root),
+                    path=str(where / inside[0]),
+                )
 
     # -- listing ---------------------------------------------------------------------------
     def _preferred(self, forms: dict[str, Any]) -> Any:

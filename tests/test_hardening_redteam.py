@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict
 
 from tdckpt import CheckpointManager
-from tdckpt.errors import IncompleteCheckpointError, IntegrityError
+from tdckpt.errors import IncompleteCheckpointError, IntegrityError, LockError
 from tdckpt.schema import MANIFEST_NAME
 
 
@@ -199,3 +199,33 @@ def test_verify_never_reads_through_what_was_swapped_in_after_its_walk(
     assert swapped
     assert ("n/b.memmap", "not_a_file") in [(p.path, p.kind) for p in report.problems]
     assert (outside / "b.memmap").read_bytes() == outside_bytes
+
+
+# -- roots that cannot be one -----------------------------------------------------------------
+
+
+def test_a_root_that_is_a_file_or_under_one_is_a_lock_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    for root in (tmp_path / "file", tmp_path / "file" / "run"):
+        with pytest.raises(LockError, match="cannot create the checkpoint root"):
+            CheckpointManager(root, fsync=False).save(1, _td())
+    assert (tmp_path / "file").read_text() == "x"
+
+
+@pytest.mark.parametrize("where", ["step", "step/n", "step/new"])
+def test_a_root_inside_a_checkpoint_is_refused_and_the_checkpoint_unchanged(
+    tmp_path: Path, where: str
+) -> None:
+    with CheckpointManager(tmp_path / "run", fsync=False) as mgr:
+        step_dir = mgr.save(1, _td())
+    before = sorted(p.relative_to(step_dir) for p in step_dir.rglob("*"))
+    root = step_dir / where.removeprefix("step").lstrip("/")
+    inner = CheckpointManager(root, fsync=False)
+    with pytest.raises(LockError, match="checkpoint"):
+        inner.save(5, _td())
+    if root.exists():  # gc of a root that does not exist has nothing to do
+        with pytest.raises(LockError, match="checkpoint"):
+            inner.gc()
+    assert sorted(p.relative_to(step_dir) for p in step_dir.rglob("*")) == before
+    with CheckpointManager(tmp_path / "run", fsync=False) as mgr:
+        assert mgr.verify(1).ok
