@@ -163,6 +163,12 @@ class CheckpointManager:
         with self._state:
             if self._lock is not None and not self._lock.held:
                 self._lock = None  # a forked child let go of its parent's lock
+            if self._lock is not None and not self._lock.still_ours():
+                # The lock file was removed or replaced under us: another writer may hold
+                # a new one. Let go of ours (never touching the new file) and take the
+                # lock again, which refuses if that other writer is alive.
+                self._lock._forget()
+                self._lock = None
             if self._lock is None:
                 self._check_root()
                 if not self.root.is_dir():

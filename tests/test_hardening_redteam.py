@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import struct
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from tensordict import TensorDict
 from tdckpt import CheckpointManager
 from tdckpt.errors import IncompleteCheckpointError, IntegrityError, LockError
 from tdckpt.schema import MANIFEST_NAME
+from tdckpt.warnings import TdckptWarning
 
 
 def _td() -> TensorDict:
@@ -229,3 +231,34 @@ def test_a_root_inside_a_checkpoint_is_refused_and_the_checkpoint_unchanged(
     assert sorted(p.relative_to(step_dir) for p in step_dir.rglob("*")) == before
     with CheckpointManager(tmp_path / "run", fsync=False) as mgr:
         assert mgr.verify(1).ok
+
+
+# -- a lock file removed or replaced while its holder is alive --------------------------------
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_holder_whose_lock_file_went_away_does_not_write_beside_the_new_holder(
+    tmp_path: Path, how: str
+) -> None:
+    root = tmp_path / "run"
+    first = CheckpointManager(root, fsync=False)
+    first.save(1, _td())
+    lock_path = root / ".tdckpt.lock"
+    lock_path.unlink()
+    if how == "replaced":
+        lock_path.write_text("")  # e.g. a sync tool restoring an old copy
+        os.utime(lock_path, (0, 0))  # old and empty: free for the taking
+    second = CheckpointManager(root, fsync=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TdckptWarning)  # "took over" the replaced file
+        second.save(2, _td())
+    try:
+        with pytest.raises(LockError, match="another writer holds"):
+            first.save(3, _td())
+        assert first.steps() == [1, 2]
+    finally:
+        second.close()
+    first.save(3, _td())  # the root is free again: the first manager takes a new lock
+    assert first.steps() == [1, 2, 3]
+    first.close()
+    assert not lock_path.exists()
