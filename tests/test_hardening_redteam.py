@@ -20,7 +20,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tdckpt import CheckpointManager
+from tdckpt import CheckpointManager, KeepBest
 from tdckpt.errors import IncompleteCheckpointError, IntegrityError, LockError
 from tdckpt.schema import MANIFEST_NAME
 from tdckpt.warnings import TdckptWarning
@@ -262,3 +262,20 @@ def test_a_holder_whose_lock_file_went_away_does_not_write_beside_the_new_holder
     assert first.steps() == [1, 2, 3]
     first.close()
     assert not lock_path.exists()
+
+
+# -- metadata values past float's range ---------------------------------------------------------
+
+
+def test_an_integer_metric_past_floats_range_ranks_as_a_number(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root, fsync=False, retention=KeepBest(1, "loss")) as mgr:
+        mgr.save(1, _td(), metadata={"loss": 10**400})
+        mgr.save(2, _td(), metadata={"loss": 0.5})
+        mgr.save(3, _td(), metadata={"loss": -(10**400)})
+        assert mgr.steps() == [3]  # the lowest loss; every save's retention ran
+        assert mgr.best_step("loss") == 3
+    with CheckpointManager(root, fsync=False, retention=KeepBest(1, "loss", mode="max")) as mgr:
+        mgr.save(4, _td(), metadata={"loss": 10**400})
+        mgr.save(5, _td(), metadata={"loss": 1.0})
+        assert mgr.steps() == [4, 5]  # 4 is best, 5 the one just saved
