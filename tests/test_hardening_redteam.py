@@ -20,8 +20,16 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+import tdckpt
+
 from tdckpt import CheckpointManager, KeepBest
-from tdckpt.errors import IncompleteCheckpointError, IntegrityError, LockError
+from tdckpt.errors import (
+    CheckpointExistsError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    LockError,
+    UnsafePathError,
+)
 from tdckpt.schema import MANIFEST_NAME
 from tdckpt.warnings import TdckptWarning
 
@@ -279,3 +287,65 @@ def test_an_integer_metric_past_floats_range_ranks_as_a_number(tmp_path: Path) -
         mgr.save(4, _td(), metadata={"loss": 10**400})
         mgr.save(5, _td(), metadata={"loss": 1.0})
         assert mgr.steps() == [4, 5]  # 4 is best, 5 the one just saved
+
+
+# -- tdckpt.save(..., overwrite=True) onto something that is not a checkpoint --------------------
+
+
+def _not_checkpoints(tmp_path: Path) -> dict[str, Path]:
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "thesis.tex").write_text("mine")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder.tdz").mkdir()
+    (tmp_path / "text.tdz").write_text("mine")
+    return {
+        "file-for-a-folder": tmp_path / "notes.txt",
+        "folder-of-other-files": tmp_path / "home",
+        "fifo": tmp_path / "fifo",
+        "folder-for-an-archive": tmp_path / "folder.tdz",
+        "text-for-an-archive": tmp_path / "text.tdz",
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "file-for-a-folder",
+        "folder-of-other-files",
+        "fifo",
+        "folder-for-an-archive",
+        "text-for-an-archive",
+    ],
+)
+def test_save_overwrite_refuses_what_is_not_a_checkpoint(
+    tmp_path: Path, case: str, no_hang: None
+) -> None:
+    dest = _not_checkpoints(tmp_path)[case]
+    before = sorted((p.name, p.is_dir()) for p in tmp_path.rglob("*"))
+    with pytest.raises(CheckpointExistsError, match="is not a"):
+        tdckpt.save(_td(), dest, overwrite=True, fsync=False)
+    assert sorted((p.name, p.is_dir()) for p in tmp_path.rglob("*")) == before
+    if case in ("file-for-a-folder", "text-for-an-archive"):
+        assert dest.read_text() == "mine"
+    if case == "folder-of-other-files":
+        assert (dest / "thesis.tex").read_text() == "mine"
+
+
+def test_save_overwrite_still_replaces_checkpoints_and_empty_folders(tmp_path: Path) -> None:
+    for dest in (tmp_path / "ckpt", tmp_path / "ckpt.tdz"):
+        tdckpt.save(_td(), dest, fsync=False)
+        tdckpt.save(_td() + 1, dest, overwrite=True, fsync=False)
+        assert torch.equal(tdckpt.load_memmap(dest)["a"], _td()["a"] + 1)
+    (tmp_path / "empty").mkdir()
+    tdckpt.save(_td(), tmp_path / "empty", overwrite=True, fsync=False)
+    _td().memmap(tmp_path / "plain")  # a tensordict checkpoint without a manifest
+    tdckpt.save(_td() + 2, tmp_path / "plain", overwrite=True, fsync=False)
+    assert torch.equal(tdckpt.load_memmap(tmp_path / "plain")["a"], _td()["a"] + 2)
+
+
+def test_save_under_a_file_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(UnsafePathError, match="cannot create its parent folder"):
+        tdckpt.save(_td(), tmp_path / "notes.txt" / "ckpt", fsync=False)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
