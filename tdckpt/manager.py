@@ -32,6 +32,7 @@ import copy
 import os
 import threading
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +59,7 @@ from tdckpt.errors import (
 )
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
 from tdckpt.schema import MANIFEST_NAME, Manifest
+from tdckpt.warnings import TdckptWarning
 
 __all__ = ["CheckpointManager", "StepStatus", "VerifyProblem", "VerifyReport"]
 
@@ -404,8 +406,15 @@ class CheckpointManager:
 
     @staticmethod
     def _remove(retired: list[tuple[Path, Path]]) -> list[Path]:
+        # Runs after a save committed: a tree this process cannot delete (a read-only
+        # sub-folder, another user's file) is left for gc with a warning, not an error that
+        # would make the committed save look failed. The step is no longer listed either way.
         for _, aside in retired:
-            _atomic.remove_retired(aside)
+            try:
+                _atomic.remove_retired(aside)
+            except OSError as exc:
+                # _warn_not_removed <- _remove <- _apply_retention/_delete <- save/prune <- caller
+                _warn_not_removed(aside, exc, stacklevel=5)
         return [path for path, _ in retired]
 
     def _delete(self, doomed: list[tuple[int, Path]]) -> list[Path]:
@@ -454,7 +463,11 @@ class CheckpointManager:
             removed = []
             for name in sorted(os.listdir(self.root)):
                 if _atomic.is_tmp_name(name):
-                    gone = _atomic.recover_or_remove(self.root, name, fsync=self.fsync)
+                    try:
+                        gone = _atomic.recover_or_remove(self.root, name, fsync=self.fsync)
+                    except OSError as exc:
+                        _warn_not_removed(self.root / name, exc, stacklevel=3)
+                        continue
                     if gone is not None:
                         removed.append(gone)
             if removed and self.fsync:
@@ -607,6 +620,17 @@ class CheckpointManager:
             if verify:
                 self._verified(resolved, path, manifest)
             return load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
+
+
+def _warn_not_removed(path: Path, exc: OSError, *, stacklevel: int) -> None:
+    where = f": {exc.filename}" if exc.filename and str(exc.filename) != str(path) else ""
+    warnings.warn(
+        f"{path}: could not be removed ({exc.strerror}{where}); it is left behind and no "
+        "longer listed as a step. Make it writable (e.g. chmod -R u+w) and run gc() or "
+        "`tdckpt gc` again.",
+        TdckptWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def _structure(obj: Any) -> set[tuple[str, ...]]:

@@ -11,6 +11,8 @@ import os
 import shutil
 import signal
 import struct
+import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,11 +20,12 @@ from typing import Any
 
 import pytest
 import torch
+from _unprivileged import run_unprivileged
 from tensordict import TensorDict
 
 import tdckpt
 
-from tdckpt import CheckpointManager, KeepBest
+from tdckpt import CheckpointManager, KeepBest, KeepLast
 from tdckpt.errors import (
     CheckpointExistsError,
     IncompleteCheckpointError,
@@ -349,3 +352,57 @@ def test_save_under_a_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(UnsafePathError, match="cannot create its parent folder"):
         tdckpt.save(_td(), tmp_path / "notes.txt" / "ckpt", fsync=False)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+# -- retention and gc on a tree this process cannot delete ---------------------------------------
+
+
+def _retention_on_a_read_only_step(root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with CheckpointManager(root, fsync=False, retention=KeepLast(1)) as mgr:
+        mgr.save(1, _td())
+        os.chmod(root / "1" / "n", 0o555)  # its files cannot be unlinked by this user
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = sys._getframe().f_lineno + 1
+            path = mgr.save(2, _td())  # committed: retention's trouble is only a warning
+        out["save"] = [(w.category.__name__, str(w.message), w.filename, w.lineno) for w in caught]
+        out["save_line"] = line
+        out["steps"] = mgr.steps()
+        out["restored"] = mgr.restore(2)["a"].tolist()
+        out["path"] = str(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = sys._getframe().f_lineno + 1
+            out["gc_removed"] = mgr.gc()
+        out["gc"] = [(w.category.__name__, str(w.message), w.filename, w.lineno) for w in caught]
+        out["gc_line"] = line
+        leftovers = [p for p in os.listdir(root) if p.startswith("1.tmp-")]
+        for dirpath, _, _ in os.walk(root / leftovers[0]):
+            os.chmod(dirpath, 0o755)
+        out["gc_after_chmod"] = [p.name for p in mgr.gc()]
+        out["left"] = sorted(os.listdir(root))
+    return out
+
+
+def test_retention_that_cannot_delete_a_step_warns_after_the_committed_save() -> None:
+    base = Path(tempfile.mkdtemp(prefix="tdckpt-redteam-"))  # tmp_path is private to root
+    base.chmod(0o777)
+    try:
+        out = run_unprivileged(lambda: _retention_on_a_read_only_step(base / "run"))
+    finally:
+        for dirpath, _, _ in os.walk(base):
+            os.chmod(dirpath, 0o755)
+        shutil.rmtree(base)
+    assert isinstance(out, dict)
+    assert out["steps"] == [2] and out["restored"] == _td()["a"].tolist()
+    [(category, message, filename, lineno)] = out["save"]
+    assert category == "TdckptWarning"
+    assert "could not be removed (Permission denied" in message and "gc()" in message
+    assert (filename, lineno) == (__file__, out["save_line"])
+    [(category, message, filename, lineno)] = out["gc"]
+    assert category == "TdckptWarning" and "could not be removed" in message
+    assert (filename, lineno) == (__file__, out["gc_line"])
+    assert out["gc_removed"] == []
+    assert len(out["gc_after_chmod"]) == 1 and out["gc_after_chmod"][0].startswith("1.tmp-")
+    assert out["left"] == [".tdckpt.lock", "2"]
