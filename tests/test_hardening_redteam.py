@@ -13,6 +13,8 @@ import signal
 import struct
 import sys
 import tempfile
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -406,3 +408,48 @@ def test_retention_that_cannot_delete_a_step_warns_after_the_committed_save() ->
     assert out["gc_removed"] == []
     assert len(out["gc_after_chmod"]) == 1 and out["gc_after_chmod"][0].startswith("1.tmp-")
     assert out["left"] == [".tdckpt.lock", "2"]
+
+
+# -- a bare prefix read while tdckpt.save(..., overwrite=True) replaces it -------------------------
+
+
+def test_a_restore_racing_an_overwrite_reads_the_old_or_the_new_tree(tmp_path: Path) -> None:
+    prefix = tmp_path / "ckpt"
+
+    def make(value: int) -> TensorDict:
+        leaf = torch.full((64,), float(value))
+        return TensorDict({"a": leaf, "n": {"b": leaf.clone()}}, batch_size=[])
+
+    tdckpt.save(make(0), prefix, fsync=False)
+    stop = threading.Event()
+    failures: list[str] = []
+    seen: set[float] = set()
+
+    def reader(in_place: bool) -> None:
+        while not stop.is_set():
+            try:
+                if in_place:
+                    out = tdckpt.load_memmap_(make(-1), prefix)
+                else:
+                    out = tdckpt.load_memmap(prefix)
+            except Exception as exc:  # noqa: BLE001 - every failure is one
+                failures.append(f"{type(exc).__name__}: {exc}")
+                continue
+            value = float(out["a"][0])
+            if not (torch.all(out["a"] == value) and torch.all(out["n", "b"] == value)):
+                failures.append(f"a mix of two trees: {out['a'][0]} / {out['n', 'b'][0]}")
+            seen.add(value)
+
+    threads = [threading.Thread(target=reader, args=(flag,)) for flag in (False, True)]
+    for thread in threads:
+        thread.start()
+    try:
+        for value in range(1, 61):
+            tdckpt.save(make(value), prefix, overwrite=True, fsync=False)
+            time.sleep(0.002)  # let the readers through now and then
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert failures == []
+    assert len(seen) > 1  # the readers did overlap the overwrites
