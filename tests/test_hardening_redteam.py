@@ -29,9 +29,11 @@ import tdckpt
 from tdckpt import CheckpointManager, KeepBest, KeepLast
 from tdckpt.errors import (
     CheckpointExistsError,
+    CheckpointNotFoundError,
     IncompleteCheckpointError,
     IntegrityError,
     LockError,
+    TdckptError,
     UnsafePathError,
 )
 from tdckpt.schema import MANIFEST_NAME
@@ -452,3 +454,43 @@ def test_a_restore_racing_an_overwrite_reads_the_old_or_the_new_tree(tmp_path: P
             thread.join()
     assert failures == []
     assert len(seen) > 1  # the readers did overlap the overwrites
+
+
+# -- the latest step read while another process's retention replaces it ---------------------------
+
+
+def test_the_latest_step_is_found_while_a_writer_retires_the_previous_one(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    writer = CheckpointManager(root, fsync=False, retention=KeepLast(1))
+    writer.save(0, _td())
+    stop = threading.Event()
+    failures: list[str] = []
+    reads = [0]
+
+    def reader() -> None:
+        mgr = CheckpointManager(root, fsync=False)  # another manager: no shared state
+        while not stop.is_set():
+            try:
+                if mgr.latest_step() is None:
+                    failures.append("latest_step() is None")
+                mgr.restore()
+                reads[0] += 1
+            except CheckpointNotFoundError as exc:
+                if "no committed checkpoint yet" in str(exc):
+                    failures.append(str(exc))
+            except TdckptError:
+                pass  # the step picked was retired under this reader: a clean refusal
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for step in range(1, 101):
+            writer.save(step, _td())
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        writer.close()
+    assert failures == []
+    assert reads[0] > 0
