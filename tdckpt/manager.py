@@ -32,6 +32,7 @@ import copy
 import os
 import threading
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,11 +53,13 @@ from tdckpt._write.save import check_json_data, write_checkpoint
 from tdckpt.errors import (
     CheckpointExistsError,
     IntegrityError,
+    LockError,
     MetadataError,
     RestoreError,
 )
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
-from tdckpt.schema import Manifest
+from tdckpt.schema import MANIFEST_NAME, Manifest
+from tdckpt.warnings import TdckptWarning
 
 if TYPE_CHECKING:
     from tdckpt._read.pipeline import OpenedCheckpoint
@@ -165,15 +168,45 @@ class CheckpointManager:
         with self._state:
             if self._lock is not None and not self._lock.held:
                 self._lock = None  # a forked child let go of its parent's lock
+            if self._lock is not None and not self._lock.still_ours():
+                # The lock file was removed or replaced under us: another writer may hold
+                # a new one. Let go of ours (never touching the new file) and take the
+                # lock again, which refuses if that other writer is alive.
+                self._lock._forget()
+                self._lock = None
             if self._lock is None:
+                self._check_root()
                 if not self.root.is_dir():
-                    self.root.mkdir(parents=True, exist_ok=True)
+                    try:
+                        self.root.mkdir(parents=True, exist_ok=True)
+                    except OSError as exc:  # a file in the way, a read-only parent
+                        raise LockError(
+                            f"{self.root}: cannot create the checkpoint root "
+                            f"({exc.strerror}: {exc.filename}). Pass a directory, or a path "
+                            "whose parent this process can write.",
+                            root=str(self.root),
+                            path=str(self.root),
+                        ) from exc
                     if self.fsync:  # the root's own name must survive a crash too
                         _atomic.fsync_dir(self.root.parent)
                 lock = RootLock(self.root, manager_id=self.id, fsync=self.fsync)
                 # warning -> acquire <- _ensure_lock <- save/gc <- the user's line
                 lock.acquire(stacklevel=3)
                 self._lock = lock
+
+    def _check_root(self) -> None:
+        """Refuse a root that is, or lies inside, a checkpoint: saving there changes it."""
+        markers = ("meta.json", "meta.pt", MANIFEST_NAME)
+        for where in (self.root, *self.root.absolute().parents):
+            inside = [m for m in markers if os.path.lexists(where / m)]
+            if inside and (where == self.root or MANIFEST_NAME in inside):
+                raise LockError(
+                    f"{self.root}: {'is' if where == self.root else 'lies inside'} a "
+                    f"checkpoint ({where / inside[0]} exists); a manager saving here would "
+                    "change that checkpoint. Pass a separate folder as the root.",
+                    root=str(self.root),
+                    path=str(where / inside[0]),
+                )
 
     # -- listing ---------------------------------------------------------------------------
     def _preferred(self, forms: dict[str, Any]) -> Any:
@@ -376,8 +409,15 @@ class CheckpointManager:
 
     @staticmethod
     def _remove(retired: list[tuple[Path, Path]]) -> list[Path]:
+        # Runs after a save committed: a tree this process cannot delete (a read-only
+        # sub-folder, another user's file) is left for gc with a warning, not an error that
+        # would make the committed save look failed. The step is no longer listed either way.
         for _, aside in retired:
-            _atomic.remove_retired(aside)
+            try:
+                _atomic.remove_retired(aside)
+            except OSError as exc:
+                # _warn_not_removed <- _remove <- _apply_retention/_delete <- save/prune <- caller
+                _warn_not_removed(aside, exc, stacklevel=5)
         return [path for path, _ in retired]
 
     def _delete(self, doomed: list[tuple[int, Path]]) -> list[Path]:
@@ -426,7 +466,11 @@ class CheckpointManager:
             removed = []
             for name in sorted(os.listdir(self.root)):
                 if _atomic.is_tmp_name(name):
-                    gone = _atomic.recover_or_remove(self.root, name, fsync=self.fsync)
+                    try:
+                        gone = _atomic.recover_or_remove(self.root, name, fsync=self.fsync)
+                    except OSError as exc:
+                        _warn_not_removed(self.root / name, exc, stacklevel=3)
+                        continue
                     if gone is not None:
                         removed.append(gone)
             if removed and self.fsync:
@@ -588,6 +632,17 @@ class CheckpointManager:
             if verify:
                 self._verified(resolved, path, manifest)
             return load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
+
+
+def _warn_not_removed(path: Path, exc: OSError, *, stacklevel: int) -> None:
+    where = f": {exc.filename}" if exc.filename and str(exc.filename) != str(path) else ""
+    warnings.warn(
+        f"{path}: could not be removed ({exc.strerror}{where}); it is left behind and no "
+        "longer listed as a step. Make it writable (e.g. chmod -R u+w) and run gc() or "
+        "`tdckpt gc` again.",
+        TdckptWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def _show_keys(keys: list[tuple[str, ...]], limit: int = 10) -> str:

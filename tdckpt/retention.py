@@ -123,7 +123,10 @@ def metric_value(metadata: Mapping[str, Any], key: str) -> float | None:
     value = metadata.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range still compares as a number
+        return math.inf if value > 0 else -math.inf
     return None if math.isnan(number) else number
 
 

@@ -199,6 +199,18 @@ class FileRecord(_Model):
     )
     key: list[str] | None = Field(default=None, description="the nested key it stores, if a leaf")
 
+    @field_validator("path")
+    @classmethod
+    def _relative_path(cls, value: str) -> str:
+        # verify and upgrade look files up by this path: it must name a file inside the
+        # prefix: never '..', an absolute path, an empty or '.' component or a NUL.
+        if "\x00" in value or any(part in ("", ".", "..") for part in value.split("/")):
+            raise ValueError(
+                f"{value!r} is not a relative POSIX path inside the checkpoint (no '..', "
+                "no leading '/', no empty or '.' component, no NUL)"
+            )
+        return value
+
     @field_validator("checksum")
     @classmethod
     def _digest_length(cls, value: str | None) -> str | None:
@@ -248,6 +260,17 @@ class Manifest(_Model):
         default=None, description="the generation the checkpoint had before an upgrade"
     )
     migrations: list[str] = Field(default_factory=list, description="upgrade steps applied")
+
+    @field_validator("files")
+    @classmethod
+    def _unique_paths(cls, value: list[FileRecord]) -> list[FileRecord]:
+        # Two records of one file would let the second hide what the first says.
+        seen: set[str] = set()
+        for record in value:
+            if record.path in seen:
+                raise ValueError(f"the file {record.path!r} is listed twice")
+            seen.add(record.path)
+        return value
 
 
 #: name -> model of every exported JSON Schema (``schemas/<name>.v<N>.json``).

@@ -10,10 +10,13 @@ or left incomplete by a crash - as a :class:`StepStatus`. It only reads;
 
 from __future__ import annotations
 
+import lzma
 import os
 import stat
+import struct
 import threading
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,27 @@ __all__ = ["StepIndex", "StepStatus", "preferred"]
 
 #: Manifests larger than this are refused (bounded parsing).
 _MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+#: Scans of a root that lists no committed step before believing it (see resolve).
+_EMPTY_RESCANS = 3
+
+#: What zipfile raises on a damaged or hostile archive besides BadZipFile: an encrypted
+#: entry (RuntimeError), an unknown method (NotImplementedError), bad compressed data
+#: (zlib.error, LZMAError; bz2 raises OSError), lying or truncated structures.
+ZIP_READ_ERRORS: tuple[type[BaseException], ...] = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    OSError,
+    EOFError,
+    ValueError,
+    RuntimeError,
+    NotImplementedError,
+    OverflowError,
+    IndexError,
+    struct.error,
+    zlib.error,
+    lzma.LZMAError,
+)
 
 
 @dataclass(frozen=True)
@@ -187,6 +211,17 @@ class StepIndex:
 
     def committed(self) -> dict[int, dict[str, tuple[Path, Manifest]]]:
         """Committed steps: step-named entries holding a valid manifest."""
+        out = self._committed_once()
+        for _ in range(_EMPTY_RESCANS):
+            if out or not self.root.is_dir():
+                break
+            # A listing is not atomic: a writer in another process that commits a step
+            # and retires the previous one meanwhile can hide both from one scan. A root
+            # that holds steps is never empty for long, so look again before saying so.
+            out = self._committed_once()
+        return out
+
+    def _committed_once(self) -> dict[int, dict[str, tuple[Path, Manifest]]]:
         out: dict[int, dict[str, tuple[Path, Manifest]]] = {}
         for step, forms in self.entries().items():
             for kind, path in forms.items():
@@ -296,7 +331,7 @@ def _archive_manifest(where: Path, fh: Any) -> bytes:
             f"{where}: the archive holds no {MANIFEST_NAME}; it was not written by tdckpt.",
             path=str(where),
         ) from exc
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+    except ZIP_READ_ERRORS as exc:
         raise MetadataError(
             f"{where}: not a readable archive ({exc}); it is truncated or damaged.",
             path=str(where),

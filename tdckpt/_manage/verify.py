@@ -11,6 +11,7 @@ deleting it meanwhile.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import zipfile
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tdckpt._keys import decode_key
+from tdckpt._manage.steps import ZIP_READ_ERRORS
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import CHUNK_BYTES, new_hasher
 from tdckpt.schema import MANIFEST_NAME, Manifest
@@ -229,6 +231,13 @@ def verify_files(
     finally:
         hashing.close()
     report.bytes_checked = hashing.done
+    if manifest.step is not None and manifest.step != step:
+        # a step folder copied or renamed onto another step's name: its data is not step's
+        report.problems.append(
+            VerifyProblem(
+                MANIFEST_NAME, None, "manifest", f"step {step}", f"step {manifest.step}"
+            )
+        )
     return report
 
 
@@ -262,7 +271,17 @@ def _verify_dir(path: Path, manifest: Manifest, report: VerifyReport, hashing: _
         if record.checksum is None:
             continue
         try:
-            with open(path / rel, "rb", buffering=0) as fh:
+            fh = _open_regular(path, rel)
+        except OSError as exc:
+            report.problems.append(VerifyProblem(rel, key, "unreadable", record.checksum, str(exc)))
+            continue
+        if fh is None:  # swapped for a link, FIFO or device since the walk
+            report.problems.append(
+                VerifyProblem(rel, key, "not_a_file", "a regular file", "not a regular file")
+            )
+            continue
+        try:
+            with fh:
                 digest, _ = hashing.digest(fh, _algorithm(record.checksum))
         except OSError as exc:
             report.problems.append(VerifyProblem(rel, key, "unreadable", record.checksum, str(exc)))
@@ -273,6 +292,36 @@ def _verify_dir(path: Path, manifest: Manifest, report: VerifyReport, hashing: _
         report.problems.append(
             VerifyProblem(rel, _key_from_path(rel), "extra", None, f"{on_disk[rel].st_size} bytes")
         )
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_regular(path: Path, rel: str) -> Any:
+    """``path/rel`` opened for reading, component by component, never through a link nor
+    blocking (what the walk saw may have been swapped since); None if it is not a file."""
+    parts = rel.split("/")
+    fds: list[int] = []
+    try:
+        try:
+            fds.append(os.open(path, _DIR_FLAGS))
+            for part in parts[:-1]:
+                fds.append(os.open(part, _DIR_FLAGS, dir_fd=fds[-1]))
+            fd = os.open(
+                parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                dir_fd=fds[-1],
+            )
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a link, or no longer a folder
+                return None
+            raise
+    finally:
+        for d in fds:
+            os.close(d)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return open(fd, "rb", buffering=0)
 
 
 def _size_problem(rel: str, key: Any, expected: int, found: int) -> VerifyProblem:
@@ -286,7 +335,7 @@ def _verify_archive(
 ) -> None:
     try:
         zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+    except ZIP_READ_ERRORS as exc:
         report.problems.append(VerifyProblem("", None, "unreadable", "a zip archive", str(exc)))
         return
     with zf:
@@ -310,7 +359,7 @@ def _verify_archive(
             try:
                 with zf.open(info) as fh:
                     digest, _ = hashing.digest(_Reader(fh), _algorithm(record.checksum))
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            except ZIP_READ_ERRORS as exc:
                 report.problems.append(
                     VerifyProblem(rel, key, "changed", record.checksum, f"unreadable ({exc})")
                 )

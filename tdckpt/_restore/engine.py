@@ -57,6 +57,30 @@ __all__ = ["load_memmap", "load_memmap_", "open_for_restore", "restore_in_place"
 _MODES = (None, "r", "r+")
 
 
+#: How often a restore reads a prefix again when it was replaced while being read.
+_SWAP_RETRIES = 10
+
+
+def _identity(prefix: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """What the prefix names now (device, inode), or None if nothing."""
+    try:
+        st = os.stat(prefix)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _swapped(prefix: str | os.PathLike[str], before: tuple[int, int] | None) -> bool:
+    """Whether ``prefix`` now names another tree than when the failed read began.
+
+    ``tdckpt.save(..., overwrite=True)`` swaps in the new tree atomically and then removes
+    the old one: a read that had opened the old tree sees files vanish. That read failed
+    only because of the swap; reading the new tree again is right.
+    """
+    now = _identity(prefix)
+    return now is not None and now != before
+
+
 def _check_args(robust_key: object, allow_pickle: object, mode: object) -> None:
     if robust_key is not None and not isinstance(robust_key, bool):
         raise TypeError(f"robust_key must be True, False or None, got {robust_key!r}.")
@@ -409,13 +433,22 @@ def load_memmap(
     _check_args(robust_key, allow_pickle, mode)
     dev = torch.device(device) if device is not None else None
     with _gc_paused():
-        opened, unpickle = open_for_restore(prefix, robust_key=robust_key, allow_pickle=allow_pickle)
-        try:
-            assert opened.root is not None
-            builder = _Builder(opened, Mapper(opened.storage, mode, dev), unpickle)  # type: ignore[arg-type]
-            return builder.build(opened.root)
-        finally:
-            opened.close()
+        for attempt in range(_SWAP_RETRIES + 1):  # inline: warnings keep their stack level
+            identity = _identity(prefix)
+            try:
+                opened, unpickle = open_for_restore(
+                    prefix, robust_key=robust_key, allow_pickle=allow_pickle
+                )
+                try:
+                    assert opened.root is not None
+                    builder = _Builder(opened, Mapper(opened.storage, mode, dev), unpickle)  # type: ignore[arg-type]
+                    return builder.build(opened.root)
+                finally:
+                    opened.close()
+            except TdckptError:
+                if attempt == _SWAP_RETRIES or not _swapped(prefix, identity):
+                    raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def load_memmap_(
@@ -470,15 +503,25 @@ def restore_in_place(
     gc_enabled = gc.isenabled()
     gc.disable()  # as _gc_paused()
     try:
-        opened, unpickle = open_for_restore(prefix, robust_key=robust_key, allow_pickle=allow_pickle)
-        try:
-            if check is not None:
-                check(opened)
-            restore_into_target(
-                target, opened, mode=mode, unpickle=unpickle, builder_factory=_Builder  # type: ignore[arg-type]
-            )
-        finally:
-            opened.close()
+        for attempt in range(_SWAP_RETRIES + 1):  # inline: warnings keep their stack level
+            identity = _identity(prefix)
+            try:
+                opened, unpickle = open_for_restore(
+                    prefix, robust_key=robust_key, allow_pickle=allow_pickle
+                )
+                try:
+                    if check is not None:
+                        check(opened)
+                    restore_into_target(
+                        target, opened, mode=mode, unpickle=unpickle, builder_factory=_Builder  # type: ignore[arg-type]
+                    )
+                finally:
+                    opened.close()
+                break
+            except TdckptError:
+                # The target is unchanged on any error, so reading again is safe.
+                if attempt == _SWAP_RETRIES or not _swapped(prefix, identity):
+                    raise
     finally:
         if gc_enabled:
             gc.enable()

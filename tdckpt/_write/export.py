@@ -53,7 +53,7 @@ from tdckpt._write import atomic as _atomic
 from tdckpt._write.lock import try_flock
 from tdckpt._write.save import write_checkpoint
 from tdckpt.errors import CheckpointExistsError, LockError, UnsafePathError
-from tdckpt.schema import Manifest
+from tdckpt.schema import MANIFEST_NAME, Manifest
 from tdckpt.warnings import TdckptWarning
 
 __all__ = ["JOURNAL_SUFFIX", "save"]
@@ -302,6 +302,51 @@ def _check_prefix(dest: Path) -> None:
         )
 
 
+def _check_replaceable(dest: Path) -> None:
+    """``overwrite=True`` replaces a checkpoint (or an empty folder), never other data.
+
+    A directory must hold a checkpoint's top-level metadata, an archive path must be a
+    regular file that starts like a zip; a symlink is replaced itself (its target is left
+    alone). Anything else - a folder of other files, a file where a folder checkpoint
+    belongs, a FIFO or device - is refused, so a wrong path cannot delete a user's data.
+    """
+    st = os.lstat(dest)
+    if stat.S_ISLNK(st.st_mode):
+        return
+    if dest.suffix == ".tdz":
+        if stat.S_ISREG(st.st_mode) and (st.st_size == 0 or _starts_like_zip(dest)):
+            return
+        expected = "a .tdz archive"
+    else:
+        if stat.S_ISDIR(st.st_mode):
+            markers = ("meta.json", "meta.pt", MANIFEST_NAME)
+            if any(os.path.lexists(dest / m) for m in markers):
+                return
+            with os.scandir(dest) as entries:
+                if next(entries, None) is None:
+                    return
+        expected = "a checkpoint folder (one holding meta.json) or an empty folder"
+    raise CheckpointExistsError(
+        f"{dest}: exists and is not {expected}; overwrite=True replaces only a checkpoint, "
+        "so nothing was written. Remove it yourself, or choose another prefix.",
+        path=str(dest),
+    )
+
+
+def _starts_like_zip(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, 4) in (
+            b"PK\x03\x04",
+            b"PK\x05\x06",
+        )
+    finally:
+        os.close(fd)
+
+
 def _refuse_existing(dest: Path) -> CheckpointExistsError:
     return CheckpointExistsError(
         f"{dest}: already exists. Pass overwrite=True to replace it, or choose another prefix.",
@@ -381,10 +426,20 @@ def save(
     """
     dest = Path(prefix)
     _check_prefix(dest)
-    if _lexists(dest) and not overwrite:
-        raise _refuse_existing(dest)
+    if _lexists(dest):
+        if not overwrite:
+            raise _refuse_existing(dest)
+        _check_replaceable(dest)
     names = _Names(dest)
-    names.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        names.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where a parent folder belongs, a read-only folder
+        raise UnsafePathError(
+            f"{dest}: cannot create its parent folder {names.parent} ({exc.strerror}: "
+            f"{exc.filename}); nothing was written. Pass a prefix under a folder this "
+            "process can write.",
+            path=str(dest),
+        ) from exc
     # stacklevel 1 is _begin's caller (here), 2 the caller of save
     fd, token = _begin(names, fsync=fsync, stacklevel=2)
     staging = names.staging(token)

@@ -238,6 +238,14 @@ class RootLock:
         """Whether this object holds the lock."""
         return self._fd is not None
 
+    def still_ours(self) -> bool:
+        """Whether the lock file at the path is still the one this object holds.
+
+        False when someone removed or replaced it meanwhile: another writer may then have
+        created and taken a new one, so this object must not write on its strength.
+        """
+        return self._fd is not None and _same_file(self._fd, self.path)
+
     def __enter__(self) -> RootLock:
         self.acquire()
         return self
