@@ -28,7 +28,7 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -335,3 +335,20 @@ def tiny_td(
     if non_tensor:
         td.set_non_tensor("s", "hello")
     return td
+
+
+@pytest.fixture
+def no_hang() -> Iterator[None]:
+    """Fail (instead of hanging the suite) when the test body blocks for 10 s (SIGALRM)."""
+    import signal
+
+    def hung(signum: int, frame: object) -> None:
+        raise AssertionError("blocked for 10 s (a FIFO or a lock waited on?)")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import struct
 import sys
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,20 +161,6 @@ def test_verify_reports_a_manifest_of_another_step(tmp_path: Path) -> None:
 
 
 # -- verify racing a swap of what it walked ---------------------------------------------------
-
-
-@pytest.fixture
-def no_hang() -> Iterator[None]:
-    def hung(signum: int, frame: object) -> None:
-        raise AssertionError("verify blocked")
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(10)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _swap_fifo(step_dir: Path, outside: Path) -> None:

@@ -7,9 +7,7 @@ archive) after that check, by calling the reader the listing calls with what was
 from __future__ import annotations
 
 import os
-import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,22 +18,6 @@ from tdckpt import CheckpointManager
 from tdckpt._manage.steps import StepIndex
 from tdckpt.errors import MetadataError
 from tdckpt.schema import MANIFEST_NAME
-
-
-@pytest.fixture
-def no_hang() -> Iterator[None]:
-    """Fail (instead of hanging the suite) if a read blocks for 10 s."""
-
-    def hung(signum: int, frame: object) -> None:
-        raise AssertionError("reading the manifest blocked")
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(10)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _step(tmp_path: Path, *, archive: bool) -> tuple[CheckpointManager, Path]:

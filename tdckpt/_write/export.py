@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from tdckpt._write import atomic as _atomic
-from tdckpt._write.lock import try_flock
+from tdckpt._write.lock import same_file, try_flock
 from tdckpt._write.save import write_checkpoint
 from tdckpt.errors import CheckpointExistsError, LockError, UnsafePathError
 from tdckpt.schema import MANIFEST_NAME, Manifest
@@ -193,7 +193,7 @@ def _recover(names: _Names, *, fsync: bool, stacklevel: int) -> None:
             if _remove(leftover):
                 done.append(f"removed {leftover.name}")
         _fsync_dir(names.parent, fsync)
-        if _same_file(fd, names.journal):
+        if same_file(fd, names.journal):
             os.unlink(names.journal)
             _fsync_dir(names.parent, fsync)
     finally:
@@ -205,15 +205,6 @@ def _recover(names: _Names, *, fsync: bool, stacklevel: int) -> None:
         TdckptWarning,
         stacklevel=stacklevel + 1,
     )
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    fst = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
 def _remove_stale_new_journals(names: _Names) -> None:
@@ -234,7 +225,7 @@ def _remove_stale_new_journals(names: _Names) -> None:
                 stat.S_ISREG(st.st_mode)
                 and (got or (got is None and time.time() - st.st_mtime > _NO_FLOCK_GRACE))
                 and _parse_journal(names, os.pread(fd, _MAX_JOURNAL_BYTES, 0)) == token
-                and _same_file(fd, path)
+                and same_file(fd, path)
             ):
                 os.unlink(path)
         finally:
@@ -280,7 +271,7 @@ def _begin(names: _Names, *, fsync: bool, stacklevel: int) -> tuple[int, str]:
 def _end(names: _Names, fd: int, *, fsync: bool) -> None:
     """Remove this save's journal (the save is complete, or fully undone)."""
     try:
-        if _same_file(fd, names.journal):
+        if same_file(fd, names.journal):
             os.unlink(names.journal)
             _fsync_dir(names.parent, fsync)
     finally:

@@ -172,7 +172,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def same_file(fd: int, path: Path) -> bool:
     """Whether ``path`` still names the file open as ``fd``."""
     try:
         st = os.stat(path, follow_symlinks=False)
@@ -204,7 +204,7 @@ def _release(fd: int, path: Path, owner_pid: int) -> None:
     # A forked child inherits the descriptor: only the process that took the lock
     # removes the file, or a child's exit would free its parent's lock.
     try:
-        if os.getpid() == owner_pid and _same_file(fd, path):
+        if os.getpid() == owner_pid and same_file(fd, path):
             path.unlink()
     except OSError:
         pass
@@ -244,7 +244,7 @@ class RootLock:
         False when someone removed or replaced it meanwhile: another writer may then have
         created and taken a new one, so this object must not write on its strength.
         """
-        return self._fd is not None and _same_file(self._fd, self.path)
+        return self._fd is not None and same_file(self._fd, self.path)
 
     def __enter__(self) -> RootLock:
         self.acquire()
@@ -364,7 +364,7 @@ class RootLock:
             if got is not False or time.monotonic() > deadline:
                 break
             time.sleep(_RETRY_SLEEP)
-        if got is False or not _same_file(fd, self.path):
+        if got is False or not same_file(fd, self.path):
             os.close(fd)
             return False
         self._write_info(fd)
@@ -379,7 +379,7 @@ class RootLock:
         """The file exists: take it over if stale, retry, or raise. True: we hold it."""
         got = try_flock(fd)
         info = _parse_info(_read_fd(fd))
-        if got is True and not _same_file(fd, self.path):
+        if got is True and not same_file(fd, self.path):
             os.close(fd)  # released and maybe re-created meanwhile
             return False
         if info is None and got is not False and os.fstat(fd).st_size == 0:
