@@ -122,7 +122,7 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
 
 DEFAULT_TESTS = {
     VALIDATE: ["tests/test_validate_checks.py", "tests/test_validate.py", "tests/test_views.py", "tests/test_hostile.py", "tests/test_hostile_metadata.py"],
-    APPLY: ["tests/test_apply_checks.py", "tests/test_restore_aliases.py", "tests/test_restore_failures.py", "tests/test_restore.py", "tests/test_restore_tensorclass.py", "tests/test_views.py"],
+    APPLY: ["tests/test_apply_checks.py", "tests/test_restore_aliases.py", "tests/test_restore_failures.py", "tests/test_restore.py", "tests/test_restore_tensorclass.py", "tests/test_views.py", "tests/test_hardening_fuzz.py"],
 }
 
 
