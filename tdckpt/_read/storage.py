@@ -298,14 +298,18 @@ class DirectoryStorage(Storage):
                 continue
             cur = os.path.join(self._root_str, sub)
             if os.path.islink(cur):
-                reason = self._check_link(Path(cur), sub)
-                if reason is not None:
-                    raise UnsafePathError(
-                        f"{self.display(sub)}: {reason}; tdckpt never follows it. Replace "
-                        "the link with the real file or directory.",
-                        path=self.display(rel),
-                    )
+                self._refuse_unsafe_link(cur, sub, rel)
             self._safe_dirs.add(sub)
+
+    def _refuse_unsafe_link(self, path: str, sub: str, rel: str) -> None:
+        """Raise unless the link at ``path`` (``sub`` of the prefix) stays inside it."""
+        reason = self._check_link(Path(path), sub)
+        if reason is not None:
+            raise UnsafePathError(
+                f"{self.display(sub)}: {reason}; tdckpt never follows it. Replace the link "
+                "with the real file or directory.",
+                path=self.display(rel),
+            )
 
     def listdir(self, rel: str) -> Listing:
         if rel:
@@ -451,13 +455,7 @@ class DirectoryStorage(Storage):
         so a link changed in between is refused rather than followed.
         """
         path = os.path.join(self._root_str, rel)
-        reason = self._check_link(Path(path), rel)
-        if reason is not None:
-            raise UnsafePathError(
-                f"{self.display(rel)}: {reason}; tdckpt never follows it. Replace the link "
-                "with the real file or directory.",
-                path=self.display(rel),
-            )
+        self._refuse_unsafe_link(path, rel, rel)
         target = os.path.realpath(path)
         real = target[len(self._real_root) + 1 :].split("/") if target != self._real_root else []
         if not real or any(part in ("", ".", "..") for part in real):
