@@ -51,7 +51,9 @@ def best_of(func: Callable[[], Any], reps: int, setup: Callable[[], Any] | None 
 
 
 def row(label: str, base: float, ours: float, base_name: str) -> None:
-    print(f"  {label:<28} {base_name} {base * 1e3:10.3f} ms   tdckpt {ours * 1e3:10.3f} ms   ratio {ours / base:5.2f}")
+    print(
+        f"  {label:<28} {base_name} {base * 1e3:10.3f} ms   tdckpt {ours * 1e3:10.3f} ms   ratio {ours / base:5.2f}"
+    )
 
 
 def _flat_td(n: int) -> Any:
@@ -61,7 +63,12 @@ def _flat_td(n: int) -> Any:
 
 
 def head_to_head(
-    base: Callable[[Any], Any], ours: Callable[[Any], Any], reps: int, setup: Callable[[], Any], *, cold: bool
+    base: Callable[[Any], Any],
+    ours: Callable[[Any], Any],
+    reps: int,
+    setup: Callable[[], Any],
+    *,
+    cold: bool,
 ) -> tuple[float, float]:
     """Best times of ``base(setup())`` and ``ours(setup())``, run in alternation.
 
@@ -78,7 +85,11 @@ def head_to_head(
         gc.disable()
     try:
         for rep in range(reps):
-            order = (("base", base), ("ours", ours)) if rep % 2 == 0 else (("ours", ours), ("base", base))
+            order = (
+                (("base", base), ("ours", ours))
+                if rep % 2 == 0
+                else (("ours", ours), ("base", base))
+            )
             for name, func in order:
                 arg = setup()
                 if cold:
@@ -97,7 +108,9 @@ def bench_restore(work: Path, quick: bool) -> None:
 
     import tdckpt
 
-    print("restore: tdckpt.load_memmap_ vs tensordict td.load_memmap_ (same checkpoint, fresh target)")
+    print(
+        "restore: tdckpt.load_memmap_ vs tensordict td.load_memmap_ (same checkpoint, fresh target)"
+    )
     print("  cold: garbage collected before each run (a one-off restore); warm: back to back")
     sizes = (10, 1000) if quick else (10, 1000, 10000)
     for n in sizes:
@@ -110,7 +123,11 @@ def bench_restore(work: Path, quick: bool) -> None:
 
         for cold in (True, False):
             base, ours = head_to_head(
-                lambda t: t.load_memmap_(prefix), lambda t: tdckpt.load_memmap_(t, prefix), reps, target, cold=cold
+                lambda t: t.load_memmap_(prefix),
+                lambda t: tdckpt.load_memmap_(t, prefix),
+                reps,
+                target,
+                cold=cold,
             )
             row(f"{n} leaves ({'cold' if cold else 'warm'})", base, ours, "tensordict")
     bench_restore_into(work, quick)
@@ -132,7 +149,9 @@ def bench_restore(work: Path, quick: bool) -> None:
             row(f"{label} ({'cold' if cold else 'warm'})", base, ours, "tensordict")
         shutil.rmtree(prefix)
     small, large = results.values()
-    print(f"  big leaf / small leaf restore time (cold): {large / small:.2f} (metadata-only restore: ~1)")
+    print(
+        f"  big leaf / small leaf restore time (cold): {large / small:.2f} (metadata-only restore: ~1)"
+    )
 
 
 def bench_restore_into(work: Path, quick: bool) -> None:
@@ -175,8 +194,12 @@ def bench_save(work: Path, quick: bool) -> None:
 
     from tdckpt import CheckpointManager
 
-    print("save: CheckpointManager.save (checksums while writing, atomic commit) vs td.memmap(prefix)")
-    print("      fsync=False has td.memmap's durability (page cache); fsync=True (the default) waits for the disk")
+    print(
+        "save: CheckpointManager.save (checksums while writing, atomic commit) vs td.memmap(prefix)"
+    )
+    print(
+        "      fsync=False has td.memmap's durability (page cache); fsync=True (the default) waits for the disk"
+    )
     total = 256 * 1024**2 if quick else GiB
     for n in (4, 1000):
         per = total // n // 4
@@ -223,7 +246,12 @@ def bench_verify(work: Path, quick: bool) -> None:
         with CheckpointManager(root, checksum=checksum, fsync=False) as mgr:
             path = mgr.save(1, td)
         files = [str(p) for p in Path(path).rglob("*") if p.is_file()]
-        base = best_of(lambda files=files: subprocess.run(["sha256sum", *files], check=True, capture_output=True), 3)
+        base = best_of(
+            lambda files=files: subprocess.run(
+                ["sha256sum", *files], check=True, capture_output=True
+            ),
+            3,
+        )
         ours = best_of(lambda root=root: CheckpointManager(root).verify(1), 3)
         print(
             f"  {mb:.0f} MiB in 16 files, {checksum} manifest: sha256sum {mb / base:6.0f} MiB/s   "
@@ -248,7 +276,12 @@ def _legacy_checkpoint(prefix: Path, nbytes: int, *, fill: bool = False) -> None
         else:
             fh.truncate(nbytes)
     meta = {
-        "big leaf": {"device": "cpu", "shape": [nbytes], "dtype": "torch.uint8", "is_nested": False},
+        "big leaf": {
+            "device": "cpu",
+            "shape": [nbytes],
+            "dtype": "torch.uint8",
+            "is_nested": False,
+        },
         "shape": [],
         "device": "cpu",
         "_type": "<class 'tensordict._td.TensorDict'>",
@@ -262,7 +295,11 @@ def bench_upgrade(work: Path, quick: bool) -> None:
     print("upgrade: tdckpt upgrade of a legacy checkpoint, 1 GiB leaf vs 1 KiB leaf")
     big = 64 * 1024**2 if quick else GiB
     for keep in (False, True):
-        mode = "backup=True (leaves copied or reflinked)" if keep else "backup=False (leaves hard-linked)"
+        mode = (
+            "backup=True (leaves copied or reflinked)"
+            if keep
+            else "backup=False (leaves hard-linked)"
+        )
         print(f"  {mode}; every leaf checksummed")
         times = {}
         for label, nbytes in (("1 KiB leaf", 1024), (f"{big // 1024**2} MiB leaf", big)):
@@ -300,8 +337,10 @@ def bench_upgrade(work: Path, quick: bool) -> None:
                 dst.unlink()
 
             base = best_of(floor, 5, lambda: None)
-            print(f"    baseline: shutil.copyfile + fsync of the same leaf {base * 1e3:9.2f} ms "
-                  f"(upgrade/baseline {large / base:.2f})")
+            print(
+                f"    baseline: shutil.copyfile + fsync of the same leaf {base * 1e3:9.2f} ms "
+                f"(upgrade/baseline {large / base:.2f})"
+            )
             shutil.rmtree(src)
 
 
@@ -316,7 +355,9 @@ BENCHES = {
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("which", nargs="*", metavar="BENCH", help=f"any of {', '.join(BENCHES)} (default: all)")
+    parser.add_argument(
+        "which", nargs="*", metavar="BENCH", help=f"any of {', '.join(BENCHES)} (default: all)"
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     args = parser.parse_args()
     unknown = [w for w in args.which if w not in BENCHES]

@@ -159,8 +159,10 @@ def _leaf_entry(info: Any) -> dict[str, Any] | None:
 
 
 def _size(value: Any) -> list[int] | None:
-    if isinstance(value, (list, tuple)) and len(value) <= _MAX_DIMS and all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) <= _MAX_DIMS
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value)
     ):
         return [int(d) for d in value]
     return None

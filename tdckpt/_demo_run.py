@@ -35,8 +35,10 @@ def run_demo() -> int:
 
     print(f"1) A checkpoint written by tensordict 0.3.2: {LEGACY}")
     info = tdckpt.inspect(LEGACY)
-    print(f"   generation {info.generation}, key encoding {info.key_encoding}, "
-          f"{info.leaf_count} leaves, {info.total_bytes} bytes")
+    print(
+        f"   generation {info.generation}, key encoding {info.key_encoding}, "
+        f"{info.leaf_count} leaves, {info.total_bytes} bytes"
+    )
     if info.migrations:
         print(f"   migrated in memory through: {', '.join(info.migrations)}")
     restored = tdckpt.load_memmap(LEGACY, robust_key=None, allow_pickle=False)

@@ -20,8 +20,8 @@ __all__ = [
     "decode_key",
     "encode_key",
     "is_safe_legacy_key",
-    "legacy_components",
     "leaf_file_name",
+    "legacy_components",
     "nested_shape_file_name",
 ]
 

@@ -241,7 +241,9 @@ def _print_error(message: str) -> None:
         sys.stderr.flush()
 
 
-def _print_json_error(kind: str, message: str, path: str | None, code: int, details: dict[str, Any]) -> None:
+def _print_json_error(
+    kind: str, message: str, path: str | None, code: int, details: dict[str, Any]
+) -> None:
     with contextlib.suppress(OSError, ValueError, AttributeError):
         _print_json(
             {
@@ -287,7 +289,9 @@ def _step_arg(text: str) -> int:
 
 def _path_arg(text: str) -> str:
     if not text:
-        raise argparse.ArgumentTypeError("the path is empty; pass a folder or file name (. for here)")
+        raise argparse.ArgumentTypeError(
+            "the path is empty; pass a folder or file name (. for here)"
+        )
     if "\0" in text:
         raise argparse.ArgumentTypeError(f"the path {text!r} holds a NUL character")
     return text
@@ -310,7 +314,9 @@ class _Progress:
         width = 30
         filled = max(0, min(width, int(width * done / total)))
         what = _clean(what)[:40]
-        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:40}")
+        sys.stderr.write(
+            f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:40}"
+        )
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -441,8 +447,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         hint = _root_hint(args.prefix) if any(p.code == "not-found" for p in report.errors) else ""
         for p in report.problems:
             _out(str(p) + (hint if p.code == "not-found" else ""))
-        _out(f"{report.prefix}: {'ok' if report.ok else f'{len(report.errors)} error(s)'}"
-             f", {len(report.warnings)} warning(s)")
+        _out(
+            f"{report.prefix}: {'ok' if report.ok else f'{len(report.errors)} error(s)'}"
+            f", {len(report.warnings)} warning(s)"
+        )
     if report.ok:
         return EXIT_OK
     _print_error(
@@ -490,7 +498,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     for row in rows:
         step = "-" if row.step is None else str(row.step)
         fmt = f"v{row.format_version} {row.key_encoding}" if row.format_version is not None else "-"
-        meta = json.dumps(_jsonable(row.metadata), sort_keys=True, default=str) if row.metadata else ""
+        meta = (
+            json.dumps(_jsonable(row.metadata), sort_keys=True, default=str) if row.metadata else ""
+        )
         _out(f"{step:>10}  {row.status:<10} {row.kind:<7} {row.size:>12}  {fmt:<14} {_clean(meta)}")
     return EXIT_OK
 
@@ -545,10 +555,14 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
+    parser.add_argument(
+        "--traceback", action="store_true", help="show the full traceback on errors"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, help_: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    def add(
+        name: str, help_: str, func: Callable[[argparse.Namespace], int]
+    ) -> argparse.ArgumentParser:
         p = sub.add_parser(
             name,
             help=help_,
@@ -560,7 +574,10 @@ def _parser() -> argparse.ArgumentParser:
         # Also after the command (`tdckpt ls ROOT --traceback`); SUPPRESS keeps the
         # top-level value when it is not given here.
         p.add_argument(
-            "--traceback", action="store_true", default=argparse.SUPPRESS, help="show the full traceback on errors"
+            "--traceback",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="show the full traceback on errors",
         )
         return p
 
@@ -575,23 +592,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("prefix", type=_path_arg)
     p.add_argument("--robust-key", choices=["auto", "true", "false"], default="auto")
     add_json(p)
-    p = add("upgrade", "Upgrade a checkpoint on disk to the current format (crash-safe, with a backup).", _cmd_upgrade)
+    p = add(
+        "upgrade",
+        "Upgrade a checkpoint on disk to the current format (crash-safe, with a backup).",
+        _cmd_upgrade,
+    )
     p.add_argument("prefix", type=_path_arg)
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--no-backup", action="store_true", help="delete the old layout after the swap")
-    p.add_argument("--convert-pickles", action="store_true", help="store pickled plain values as JSON (trusted data only: unpickles)")
+    p.add_argument(
+        "--convert-pickles",
+        action="store_true",
+        help="store pickled plain values as JSON (trusted data only: unpickles)",
+    )
     add_json(p)
     p = add("ls", "List the committed steps of a checkpoint root.", _cmd_ls)
     p.add_argument("root", type=_path_arg)
     add_json(p)
-    p = add("verify", "Recompute every file's checksum of a step against its manifest.", _cmd_verify)
+    p = add(
+        "verify", "Recompute every file's checksum of a step against its manifest.", _cmd_verify
+    )
     p.add_argument("root", type=_path_arg)
     p.add_argument("--step", type=_step_arg, default=None, help="the step (default: the latest)")
     add_json(p)
     p = add("gc", "Remove stale temporary folders left by crashed saves.", _cmd_gc)
     p.add_argument("root", type=_path_arg)
     add_json(p)
-    add("demo", "Restore a bundled tensordict 0.3.2 checkpoint and run a small training loop.", _cmd_demo)
+    add(
+        "demo",
+        "Restore a bundled tensordict 0.3.2 checkpoint and run a small training loop.",
+        _cmd_demo,
+    )
     return parser
 
 

@@ -590,7 +590,9 @@ class CheckpointManager:
             def same_keys(opened: OpenedCheckpoint) -> None:
                 # On the validated node tree, before any leaf is mapped or value unpickled.
                 saved = saved_structure(opened)
-                missing, unexpected = key_difference(saved, target_structure(td, opaque=saved.opaque))
+                missing, unexpected = key_difference(
+                    saved, target_structure(td, opaque=saved.opaque)
+                )
                 if missing or unexpected:
                     raise RestoreError(
                         f"{path}: step {resolved} does not have the target's keys (strict=True); "
@@ -605,7 +607,12 @@ class CheckpointManager:
                     )
 
             restore_in_place(
-                td, path, True, allow_pickle=allow_pickle, mode=mode, check=same_keys if strict else None
+                td,
+                path,
+                True,
+                allow_pickle=allow_pickle,
+                mode=mode,
+                check=same_keys if strict else None,
             )
         return td
 

@@ -30,11 +30,11 @@ def run_unprivileged(func: Callable[[], object]) -> object:
             storage_module._effective_uid.cache_clear()  # asked once per process: ask again
             try:
                 outcome: tuple[str, object] = ("ok", func())
-            except BaseException as exc:  # noqa: BLE001 - sent back to the parent
+            except BaseException as exc:
                 outcome = ("raised", (type(exc).__name__, str(exc)))
             with os.fdopen(write_fd, "wb") as fh:
                 pickle.dump(outcome, fh)
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             code = 1
         finally:
             os._exit(code)

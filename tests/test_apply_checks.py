@@ -33,7 +33,9 @@ from tdckpt.errors import RestoreError
 
 
 def _tc(value: float = 1.0) -> FixtureTC:
-    return FixtureTC(obs=torch.full((2, 2), value), reward=torch.ones(2), label="l", extra="e", batch_size=[2])
+    return FixtureTC(
+        obs=torch.full((2, 2), value), reward=torch.ones(2), label="l", extra="e", batch_size=[2]
+    )
 
 
 def _saved(tmp_path: Path, td: Any, name: str = "ckpt") -> Path:
@@ -54,12 +56,18 @@ def _refused(target: Any, prefix: Path, match: str) -> None:
 
 def test_a_tensorclass_checkpoint_into_non_tensor_data(tmp_path: Path) -> None:
     prefix = _saved(tmp_path, _tc())
-    _refused(NonTensorData("x", batch_size=[2]), prefix, "holds a tensorclass .*FixtureTC.*the target is a NonTensorData")
+    _refused(
+        NonTensorData("x", batch_size=[2]),
+        prefix,
+        "holds a tensorclass .*FixtureTC.*the target is a NonTensorData",
+    )
 
 
 def test_a_tensordict_checkpoint_into_a_lazy_stack(tmp_path: Path) -> None:
     prefix = _saved(tmp_path, TensorDict(c=torch.ones(2, 3), batch_size=[2]))
-    target = LazyStackedTensorDict(TensorDict(c=torch.zeros(3), batch_size=[]), TensorDict(c=torch.zeros(3), batch_size=[]))
+    target = LazyStackedTensorDict(
+        TensorDict(c=torch.zeros(3), batch_size=[]), TensorDict(c=torch.zeros(3), batch_size=[])
+    )
     _refused(target, prefix, "holds a TensorDict, the target is a LazyStackedTensorDict")
 
 
@@ -67,16 +75,24 @@ def test_a_tensordict_checkpoint_into_a_lazy_stack(tmp_path: Path) -> None:
 
 
 def test_a_lazy_stack_where_the_checkpoint_holds_a_tensordict_is_replaced(tmp_path: Path) -> None:
-    prefix = _saved(tmp_path, TensorDict(n=TensorDict(c=torch.ones(2, 3), batch_size=[2]), batch_size=[2]))
-    stack = LazyStackedTensorDict(TensorDict(c=torch.zeros(3), batch_size=[]), TensorDict(c=torch.zeros(3), batch_size=[]))
+    prefix = _saved(
+        tmp_path, TensorDict(n=TensorDict(c=torch.ones(2, 3), batch_size=[2]), batch_size=[2])
+    )
+    stack = LazyStackedTensorDict(
+        TensorDict(c=torch.zeros(3), batch_size=[]), TensorDict(c=torch.zeros(3), batch_size=[])
+    )
     target = TensorDict(n=stack, batch_size=[2])
     tdckpt.load_memmap_(target, prefix)
     assert type(target["n"]) is TensorDict and target["n"] is not stack
     assert target["n", "c"].tolist() == [[1.0] * 3] * 2
 
 
-def test_non_tensor_data_where_the_checkpoint_holds_a_tensordict_is_replaced(tmp_path: Path) -> None:
-    prefix = _saved(tmp_path, TensorDict(n=TensorDict(c=torch.ones(2, 3), batch_size=[2]), batch_size=[2]))
+def test_non_tensor_data_where_the_checkpoint_holds_a_tensordict_is_replaced(
+    tmp_path: Path,
+) -> None:
+    prefix = _saved(
+        tmp_path, TensorDict(n=TensorDict(c=torch.ones(2, 3), batch_size=[2]), batch_size=[2])
+    )
     target = TensorDict(n=NonTensorData("old", batch_size=[2]), batch_size=[2])
     tdckpt.load_memmap_(target, prefix)
     assert type(target.get("n")) is TensorDict and target["n", "c"].tolist() == [[1.0] * 3] * 2
@@ -106,7 +122,9 @@ def test_a_tensorclass_of_the_saved_class_is_reused(tmp_path: Path) -> None:
 
 def test_a_lazy_stack_of_another_length_is_replaced(tmp_path: Path) -> None:
     def stack(n: int, value: float) -> LazyStackedTensorDict:
-        return LazyStackedTensorDict(*[TensorDict(x=torch.full((2,), value), batch_size=[2]) for _ in range(n)], stack_dim=1)
+        return LazyStackedTensorDict(
+            *[TensorDict(x=torch.full((2,), value), batch_size=[2]) for _ in range(n)], stack_dim=1
+        )
 
     prefix = _saved(tmp_path, TensorDict(s=stack(2, 1.0), batch_size=[2]))
     three = stack(3, 0.0)
@@ -136,7 +154,9 @@ def test_non_tensor_data_where_metadata_was_saved_is_replaced(tmp_path: Path) ->
 
 
 def test_nested_plain_dicts_are_reused(tmp_path: Path) -> None:
-    prefix = _saved(tmp_path, TensorDict(n=TensorDict(c=torch.ones(2), batch_size=[2]), batch_size=[2]))
+    prefix = _saved(
+        tmp_path, TensorDict(n=TensorDict(c=torch.ones(2), batch_size=[2]), batch_size=[2])
+    )
     inner: dict[str, Any] = {"c": torch.zeros(2), "stale": 1}
     target: dict[str, Any] = {"n": inner}
     tdckpt.load_memmap_(target, prefix)
@@ -151,7 +171,11 @@ def test_a_nested_leaf_is_checked_by_its_elements_not_its_size_table(tmp_path: P
         warnings.simplefilter("ignore", UserWarning)
         nt = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(2, 1)])
     prefix = _saved(tmp_path, TensorDict(nt=nt, batch_size=[2]))  # size table [2, 2]
-    _refused(TensorDict(batch_size=[2, 2]), prefix, r"shape \[2\], which the target's batch size \[2, 2\]")
+    _refused(
+        TensorDict(batch_size=[2, 2]),
+        prefix,
+        r"shape \[2\], which the target's batch size \[2, 2\]",
+    )
 
 
 def test_a_leaf_that_does_not_fit_the_target_batch(tmp_path: Path) -> None:
@@ -189,7 +213,12 @@ def _full() -> TensorDict:
         v=NonTensorData("v", batch_size=[2]),
         n=TensorDict(w=NonTensorData("w", batch_size=[2]), batch_size=[2]),
         s=LazyStackedTensorDict(
-            *[TensorDict(x=torch.ones(2), t=NonTensorData(f"m{i}", batch_size=[2]), batch_size=[2]) for i in range(2)],
+            *[
+                TensorDict(
+                    x=torch.ones(2), t=NonTensorData(f"m{i}", batch_size=[2]), batch_size=[2]
+                )
+                for i in range(2)
+            ],
             stack_dim=1,
         ),
         tc=_tc(),
@@ -206,24 +235,45 @@ def _levels(obj: Any, key: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], 
     if isinstance(obj, LazyStackedTensorDict):
         return [lvl for i, m in enumerate(obj.tensordicts) for lvl in _levels(m, (*key, str(i)))]
     assert isinstance(obj, TensorDictBase)
-    return [(key, obj)] + [lvl for k, v in obj._tensordict.items() if not isinstance(v, torch.Tensor) for lvl in _levels(v, (*key, k))]
+    return [(key, obj)] + [
+        lvl
+        for k, v in obj._tensordict.items()
+        if not isinstance(v, torch.Tensor)
+        for lvl in _levels(v, (*key, k))
+    ]
 
 
 @pytest.mark.parametrize("reuse", [True, False], ids=["reused", "new"])
 def test_a_memmapped_target_ends_memmapped_at_every_level(tmp_path: Path, reuse: bool) -> None:
     prefix = _saved(tmp_path, _full())
-    target = (_full() if reuse else TensorDict(a=torch.zeros(2), batch_size=[2])).memmap_(tmp_path / "own")
+    target = (_full() if reuse else TensorDict(a=torch.zeros(2), batch_size=[2])).memmap_(
+        tmp_path / "own"
+    )
     tdckpt.load_memmap_(target, prefix)
     assert target.is_locked and target.is_memmap()
     levels = _levels(target)
-    assert {k for k, _ in levels} >= {(), ("v",), ("n",), ("n", "w"), ("s", "0"), ("s", "1"), ("s", "1", "t"), ("tc",), ("tc", "label")}
+    assert {k for k, _ in levels} >= {
+        (),
+        ("v",),
+        ("n",),
+        ("n", "w"),
+        ("s", "0"),
+        ("s", "1"),
+        ("s", "1", "t"),
+        ("tc",),
+        ("tc", "label"),
+    }
     for key, lvl in levels:
         td = lvl._tensordict if isinstance(lvl, NonTensorDataBase) else lvl
         parts = list(key)
         if parts[:1] == ["tc"]:  # a tensorclass's levels live under tc/_tensordict
             parts.insert(1, "_tensordict")
         # a NonTensorData's (file-less) TensorDict is recorded under <its dir>/_tensordict
-        where = prefix.joinpath(*parts) / "_tensordict" if isinstance(lvl, NonTensorDataBase) else prefix.joinpath(*parts)
+        where = (
+            prefix.joinpath(*parts) / "_tensordict"
+            if isinstance(lvl, NonTensorDataBase)
+            else prefix.joinpath(*parts)
+        )
         assert td._is_memmap, key
         assert Path(td._memmap_prefix) == where, (key, td._memmap_prefix)
 

@@ -135,7 +135,9 @@ def _valued(name: str) -> list[argparse.Action]:
     return [
         a
         for a in SUBCOMMANDS[name]._actions
-        if a.option_strings and a.nargs is None and not isinstance(a, argparse._StoreTrueAction)
+        if a.option_strings
+        and a.nargs is None
+        and not isinstance(a, argparse._StoreTrueAction)
         and not isinstance(a, argparse._HelpAction)
     ]
 
@@ -208,7 +210,12 @@ def _hostile_keys(base: Path) -> Path:
     UTF-8 (surrogate-escaped when read), a lone surrogate (its file cannot exist)."""
     prefix = base / "keys"
     TensorDict(
-        {"esc\x1b[31mred": torch.zeros(2), "new\nline": torch.ones(2), "plain": torch.ones(2), "caf\u00e9": torch.ones(2)},
+        {
+            "esc\x1b[31mred": torch.zeros(2),
+            "new\nline": torch.ones(2),
+            "plain": torch.ones(2),
+            "caf\u00e9": torch.ones(2),
+        },
         [],
     ).memmap(prefix, robust_key=False)
     meta = json.loads((prefix / "meta.json").read_text())
@@ -447,14 +454,36 @@ def test_every_command_on_hostile_input(command: str, what: str, tmp_path: Path)
 # -- options with wrong values ---------------------------------------------------------------
 
 HOSTILE_STEPS = [
-    "-1", "-0", "abc", "", " 5", "5 ", "+5", "1_000", "0x10", "1e3", "\u0663", "5\n", "\udce9",
-    "1" + "0" * 40, "9" * 5000, "3.0", "--", "0", "007", "20",
+    "-1",
+    "-0",
+    "abc",
+    "",
+    " 5",
+    "5 ",
+    "+5",
+    "1_000",
+    "0x10",
+    "1e3",
+    "\u0663",
+    "5\n",
+    "\udce9",
+    "1" + "0" * 40,
+    "9" * 5000,
+    "3.0",
+    "--",
+    "0",
+    "007",
+    "20",
 ]
 HOSTILE_VALUES = ["", "-1", "maybe", "TRUE", "\udce9", "\x1b[2J", "x" * 10_000]
 
 
 def _valid_input(command: str, base: Path) -> str:
-    return str(_manager_root(base) if _positionals(command) == ["root"] else copy_case(base, "0.15.3", "nested"))
+    return str(
+        _manager_root(base)
+        if _positionals(command) == ["root"]
+        else copy_case(base, "0.15.3", "nested")
+    )
 
 
 @pytest.mark.parametrize("command", [c for c in sorted(SUBCOMMANDS) if _valued(c)])
@@ -572,7 +601,9 @@ def test_validate_and_verify_problems_also_say_error_on_stderr(tmp_path: Path) -
     assert res.code == 1 and "cannot be restored: 1 error(s)" in _error_line(res), res
 
 
-def test_upgrade_dot_upgrades_the_folder_it_is_run_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_upgrade_dot_upgrades_the_folder_it_is_run_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Before: the journal and staging tree were written inside the checkpoint, then the
     # swap failed (EBUSY renaming "."), leaving the checkpoint with foreign files in it.
     prefix = copy_case(tmp_path, "0.3.2", "nested")
@@ -583,7 +614,11 @@ def test_upgrade_dot_upgrades_the_folder_it_is_run_in(tmp_path: Path, monkeypatc
     report = json.loads(res.out)
     assert report["prefix"] == str(prefix.resolve()) and report["from_generation"] == "G2"
     assert sorted(p.name for p in prefix.iterdir()) == [
-        "lvl1", "meta.json", "sibling", "tdckpt.manifest.json", "top.memmap",
+        "lvl1",
+        "meta.json",
+        "sibling",
+        "tdckpt.manifest.json",
+        "top.memmap",
     ]
     backups = [p for p in prefix.parent.iterdir() if ".tdckpt-backup-" in p.name]
     assert len(backups) == 1 and not (backups[0] / "tdckpt.manifest.json").exists()
@@ -724,7 +759,7 @@ def run_unprivileged(argv: list[str]) -> Result:
             if cached is not None and hasattr(cached, "cache_clear"):
                 cached.cache_clear()
             outcome: object = run_cli(argv)
-        except BaseException as exc:  # noqa: BLE001 - sent back to the parent
+        except BaseException as exc:
             outcome = f"{type(exc).__name__}: {exc}"
         try:
             with os.fdopen(write_fd, "wb") as fh:
@@ -765,7 +800,13 @@ def test_permission_denied_everywhere(shared_base: Path) -> None:
     root = _manager_root(shared_base / "e")
     (root / "10" / "w.memmap").chmod(0o000)
     (root / "20" / "tdckpt.manifest.json").chmod(0o000)
-    for d in (shared_base / "a", shared_base / "b", shared_base / "c", shared_base / "d", shared_base / "e"):
+    for d in (
+        shared_base / "a",
+        shared_base / "b",
+        shared_base / "c",
+        shared_base / "d",
+        shared_base / "e",
+    ):
         for dirpath, _, _ in os.walk(d):
             if Path(dirpath) not in (unreadable_sub / "lvl1", closed):
                 os.chmod(dirpath, 0o755)
@@ -806,7 +847,9 @@ def test_permission_denied_everywhere(shared_base: Path) -> None:
 # -- real processes: encodings, pipes, signals -----------------------------------------------
 
 
-def _module(*argv: str, env: dict[str, str] | None = None, **kw: object) -> subprocess.CompletedProcess[bytes]:
+def _module(
+    *argv: str, env: dict[str, str] | None = None, **kw: object
+) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(  # type: ignore[call-overload, no-any-return]
         [sys.executable, "-m", "tdckpt", *argv],
         capture_output=True,
@@ -893,7 +936,11 @@ def test_process_interrupted_by_a_real_sigint(tmp_path: Path) -> None:
     )
     argv = ["ls", str(root)]
     proc = subprocess.run(
-        [sys.executable, "-c", code, *argv], capture_output=True, env=subprocess_env(), timeout=180, check=False
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        env=subprocess_env(),
+        timeout=180,
+        check=False,
     )
     assert proc.returncode == 130, proc.stderr
     err = proc.stderr.decode()

@@ -88,6 +88,7 @@ def test_fast_path_for_marked_trees_agrees_with_the_evidence(
     fast, fast_tree = _detect_copy(tmp_path / "fast", fc)
     monkeypatch.setattr(detect_module, "_marked_current", lambda root: None)
     slow, slow_tree = _detect_copy(tmp_path / "slow", fc)
+
     def summary(d: Detection, tree: VDir) -> tuple[object, ...]:
         nodes = list(tree.walk())  # styles are keyed by id(): compare them in tree order
         return (d.generation, d.low, d.high, d.consistent, d.reasons,

@@ -127,7 +127,9 @@ def _pkl_bomb(entries: list[tuple[str, bytes]], inflated: int) -> tuple[bytes, i
     return b"".join(parts), zlib.crc32(pkl + bytes((inflated >> 20) << 20))
 
 
-def _write_zip(entries: list[tuple[str, bytes]], replace: str, raw: bytes, size: int, crc: int) -> bytes:
+def _write_zip(
+    entries: list[tuple[str, bytes]], replace: str, raw: bytes, size: int, crc: int
+) -> bytes:
     """A zip of ``entries`` (stored) whose entry ``replace`` is the deflate stream ``raw``,
     declaring ``size`` and ``crc`` (headers written by hand: zipfile cannot lie)."""
     out = bytearray()
@@ -140,12 +142,39 @@ def _write_zip(entries: list[tuple[str, bytes]], replace: str, raw: bytes, size:
             method, payload, usize, ucrc = 0, data, len(data), zlib.crc32(data)
         offset = len(out)
         out += struct.pack(
-            "<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, method, 0, 0x21, ucrc, len(payload), usize, len(fname), 0
+            "<4sHHHHHIIIHH",
+            b"PK\x03\x04",
+            20,
+            0,
+            method,
+            0,
+            0x21,
+            ucrc,
+            len(payload),
+            usize,
+            len(fname),
+            0,
         )
         out += fname + payload
         central += struct.pack(
-            "<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, method, 0, 0x21, ucrc, len(payload),
-            usize, len(fname), 0, 0, 0, 0, 0, offset,
+            "<4sHHHHHHIIIHHHHHII",
+            b"PK\x01\x02",
+            20,
+            20,
+            0,
+            method,
+            0,
+            0x21,
+            ucrc,
+            len(payload),
+            usize,
+            len(fname),
+            0,
+            0,
+            0,
+            0,
+            0,
+            offset,
         )
         central += fname
     n = len(entries)
@@ -276,7 +305,9 @@ def test_symlinked_directory_dag_is_read_once_per_directory(outcomes: dict[str, 
 )
 def test_meta_pt_budgets(outcomes: dict[str, Any], name: str, phrase: str) -> None:
     out = _outcome(outcomes, name)
-    [message] = [m for c, m in zip(out["codes"], out["messages"], strict=True) if c == "bad-meta-pt"]
+    [message] = [
+        m for c, m in zip(out["codes"], out["messages"], strict=True) if c == "bad-meta-pt"
+    ]
     assert "meta.pt" in message and phrase in message
     assert out["load"] == "ValidationError" and "meta.pt" in out["load_message"]
 
@@ -289,7 +320,9 @@ def test_g2_stack_over_a_huge_batch_is_not_expanded(outcomes: dict[str, Any]) ->
     assert out["load"] == "ValidationError"
 
 
-def test_json_with_millions_of_containers_is_refused_before_parsing(outcomes: dict[str, Any]) -> None:
+def test_json_with_millions_of_containers_is_refused_before_parsing(
+    outcomes: dict[str, Any],
+) -> None:
     out = _outcome(outcomes, "json_containers")
     assert out["codes"] == ["bad-json"]
     assert "meta.json" in out["messages"][0] and "arrays and objects" in out["messages"][0]
@@ -320,7 +353,9 @@ def test_a_key_aliasing_another_directory_is_refused(tmp_path: Path) -> None:
     report = tdckpt.validate(prefix)
     [problem] = [p for p in report.errors if p.code == "unsafe-path"]
     assert problem.path == "b" and "second path to the directory 'a'" in problem.message
-    assert {p.key for p in report.errors} == {(), ("b",)} or {p.key for p in report.errors} == {("b",)}
+    assert {p.key for p in report.errors} == {(), ("b",)} or {p.key for p in report.errors} == {
+        ("b",)
+    }
     with pytest.raises(ValidationError):
         tdckpt.load_memmap(prefix)
 
@@ -427,7 +462,9 @@ def test_g1_batch_of_thousands_of_dims_is_not_a_size(tmp_path: Path) -> None:
         stale.unlink()
     torch.save({"batch_size": torch.Size([1] * dims), "device": None}, prefix / "meta.pt")
     (prefix / "0").mkdir()
-    torch.save({"batch_size": torch.Size([1] * (dims - 1)), "device": None}, prefix / "0" / "meta.pt")
+    torch.save(
+        {"batch_size": torch.Size([1] * (dims - 1)), "device": None}, prefix / "0" / "meta.pt"
+    )
     report = tdckpt.validate(prefix)
     bad = [p for p in report.errors if p.code == "bad-meta-pt"]
     assert bad and all("no batch size" in p.message for p in bad)
@@ -452,7 +489,9 @@ def test_archive_declaring_millions_of_entries_is_refused_before_parsing(tmp_pat
     data = archive.read_bytes()
     end = data.rindex(b"PK\x05\x06")
     cd_size, cd_offset = struct.unpack_from("<II", data, end + 12)
-    zip64_end = struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, 5_000_000, 5_000_000, cd_size, cd_offset)
+    zip64_end = struct.pack(
+        "<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, 5_000_000, 5_000_000, cd_size, cd_offset
+    )
     locator = struct.pack("<4sIQI", b"PK\x06\x07", 0, end, 1)
     eocd = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
     archive.write_bytes(bytes(data[:end]) + zip64_end + locator + eocd)
@@ -464,7 +503,9 @@ def test_archive_declaring_millions_of_entries_is_refused_before_parsing(tmp_pat
 
 
 @pytest.mark.parametrize("link", ["hard", "symbolic"])
-def test_one_metadata_file_linked_into_many_directories_is_budgeted(tmp_path: Path, link: str) -> None:
+def test_one_metadata_file_linked_into_many_directories_is_budgeted(
+    tmp_path: Path, link: str
+) -> None:
     # 40 directories share one 1 MB meta.json: 1 MB on disk, 40 MB to parse. Over the
     # (here lowered) total budget the read stops with an error naming where.
     prefix = tmp_path / "ckpt"
@@ -479,6 +520,9 @@ def test_one_metadata_file_linked_into_many_directories_is_budgeted(tmp_path: Pa
             (prefix / f"d{i}" / "meta.json").symlink_to("../shared.json")
     with open_storage(prefix) as storage:
         assert len(read_tree(storage, max_metadata_bytes=50_000_000).dirs) == 40
-    with open_storage(prefix) as storage, pytest.raises(MetadataError, match="more than 20000000 bytes together") as info:
+    with (
+        open_storage(prefix) as storage,
+        pytest.raises(MetadataError, match="more than 20000000 bytes together") as info,
+    ):
         read_tree(storage, max_metadata_bytes=20_000_000)
     assert "meta.json" in str(info.value)

@@ -78,7 +78,9 @@ def test_a_tensorclass_type_naming_tensordict_is_refused(tmp_path: Path) -> None
     # "AttributeError: type object 'TensorDict' has no attribute '_from_tensordict'".
     prefix = _case(tmp_path, "0.3.2", "tensorclass_in_td")
     target = tdckpt.load_memmap(prefix).clone()
-    _edit(prefix / "tc" / "meta.json", lambda m: m.update(_type="<class 'tensordict._td.TensorDict'>"))
+    _edit(
+        prefix / "tc" / "meta.json", lambda m: m.update(_type="<class 'tensordict._td.TensorDict'>")
+    )
     err = _refused_untouched(prefix, target, "unknown-class")
     assert "not a tensorclass" in str(err)
 
@@ -92,14 +94,18 @@ def test_a_tensorclass_type_naming_tensordict_is_refused(tmp_path: Path) -> None
         ("<class 'tensordict.tensorclass.NonTensorData.__init__'>", "not a tensorclass"),
     ],
 )
-def test_a_tensorclass_type_naming_a_non_tensorclass_is_refused(tmp_path: Path, type_str: str, says: str) -> None:
+def test_a_tensorclass_type_naming_a_non_tensorclass_is_refused(
+    tmp_path: Path, type_str: str, says: str
+) -> None:
     prefix = _case(tmp_path, "0.15.3", "tensorclass_in_td")
     target = tdckpt.load_memmap(prefix).clone()
     _edit(prefix / "tc" / "meta.json", lambda m: m.update(_type=type_str))
     assert says in str(_refused_untouched(prefix, target, "unknown-class"))
 
 
-def test_a_tensorclass_field_the_class_does_not_declare_is_reported_by_validate(tmp_path: Path) -> None:
+def test_a_tensorclass_field_the_class_does_not_declare_is_reported_by_validate(
+    tmp_path: Path,
+) -> None:
     # Before: validate said ok, and only the restore refused (RestoreError).
     prefix = _case(tmp_path, "0.15.3", "tensorclass_in_td")
     target = tdckpt.load_memmap(prefix).clone()
@@ -110,7 +116,10 @@ def test_a_tensorclass_field_the_class_does_not_declare_is_reported_by_validate(
 def test_a_tensorclass_whose_module_is_not_imported_still_validates(tmp_path: Path) -> None:
     # Validation cannot judge a class it cannot see; the restore asks to import it.
     prefix = _case(tmp_path, "0.15.3", "tensorclass_in_td")
-    _edit(prefix / "tc" / "meta.json", lambda m: m.update(_type="<class 'not_imported_module_xyz.TC'>"))
+    _edit(
+        prefix / "tc" / "meta.json",
+        lambda m: m.update(_type="<class 'not_imported_module_xyz.TC'>"),
+    )
     assert tdckpt.validate(prefix).ok
     with pytest.raises(RestoreError, match="is not imported"):
         tdckpt.load_memmap(prefix)
@@ -149,7 +158,9 @@ def test_a_lazy_stack_without_members_is_refused(tmp_path: Path) -> None:
 # -- manifest checksums that verify cannot compute -------------------------------------------
 
 
-@pytest.mark.parametrize("checksum", ["md4:00", "shake_128:00", "sm3:00", "crc32c:00", "crc32:0", "sha256:00"])
+@pytest.mark.parametrize(
+    "checksum", ["md4:00", "shake_128:00", "sm3:00", "crc32c:00", "crc32:0", "sha256:00"]
+)
 def test_a_checksum_verify_cannot_compute_is_refused_by_the_schema(checksum: str) -> None:
     # The schema's pattern accepted any "<word>:<hex>"; verify then raised
     # "ValueError: unknown checksum algorithm 'md4'". A digest of the wrong length can
@@ -159,7 +170,12 @@ def test_a_checksum_verify_cannot_compute_is_refused_by_the_schema(checksum: str
 
 
 def test_the_checksums_tdckpt_writes_fit_the_schema() -> None:
-    for checksum in ("crc32:352441c2", "sha256:" + "0" * 64, "md5:" + "0" * 32, "blake2b:" + "0" * 128):
+    for checksum in (
+        "crc32:352441c2",
+        "sha256:" + "0" * 64,
+        "md5:" + "0" * 32,
+        "blake2b:" + "0" * 128,
+    ):
         assert FileRecord(path="a", size=0, checksum=checksum).checksum == checksum
 
 
@@ -229,7 +245,9 @@ def test_a_lazy_stack_member_that_is_not_a_fitting_tensordict_is_refused(
 
 def test_a_lazy_stack_of_lazy_stacks_still_restores(tmp_path: Path) -> None:
     inner = [
-        LazyStackedTensorDict(*(TensorDict(x=torch.full((2,), float(i + j))) for j in range(2)), stack_dim=0)
+        LazyStackedTensorDict(
+            *(TensorDict(x=torch.full((2,), float(i + j))) for j in range(2)), stack_dim=0
+        )
         for i in range(3)
     ]
     outer = LazyStackedTensorDict(*inner, stack_dim=0)
@@ -244,14 +262,18 @@ def test_a_lazy_stack_of_lazy_stacks_still_restores(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("field", ["obs", "label"])
-def test_a_tensorclass_field_in_meta_json_and_in_its_tensordict_is_refused(tmp_path: Path, field: str) -> None:
+def test_a_tensorclass_field_in_meta_json_and_in_its_tensordict_is_refused(
+    tmp_path: Path, field: str
+) -> None:
     # The fuzzer's "add tc/meta.json:[] obs": tensordict's _from_tensordict raised
     # "KeyError: 'obs is present in both tensor and non-tensor dicts.'"; in place, the
     # target's tensorclass ended up holding the field twice.
     prefix = _case(tmp_path, "0.15.3", "tensorclass_in_td")
     target = tdckpt.load_memmap(prefix).clone()
     _edit(prefix / "tc" / "meta.json", lambda m: m.update({field: 1}))
-    assert "both in meta.json and in _tensordict" in str(_refused_untouched(prefix, target, "schema"))
+    assert "both in meta.json and in _tensordict" in str(
+        _refused_untouched(prefix, target, "schema")
+    )
 
 
 def test_a_tensorclass_field_pickled_and_in_its_tensordict_is_refused(tmp_path: Path) -> None:
@@ -284,12 +306,20 @@ class Checked:
             raise ValueError("label may not be 'bad'")
 
 
-def test_a_constructor_failing_after_validation_becomes_a_restore_error_naming_the_key(tmp_path: Path) -> None:
+def test_a_constructor_failing_after_validation_becomes_a_restore_error_naming_the_key(
+    tmp_path: Path,
+) -> None:
     td = TensorDict(c=Checked(obs=torch.zeros(3), label="ok", batch_size=[3]), batch_size=[3])
     td.memmap(tmp_path / "ckpt")
-    _edit(tmp_path / "ckpt" / "c" / "_tensordict" / "label" / "meta.json", lambda m: m.update(data="bad"))
+    _edit(
+        tmp_path / "ckpt" / "c" / "_tensordict" / "label" / "meta.json",
+        lambda m: m.update(data="bad"),
+    )
     assert tdckpt.validate(tmp_path / "ckpt").ok  # only the class knows
-    with pytest.raises(RestoreError, match=r"'c' passed validation but cannot be rebuilt \(ValueError: label may not be 'bad'\)") as info:
+    with pytest.raises(
+        RestoreError,
+        match=r"'c' passed validation but cannot be rebuilt \(ValueError: label may not be 'bad'\)",
+    ) as info:
         tdckpt.load_memmap(tmp_path / "ckpt")
     assert info.value.key == ("c",)
     target = TensorDict(c=Checked(obs=torch.ones(3), label="x", batch_size=[3]), batch_size=[3])

@@ -62,8 +62,11 @@ def test_a_listing_races_a_writer_swapping_manifests(tmp_path: Path, no_hang: No
 
     def flip() -> None:
         while not stop.is_set():
-            for make in (lambda: os.mkfifo(where), lambda: where.symlink_to("/dev/zero"),
-                         lambda: where.write_bytes(good)):
+            for make in (
+                lambda: os.mkfifo(where),
+                lambda: where.symlink_to("/dev/zero"),
+                lambda: where.write_bytes(good),
+            ):
                 try:
                     where.unlink()
                 except FileNotFoundError:

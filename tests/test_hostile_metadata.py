@@ -41,8 +41,16 @@ def prefix(tmp_path: Path) -> Path:
 
 
 CASES: dict[str, tuple[str, Callable[[dict[str, Any]], None], str]] = {
-    "stack-nested-900-deep": ("s/meta.json", lambda m: m.update(data=[_nest(900, "z")] * 2), "bad-shape"),
-    "stack-longer-than-batch": ("s/meta.json", lambda m: m.update(data=["a", "b", "c"]), "batch-mismatch"),
+    "stack-nested-900-deep": (
+        "s/meta.json",
+        lambda m: m.update(data=[_nest(900, "z")] * 2),
+        "bad-shape",
+    ),
+    "stack-longer-than-batch": (
+        "s/meta.json",
+        lambda m: m.update(data=["a", "b", "c"]),
+        "batch-mismatch",
+    ),
     "unknown-level-device": ("meta.json", lambda m: m.update(device="quantum:7"), "bad-device"),
     "unknown-stack-device": ("s/meta.json", lambda m: m.update(device="zz"), "bad-device"),
 }

@@ -31,7 +31,10 @@ def _run(code: str) -> dict:
 
 def test_tensordict_is_really_blocked() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", _BLOCK + "import tensordict"], capture_output=True, text=True, check=False
+        [sys.executable, "-c", _BLOCK + "import tensordict"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert out.returncode != 0
     assert "ImportError" in out.stderr or "ModuleNotFoundError" in out.stderr

@@ -22,7 +22,18 @@ def wheel_names(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     pytest.importorskip("hatchling")
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
         check=True,
         capture_output=True,
         timeout=300,
@@ -35,7 +46,11 @@ def wheel_names(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 def test_wheel_ships_every_migration_script(wheel_names: list[str]) -> None:
     scripts = sorted(p.name for p in (ROOT / "migrations").glob("[0-9][0-9][0-9][0-9]_*.py"))
     assert scripts, "no migration scripts found in migrations/"
-    shipped = sorted(n.rsplit("/", 1)[1] for n in wheel_names if n.startswith("tdckpt/_migrations/") and n.endswith(".py"))
+    shipped = sorted(
+        n.rsplit("/", 1)[1]
+        for n in wheel_names
+        if n.startswith("tdckpt/_migrations/") and n.endswith(".py")
+    )
     assert shipped == scripts
 
 
@@ -46,4 +61,6 @@ def test_wheel_ships_demo_checkpoint_and_typing_marker(wheel_names: list[str]) -
 
 
 def test_wheel_has_no_tests_or_caches(wheel_names: list[str]) -> None:
-    assert not [n for n in wheel_names if n.startswith("tests/") or "__pycache__" in n or n.endswith(".pyc")]
+    assert not [
+        n for n in wheel_names if n.startswith("tests/") or "__pycache__" in n or n.endswith(".pyc")
+    ]

@@ -122,7 +122,9 @@ def test_lazy_stack_holding_one_member_twice_is_refused(tmp_path: Path) -> None:
 
 def test_same_tensorclass_under_two_keys_is_refused(tmp_path: Path) -> None:
     def tc(value: float) -> FixtureTC:
-        return FixtureTC(obs=torch.full((2,), value), reward=torch.ones(2), label="l", extra="e", batch_size=[2])
+        return FixtureTC(
+            obs=torch.full((2,), value), reward=torch.ones(2), label="l", extra="e", batch_size=[2]
+        )
 
     prefix = _saved(tmp_path, TensorDict(p=tc(1.0), q=tc(2.0), batch_size=[2]))
     point = tc(0.0)
@@ -133,7 +135,11 @@ def test_same_tensorclass_under_two_keys_is_refused(tmp_path: Path) -> None:
 def test_same_non_tensor_data_under_two_keys_is_refused(tmp_path: Path) -> None:
     prefix = _saved(
         tmp_path,
-        TensorDict(u=NonTensorData("one", batch_size=[2]), v=NonTensorData("two", batch_size=[2]), batch_size=[2]),
+        TensorDict(
+            u=NonTensorData("one", batch_size=[2]),
+            v=NonTensorData("two", batch_size=[2]),
+            batch_size=[2],
+        ),
     )
     value = NonTensorData("old", batch_size=[2])
     target = TensorDict(u=value, v=value, batch_size=[2])

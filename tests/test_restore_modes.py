@@ -40,7 +40,11 @@ from tdckpt.errors import TdckptError
 
 
 def _saved(tmp_path: Path, *, archive: str | None = None) -> Path:
-    td = TensorDict(a=torch.arange(4.0), n=TensorDict(b=torch.ones(4, dtype=torch.int64), batch_size=[4]), batch_size=[4])
+    td = TensorDict(
+        a=torch.arange(4.0),
+        n=TensorDict(b=torch.ones(4, dtype=torch.int64), batch_size=[4]),
+        batch_size=[4],
+    )
     if archive is None:
         prefix = tmp_path / "ckpt"
         tdckpt.save(td, prefix, fsync=False)
@@ -60,14 +64,20 @@ def _write(restored: TensorDict) -> None:
 
 def _restore(prefix: Path, mode: str | None, in_place: bool) -> TensorDict:
     if in_place:
-        target = TensorDict(a=torch.zeros(4), n=TensorDict(b=torch.zeros(4, dtype=torch.int64), batch_size=[4]), batch_size=[4])
+        target = TensorDict(
+            a=torch.zeros(4),
+            n=TensorDict(b=torch.zeros(4, dtype=torch.int64), batch_size=[4]),
+            batch_size=[4],
+        )
         return tdckpt.load_memmap_(target, prefix, mode=mode)  # type: ignore[no-any-return]
     return tdckpt.load_memmap(prefix, mode=mode)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["load_memmap", "load_memmap_"])
 @pytest.mark.parametrize(("mode", "reaches"), [(None, True), ("r+", True), ("r", False)])
-def test_writes_into_a_directory_restore(tmp_path: Path, mode: str | None, reaches: bool, in_place: bool) -> None:
+def test_writes_into_a_directory_restore(
+    tmp_path: Path, mode: str | None, reaches: bool, in_place: bool
+) -> None:
     prefix = _saved(tmp_path)
     before = _file_bytes(prefix)
     nested_before = (prefix / "n" / "b.memmap").read_bytes()
@@ -78,7 +88,12 @@ def test_writes_into_a_directory_restore(tmp_path: Path, mode: str | None, reach
     after = _file_bytes(prefix)
     if reaches:
         assert torch.frombuffer(bytearray(after), dtype=torch.float32)[0].item() == 42.0
-        assert torch.frombuffer(bytearray((prefix / "n" / "b.memmap").read_bytes()), dtype=torch.int64)[1].item() == 7
+        assert (
+            torch.frombuffer(
+                bytearray((prefix / "n" / "b.memmap").read_bytes()), dtype=torch.int64
+            )[1].item()
+            == 7
+        )
     else:
         assert after == before and (prefix / "n" / "b.memmap").read_bytes() == nested_before
         assert tdckpt.load_memmap(prefix)["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
@@ -128,7 +143,9 @@ def test_mode_r_plus_on_a_read_only_file_is_refused(readable_prefix: Path) -> No
 
 
 @pytest.mark.parametrize(("mode", "reaches"), [(None, False), ("r", False), ("r+", True)])
-def test_writes_into_a_stored_archive_restore(tmp_path: Path, mode: str | None, reaches: bool) -> None:
+def test_writes_into_a_stored_archive_restore(
+    tmp_path: Path, mode: str | None, reaches: bool
+) -> None:
     prefix = _saved(tmp_path, archive="stored")
     before = _file_bytes(prefix)
     restored = tdckpt.load_memmap(prefix, mode=mode)
@@ -139,7 +156,9 @@ def test_writes_into_a_stored_archive_restore(tmp_path: Path, mode: str | None, 
 
 
 @pytest.mark.parametrize("mode", [None, "r"])
-def test_writes_into_a_deflated_archive_restore_stay_in_memory(tmp_path: Path, mode: str | None) -> None:
+def test_writes_into_a_deflated_archive_restore_stay_in_memory(
+    tmp_path: Path, mode: str | None
+) -> None:
     prefix = _saved(tmp_path, archive="deflate")
     before = _file_bytes(prefix)
     _write(tdckpt.load_memmap(prefix, mode=mode))
@@ -179,6 +198,13 @@ def test_a_mapped_file_truncated_later_gives_sigbus(tmp_path: Path, mode: str | 
         print("survived", flush=True)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=subprocess_env(), cwd=Path(tdckpt.__file__).parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+        cwd=Path(tdckpt.__file__).parent.parent,
+    )
     assert "truncated" in proc.stdout and "survived" not in proc.stdout, (proc.stdout, proc.stderr)
     assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stderr)

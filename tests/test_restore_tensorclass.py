@@ -36,7 +36,9 @@ def test_load_memmap_refuses_undeclared_fields(tmp_path: Path) -> None:
 def test_load_memmap__refuses_undeclared_fields_and_keeps_the_target(tmp_path: Path) -> None:
     prefix = _with_extra_field(tmp_path)
     before = tree_digest(prefix)
-    target = FixtureTC(obs=torch.zeros(3, 2), reward=torch.zeros(3), label="x", extra=None, batch_size=[3])
+    target = FixtureTC(
+        obs=torch.zeros(3, 2), reward=torch.zeros(3), label="x", extra=None, batch_size=[3]
+    )
     obs, non_tensor = target.obs, dict(target._non_tensordict)
     with pytest.raises(ValidationError, match="renamed_field"):
         tdckpt.load_memmap_(target, prefix)

@@ -220,10 +220,14 @@ def test_map_default_mode_is_copy_on_write_for_a_read_only_file(shared_dir: Path
         return t.tolist()
 
     assert run_unprivileged(attempt) == [1.0, 2.0, 3.0, 4.0]
-    assert (shared_dir / "ro.memmap").read_bytes() == torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    assert (shared_dir / "ro.memmap").read_bytes() == torch.arange(
+        4, dtype=torch.float32
+    ).numpy().tobytes()
 
 
-def test_map_default_mode_shares_a_file_writable_through_group_or_other_bits(shared_dir: Path) -> None:
+def test_map_default_mode_shares_a_file_writable_through_group_or_other_bits(
+    shared_dir: Path,
+) -> None:
     # Not the owner: the mode bits do not answer, access() does (and says writable).
     def attempt() -> None:
         storage = DirectoryStorage(shared_dir)
@@ -236,7 +240,9 @@ def test_map_default_mode_shares_a_file_writable_through_group_or_other_bits(sha
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a file immutable needs root")
-def test_map_falls_back_when_a_shared_open_is_refused_despite_the_mode_bits(layout: tuple[Path, Path]) -> None:
+def test_map_falls_back_when_a_shared_open_is_refused_despite_the_mode_bits(
+    layout: tuple[Path, Path],
+) -> None:
     # Root passes every mode-bit check, but an immutable file (like a read-only mount)
     # still refuses O_RDWR: mode=None falls back to copy-on-write, "r+" is refused.
     prefix, _ = layout

@@ -154,7 +154,10 @@ def _planted_cases(prefix: Path, victims: dict[str, Path]) -> dict[str, dict[str
             new_archive=outside_file,
         ),
         "backup-outside-dir": _journal(
-            prefix, phase="swapped", keep_backup=False, backup=outside_dir,
+            prefix,
+            phase="swapped",
+            keep_backup=False,
+            backup=outside_dir,
             old=[victims["dir"].stat().st_dev, victims["dir"].stat().st_ino],
             new=[prefix.stat().st_dev, prefix.stat().st_ino],  # "the swap is done"
         ),
@@ -363,9 +366,9 @@ def test_writes_into_a_restored_r_plus_tensor_do_not_reach_the_backup(tmp_path: 
     assert tree_digest(backup) == original
     with open(backup / "i64.memmap", "r+b") as fh:
         fh.write(b"\x01" * 8)
-    assert tdckpt.load_memmap(prefix)["i64"].tolist() == TensorDict.load_memmap(
-        prefix
-    )["i64"].tolist()
+    assert (
+        tdckpt.load_memmap(prefix)["i64"].tolist() == TensorDict.load_memmap(prefix)["i64"].tolist()
+    )
     assert (prefix / "i64.memmap").read_bytes() != (backup / "i64.memmap").read_bytes()
 
 

@@ -44,7 +44,9 @@ def _base() -> TensorDict:
     )
     td["v"] = NonTensorData("hello", batch_size=[2])
     td["ns"] = NonTensorStack("p", "q")
-    td["tc"] = FixtureTC(obs=torch.ones(2, 2), reward=torch.ones(2), label="l", extra="e", batch_size=[2])
+    td["tc"] = FixtureTC(
+        obs=torch.ones(2, 2), reward=torch.ones(2), label="l", extra="e", batch_size=[2]
+    )
     td["z"] = torch.zeros(2, 0)
     return td
 
@@ -114,7 +116,9 @@ def test_a_listed_child_directory_is_missing(ckpt: Path) -> None:
     _refused(ckpt, "missing-child", ("n",))
 
 
-@pytest.mark.parametrize("cls", ["tensordict:Bogus", "evil:TensorDict", "tensordictx.mod:TensorDict"])
+@pytest.mark.parametrize(
+    "cls", ["tensordict:Bogus", "evil:TensorDict", "tensordictx.mod:TensorDict"]
+)
 def test_an_unknown_tensordict_class(ckpt: Path, cls: str) -> None:
     _edit(ckpt, "n", lambda m: m.update(_class=cls))
     _refused(ckpt, "unknown-class", ("n",))
@@ -300,7 +304,9 @@ def test_a_stack_dim_equal_to_the_members_batch_dims_passes(ckpt: Path) -> None:
 
 
 def _types_case(tmp_path: Path) -> Path:
-    (fc,) = fixture_cases(root=EXTRA_FIXTURES, versions=["0.15.1"], where=lambda c: c.name == "non_tensor_types")
+    (fc,) = fixture_cases(
+        root=EXTRA_FIXTURES, versions=["0.15.1"], where=lambda c: c.name == "non_tensor_types"
+    )
     return copy_case(tmp_path, fc)
 
 
@@ -352,7 +358,9 @@ def test_metadata_is_restored_as_metadata(tmp_path: Path) -> None:
     from tensordict.tensorclass import MetaData
 
     prefix = tmp_path / "md"
-    TensorDict(m=MetaData("info", batch_size=[2]), v=NonTensorData("x", batch_size=[2]), batch_size=[2]).memmap(prefix)
+    TensorDict(
+        m=MetaData("info", batch_size=[2]), v=NonTensorData("x", batch_size=[2]), batch_size=[2]
+    ).memmap(prefix)
     out = tdckpt.load_memmap(prefix)
     assert type(out.get("m")).__name__ == "MetaData"
     assert type(out.get("v")).__name__ == "NonTensorData"
@@ -386,7 +394,9 @@ def test_a_non_tensor_stack_device_torch_does_not_know(ckpt: Path) -> None:
 
 
 def test_a_pickled_non_tensor_stack_without_pickle_pkl(tmp_path: Path) -> None:
-    (fc,) = fixture_cases(root=EXTRA_FIXTURES, versions=["0.15.1"], where=lambda c: c.name == "non_tensor_stack")
+    (fc,) = fixture_cases(
+        root=EXTRA_FIXTURES, versions=["0.15.1"], where=lambda c: c.name == "non_tensor_stack"
+    )
     prefix = copy_case(tmp_path, fc)
     assert _errors(prefix) == []
     (prefix / "points" / "pickle.pkl").unlink()
@@ -414,7 +424,9 @@ def test_a_tensorclass_whose_tensordict_is_not_a_tensordict_level(ckpt: Path) ->
 def test_a_broken_leaf_entry_reports_only_the_leaf_fields(ckpt: Path) -> None:
     _edit(ckpt, "", lambda m: m["a"].update(shape="wide"))
     report = tdckpt.validate(ckpt)
-    assert report.errors and all(p.code == "schema" and p.key == ("a",) for p in report.errors), report.problems
+    assert report.errors and all(p.code == "schema" and p.key == ("a",) for p in report.errors), (
+        report.problems
+    )
     assert all("'type'" not in p.message for p in report.errors), [p.message for p in report.errors]
     assert "entry 'a' field 'shape'" in report.errors[0].message
 

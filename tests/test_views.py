@@ -54,13 +54,25 @@ def _views() -> dict[str, Any]:
         "sub_mask": td._get_sub_tensordict((slice(None), torch.tensor([True, False, True]))),
         "sub_none": td._get_sub_tensordict((None, 0)),
         "unsqueeze": _UnsqueezedTensorDict(
-            td, custom_op="unsqueeze", inv_op="squeeze", custom_op_kwargs={"dim": 1}, inv_op_kwargs={"dim": 1}
+            td,
+            custom_op="unsqueeze",
+            inv_op="squeeze",
+            custom_op_kwargs={"dim": 1},
+            inv_op_kwargs={"dim": 1},
         ),
         "squeeze": _SqueezedTensorDict(
-            td.unsqueeze(0), custom_op="squeeze", inv_op="unsqueeze", custom_op_kwargs={"dim": 0}, inv_op_kwargs={"dim": 0}
+            td.unsqueeze(0),
+            custom_op="squeeze",
+            inv_op="unsqueeze",
+            custom_op_kwargs={"dim": 0},
+            inv_op_kwargs={"dim": 0},
         ),
         "permute": _PermutedTensorDict(
-            td, custom_op="permute", inv_op="permute", custom_op_kwargs={"dims": [1, 0]}, inv_op_kwargs={"dims": [1, 0]}
+            td,
+            custom_op="permute",
+            inv_op="permute",
+            custom_op_kwargs={"dims": [1, 0]},
+            inv_op_kwargs={"dims": [1, 0]},
         ),
         "transpose": _TransposedTensorDict(
             td,
@@ -70,7 +82,11 @@ def _views() -> dict[str, Any]:
             inv_op_kwargs={"dim0": 0, "dim1": 1},
         ),
         "view": _ViewedTensorDict(
-            td, custom_op="view", inv_op="view", custom_op_kwargs={"size": [6]}, inv_op_kwargs={"size": [2, 3]}
+            td,
+            custom_op="view",
+            inv_op="view",
+            custom_op_kwargs={"size": [6]},
+            inv_op_kwargs={"size": [2, 3]},
         ),
     }
 
@@ -143,7 +159,9 @@ def test_differential_against_tensordict(tmp_path: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_plain_dict_backend_materializes_the_values(tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plain_dict_backend_materializes_the_values(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     prefix = _write(tmp_path, name)
     theirs = TensorDict.load_memmap(prefix)
     monkeypatch.setattr(engine, "has_tensordict", lambda: False)
@@ -155,7 +173,9 @@ def test_plain_dict_backend_materializes_the_values(tmp_path: Path, name: str, m
         assert torch.equal(_get(ours, key), _get(theirs, key)), key
 
 
-def test_plain_dict_backend_refuses_an_unfaithful_view(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plain_dict_backend_refuses_an_unfaithful_view(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     prefix = _write(tmp_path, "squeeze")
     meta = json.loads((prefix / "meta.json").read_text())
     meta["custom_op_kwargs"] = {}
@@ -179,7 +199,9 @@ def test_nested_sub_tensordict_and_in_place(tmp_path: Path) -> None:
     info = tdckpt.inspect(prefix)
     assert [c.kind for c in info.root.children if c.key == ("x",)] == ["sub-tensordict"]
 
-    target = TensorDict(x=TensorDict(a=torch.zeros(1, 3, 4), batch_size=[1]), y=torch.ones(1), batch_size=[1])
+    target = TensorDict(
+        x=TensorDict(a=torch.zeros(1, 3, 4), batch_size=[1]), y=torch.ones(1), batch_size=[1]
+    )
     out = tdckpt.load_memmap_(target, prefix)
     assert out is target
     _assert_same(target["x"], theirs["x"])
@@ -202,7 +224,12 @@ def _g2_source(prefix: Path) -> None:
     src = prefix / "_source"
     src.mkdir(parents=True)
     torch.arange(12.0).reshape(4, 3).numpy().tofile(src / "a.memmap")
-    meta = {"a": {"device": "cpu", "shape": [4, 3], "dtype": "torch.float32"}, "shape": [4], "device": "cpu", "_type": _TD_TYPE}
+    meta = {
+        "a": {"device": "cpu", "shape": [4, 3], "dtype": "torch.float32"},
+        "shape": [4],
+        "device": "cpu",
+        "_type": _TD_TYPE,
+    }
     (src / "meta.json").write_text(json.dumps(meta))
 
 
@@ -211,7 +238,10 @@ def _g2_source(prefix: Path) -> None:
     [
         {"_type": "<class 'tensordict._td._SubTensorDict'>", "index": [1]},
         {"_type": "<class 'tensordict._td._SubTensorDict'>", "index": 2},
-        {"_type": "<class 'tensordict._td._SubTensorDict'>", "index": ["tuple", [["slice", {"start": 1, "stop": None, "step": 2}]]]},
+        {
+            "_type": "<class 'tensordict._td._SubTensorDict'>",
+            "index": ["tuple", [["slice", {"start": 1, "stop": None, "step": 2}]]],
+        },
         {
             "shape": [4, 1],
             "device": "cpu",
@@ -224,7 +254,9 @@ def _g2_source(prefix: Path) -> None:
     ],
     ids=["legacy-tuple", "legacy-int", "tagged-slice", "unsqueeze"],
 )
-def test_g2_layout_reads_as_tensordict_reads_it_and_upgrades(tmp_path: Path, meta: dict[str, Any]) -> None:
+def test_g2_layout_reads_as_tensordict_reads_it_and_upgrades(
+    tmp_path: Path, meta: dict[str, Any]
+) -> None:
     prefix = tmp_path / "g2"
     _g2_source(prefix)
     (prefix / "meta.json").write_text(json.dumps(meta))
@@ -273,17 +305,33 @@ def _deep(n: int) -> Any:
 HOSTILE = {
     "index-out-of-range": ("sub_int", {"index": ["tuple", [7]]}, "bad-index"),
     "negative-out-of-range": ("sub_int", {"index": ["tuple", [-3]]}, "bad-index"),
-    "tensor-out-of-range": ("sub_tensor", {"index": ["tuple", [["tensor", [0, 5], "cpu"]]]}, "bad-index"),
+    "tensor-out-of-range": (
+        "sub_tensor",
+        {"index": ["tuple", [["tensor", [0, 5], "cpu"]]]},
+        "bad-index",
+    ),
     "too-many-indices": ("sub_int", {"index": ["tuple", [0, 0, 0]]}, "bad-index"),
     "mask-wrong-shape": ("sub_int", {"index": ["tuple", [["tensor", [True], "cpu"]]]}, "bad-index"),
     "string-index": ("sub_int", {"index": "os.system"}, "bad-index"),
     "dict-index": ("sub_int", {"index": {"__class__": "x"}}, "bad-index"),
     "unknown-tag": ("sub_int", {"index": ["pickle", "abc"]}, "bad-index"),
     "float-index": ("sub_int", {"index": 1.5}, "bad-index"),
-    "zero-step": ("sub_slice", {"index": ["tuple", [["slice", {"start": 0, "stop": 1, "step": 0}]]]}, "bad-index"),
+    "zero-step": (
+        "sub_slice",
+        {"index": ["tuple", [["slice", {"start": 0, "stop": 1, "step": 0}]]]},
+        "bad-index",
+    ),
     "cuda-index": ("sub_tensor", {"index": ["tuple", [["tensor", [0], "cuda:0"]]]}, "bad-index"),
-    "huge-index": ("sub_tensor", {"index": ["tuple", [["tensor", [0] * 1_000_001, "cpu"]]]}, "bad-index"),
-    "huge-range": ("sub_tensor", {"index": ["tuple", [["range", {"start": 0, "stop": 10**15, "step": 1}]]]}, "bad-index"),
+    "huge-index": (
+        "sub_tensor",
+        {"index": ["tuple", [["tensor", [0] * 1_000_001, "cpu"]]]},
+        "bad-index",
+    ),
+    "huge-range": (
+        "sub_tensor",
+        {"index": ["tuple", [["range", {"start": 0, "stop": 10**15, "step": 1}]]]},
+        "bad-index",
+    ),
     "deep-index": ("sub_int", {"index": _deep(200)}, "bad-index"),
     "missing-index": ("sub_int", {"index": _DROP}, "schema"),
     "unknown-op": ("unsqueeze", {"custom_op": "__getattribute__"}, "bad-view"),
@@ -309,7 +357,9 @@ def test_hostile_variants_are_reported_and_refused(tmp_path: Path, case: str) ->
     before = tree_digest(prefix)
     report = tdckpt.validate(prefix)
     assert not report.ok
-    assert code in {p.code for p in report.problems if p.severity == "error"}, [str(p) for p in report.problems]
+    assert code in {p.code for p in report.problems if p.severity == "error"}, [
+        str(p) for p in report.problems
+    ]
     problem = next(p for p in report.problems if p.code == code)
     assert problem.path.endswith("meta.json") and problem.message
     with pytest.raises(TdckptError):
@@ -352,7 +402,10 @@ def test_g1_lazy_view_is_restored_from_its_migrated_source(tmp_path: Path) -> No
         "inv_op_kwargs": {"dim": 0},
     }
     torch.save(head, prefix / "meta.pt")
-    torch.save({"shape": torch.Size([3, 2]), "device": torch.device("cpu"), "dtype": torch.float32}, prefix / "a.meta.pt")
+    torch.save(
+        {"shape": torch.Size([3, 2]), "device": torch.device("cpu"), "dtype": torch.float32},
+        prefix / "a.meta.pt",
+    )
     torch.arange(6.0).reshape(3, 2).numpy().tofile(prefix / "a.memmap")
     report = tdckpt.validate(prefix)
     assert report.ok, [str(p) for p in report.problems]

@@ -234,9 +234,7 @@ def verify_files(
     if manifest.step is not None and manifest.step != step:
         # a step folder copied or renamed onto another step's name: its data is not step's
         report.problems.append(
-            VerifyProblem(
-                MANIFEST_NAME, None, "manifest", f"step {step}", f"step {manifest.step}"
-            )
+            VerifyProblem(MANIFEST_NAME, None, "manifest", f"step {step}", f"step {manifest.step}")
         )
     return report
 
@@ -308,7 +306,8 @@ def _open_regular(path: Path, rel: str) -> Any:
             for part in parts[:-1]:
                 fds.append(os.open(part, _DIR_FLAGS, dir_fd=fds[-1]))
             fd = os.open(
-                parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                parts[-1],
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                 dir_fd=fds[-1],
             )
         except OSError as exc:

@@ -120,10 +120,9 @@ class _Indexer:
         with open(self._fd, "rb", closefd=False) as fh:
             self._check_count(fh)
         try:
-            with open(self._fd, "rb", closefd=False) as fh:
-                with zipfile.ZipFile(fh) as zf:
-                    infos = zf.infolist()
-                    data_end = min(getattr(zf, "start_dir", file_size), file_size)
+            with open(self._fd, "rb", closefd=False) as fh, zipfile.ZipFile(fh) as zf:
+                infos = zf.infolist()
+                data_end = min(getattr(zf, "start_dir", file_size), file_size)
         except _ZIP_PARSE_ERRORS as exc:
             raise MetadataError(
                 f"{self.location}: not a tensordict archive: the zip directory cannot be "

@@ -58,8 +58,18 @@ def resolve_class(type_str: str) -> ResolvedClass:
     """Resolve ``"<class 'module.Name'>"`` among the modules already imported."""
     name = type_str.removeprefix("<class '").removesuffix("'>")
     module_name, _, qualname = name.rpartition(".")
-    if not type_str.startswith("<class '") or not type_str.endswith("'>") or not module_name or not qualname:
-        return ResolvedClass(name, module_name, None, f"{type_str!r:.80} is not a class name of the form \"<class 'module.Name'>\"")
+    if (
+        not type_str.startswith("<class '")
+        or not type_str.endswith("'>")
+        or not module_name
+        or not qualname
+    ):
+        return ResolvedClass(
+            name,
+            module_name,
+            None,
+            f"{type_str!r:.80} is not a class name of the form \"<class 'module.Name'>\"",
+        )
     td_base = sys.modules.get("tensordict.base")
     for cls in getattr(td_base, "_ACCEPTED_CLASSES", ()):
         # Every tensorclass registers itself here, also one defined inside a function.
@@ -75,14 +85,28 @@ def resolve_class(type_str: str) -> ResolvedClass:
     else:
         return ResolvedClass(name, module_name, None, None)
     if "<locals>" in qualname:
-        return ResolvedClass(name, module_name, None, f"{name} is a class defined inside a function; it cannot be found by name")
+        return ResolvedClass(
+            name,
+            module_name,
+            None,
+            f"{name} is a class defined inside a function; it cannot be found by name",
+        )
     obj: Any = module
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
-            return ResolvedClass(name, module_name, None, f"the imported module {module_name} has no class {qualname}")
+            return ResolvedClass(
+                name,
+                module_name,
+                None,
+                f"the imported module {module_name} has no class {qualname}",
+            )
     if not _is_tensorclass(obj):
-        what = type(obj).__name__ if not isinstance(obj, type) else f"the class {obj.__module__}.{obj.__qualname__}"
+        what = (
+            type(obj).__name__
+            if not isinstance(obj, type)
+            else f"the class {obj.__module__}.{obj.__qualname__}"
+        )
         return ResolvedClass(name, module_name, None, f"{name} is {what}, not a tensorclass")
     return ResolvedClass(name, module_name, obj, None)
 

@@ -117,7 +117,11 @@ def inspect(prefix: str | os.PathLike[str], *, robust_key: bool | None = None) -
     """
     opened = open_checkpoint(prefix, robust_key=robust_key)
     try:
-        root = _info(opened.root, ()) if opened.root is not None else NodeInfo(key=(), kind="unreadable", path="")
+        root = (
+            _info(opened.root, ())
+            if opened.root is not None
+            else NodeInfo(key=(), kind="unreadable", path="")
+        )
         total, leaves = _totals(root)
         pickles = [n.key for n in pickled_nodes(opened.root)] if opened.root is not None else []
         return Inspection(

@@ -14,14 +14,14 @@ values; a property test holds it to that.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from tdckpt import schema
 
 __all__ = ["ChildSpec", "LeafSpec", "TDLevel", "read_td_level"]
 
 #: A leaf entry: (dtype, shape, device, is_nested).
-LeafSpec = tuple[str, tuple[int, ...], Union[str, None], bool]
+LeafSpec = tuple[str, tuple[int, ...], str | None, bool]
 #: A nested collection entry: its ``type`` string.
 ChildSpec = str
 

@@ -18,11 +18,11 @@ from tdckpt._read.tree import VFile
 __all__ = [
     "DTYPES",
     "LazyStackNode",
+    "LazyViewNode",
     "LeafNode",
     "Node",
     "NonTensorNode",
     "NonTensorStackNode",
-    "LazyViewNode",
     "SubTensorDictNode",
     "TensorClassNode",
     "TensorDictNode",
@@ -39,7 +39,11 @@ def _dtype_table() -> dict[str, torch.dtype]:
         # Quantized dtypes cannot be mapped from a file; the sub-byte int1..int7 /
         # uint1..uint7 are placeholders without a storage layout of their own.
         short = text.removeprefix("torch.")
-        if short.startswith(("qint", "quint")) or short[:-1] in ("int", "uint") and short[-1] in "1234567":
+        if (
+            short.startswith(("qint", "quint"))
+            or (short[:-1] in ("int", "uint")
+            and short[-1] in "1234567")
+        ):
             continue
         table[text] = value
     return table

@@ -129,7 +129,7 @@ def parse_json(data: bytes, *, where: str | Callable[[], str]) -> Any:
             )
     try:
         return from_json(data)
-    except Exception:  # noqa: BLE001 - any refusal: the stdlib parser decides
+    except Exception:
         pass
     if callable(where):
         try:
@@ -231,7 +231,9 @@ class DirectoryStorage(Storage):
             self.__dict__["root"] = prefix
         root = self._root_str
         # An absolute prefix without "." or ".." components is its own absolute path.
-        self._abs_root = root if root.startswith("/") and "/." not in root else os.path.abspath(root)
+        self._abs_root = (
+            root if root.startswith("/") and "/." not in root else os.path.abspath(root)
+        )
         # Files seen as regular (not symlinks) by listdir, with their path and stat: mapping
         # them needs no new symlink check, no second stat for the size check and (usually)
         # no access() call, which keeps a 10,000-leaf restore free of 20,000 syscalls.
@@ -735,7 +737,13 @@ def _effective_uid() -> int:
 def _normalized(prefix: str | os.PathLike[str]) -> str:
     """``str(Path(prefix))`` without pathlib's cost when ``prefix`` is already normal."""
     text = os.fspath(prefix)
-    if not text or "//" in text or "/./" in text or text.endswith(("/", "/.")) or text.startswith("./"):
+    if (
+        not text
+        or "//" in text
+        or "/./" in text
+        or text.endswith(("/", "/."))
+        or text.startswith("./")
+    ):
         return str(Path(text))
     return text
 

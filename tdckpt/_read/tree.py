@@ -136,8 +136,10 @@ def read_tree(
 
 def _not_a_checkpoint(storage: Storage, root: VDir) -> None:
     """Raise unless the top level holds metadata (checked before any sub-folder is read)."""
-    if root.meta is None and root.pt is None and not any(
-        p.code == "bad-json" for p in root.problems
+    if (
+        root.meta is None
+        and root.pt is None
+        and not any(p.code == "bad-json" for p in root.problems)
     ):
         raise CheckpointNotFoundError(
             f"{storage.display('')}: not a tensordict checkpoint: no meta.json (or meta.pt) "
@@ -228,9 +230,14 @@ class _Walk:
             node.dirs[name] = self.read(VDir(source=rel), depth=depth)
         except _SecondPath as again:
             node.dirs.pop(name, None)
-            _unsafe(node, name, rel, f"a second path to the directory {again.first or '.'!r}, "
-                    "which tdckpt already read (a symlink or a mount inside the tree); every "
-                    "directory is read once")
+            _unsafe(
+                node,
+                name,
+                rel,
+                f"a second path to the directory {again.first or '.'!r}, "
+                "which tdckpt already read (a symlink or a mount inside the tree); every "
+                "directory is read once",
+            )
 
 
 class _OverBudget(MetadataError):
@@ -274,9 +281,7 @@ def _fill(
         try:
             meta = storage.read_json(join(rel, "meta.json"))
         except TdckptError as exc:
-            node.problems.append(
-                Problem("bad-json", "error", join(rel, "meta.json"), (), str(exc))
-            )
+            node.problems.append(Problem("bad-json", "error", join(rel, "meta.json"), (), str(exc)))
         else:
             if isinstance(meta, dict):
                 node.meta = meta
@@ -367,16 +372,24 @@ def _bounded_zip(raw: bytes, where: str) -> bytes:
         with zipfile.ZipFile(io.BytesIO(raw)) as zin:
             infos = zin.infolist()
             if len(infos) > MAX_PT_ENTRIES:
-                raise refuse(f"{len(infos)} zip entries, more than the {MAX_PT_ENTRIES} tdckpt reads")
+                raise refuse(
+                    f"{len(infos)} zip entries, more than the {MAX_PT_ENTRIES} tdckpt reads"
+                )
             declared = sum(i.file_size for i in infos)
             if declared > MAX_PT_BYTES:
                 raise refuse(
                     f"its zip entries declare {declared} bytes, more than the {MAX_PT_BYTES} "
                     "tdckpt inflates for a metadata file"
                 )
-            odd = [i.filename for i in infos if i.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)]
+            odd = [
+                i.filename
+                for i in infos
+                if i.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
+            ]
             if odd:
-                raise refuse(f"the zip entry {odd[0]!r} is compressed with a method torch.save never uses")
+                raise refuse(
+                    f"the zip entry {odd[0]!r} is compressed with a method torch.save never uses"
+                )
             out = io.BytesIO()
             with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:
                 for info in infos:
@@ -385,7 +398,14 @@ def _bounded_zip(raw: bytes, where: str) -> bytes:
                     with zin.open(info) as fh:
                         data = fh.read(info.file_size)
                     zout.writestr(info.filename, data)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, NotImplementedError) as exc:
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        EOFError,
+        OSError,
+        ValueError,
+        NotImplementedError,
+    ) as exc:
         if isinstance(exc, MetadataError):
             raise
         raise refuse(f"not a readable zip ({type(exc).__name__}: {exc})") from exc

@@ -75,11 +75,15 @@ class Ctx:
         self.problems: list[Problem] = []
         self.claimed: dict[int, tuple[str, ...]] = {}
 
-    def build(self, vdir: VDir, key: tuple[str, ...], parent_batch: tuple[int, ...] | None) -> Node | None:
+    def build(
+        self, vdir: VDir, key: tuple[str, ...], parent_batch: tuple[int, ...] | None
+    ) -> Node | None:
         """Validate a nested level (views validate their ``_source`` through this)."""
         return _build(vdir, key, self, parent_batch)
 
-    def add(self, code: str, path: str, key: tuple[str, ...], message: str, sev: str = "error") -> None:
+    def add(
+        self, code: str, path: str, key: tuple[str, ...], message: str, sev: str = "error"
+    ) -> None:
         self.problems.append(Problem(code, sev, path, key, message))  # type: ignore[arg-type]
 
 
@@ -136,7 +140,9 @@ def _short_repr(value: Any) -> str:
     return _REPR.repr(value)
 
 
-def _build(vdir: VDir, key: tuple[str, ...], ctx: Ctx, parent_batch: tuple[int, ...] | None) -> Node | None:
+def _build(
+    vdir: VDir, key: tuple[str, ...], ctx: Ctx, parent_batch: tuple[int, ...] | None
+) -> Node | None:
     meta = vdir.meta
     if meta is None:
         own = [p for p in vdir.problems if p.severity == "error" and not p.key]
@@ -301,26 +307,53 @@ def _build_leaf(
         return None
     numel = math.prod(shape)
     if numel * max(dtype.itemsize, 1) > MAX_BYTES:
-        ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"shape {list(shape)} overflows: {numel} elements of {dtype} cannot exist on disk.")
+        ctx.add(
+            "bad-shape",
+            join(vdir.source, "meta.json"),
+            key,
+            f"shape {list(shape)} overflows: {numel} elements of {dtype} cannot exist on disk.",
+        )
         return None
     vfile = vdir.files.get(fname)
     # The physical file when there is one (a legacy name differs from fname).
-    path = vfile.source if vfile is not None and vfile.source is not None else join(vdir.source, fname)
+    path = (
+        vfile.source if vfile is not None and vfile.source is not None else join(vdir.source, fname)
+    )
     leaf = LeafNode(key, path, dtype, shape, device, is_nested, vfile)
     if is_nested:
         if len(shape) != 2:
-            ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"a nested tensor's entry records its size table's shape [elements, ndim]; found {list(shape)}.")
+            ctx.add(
+                "bad-shape",
+                join(vdir.source, "meta.json"),
+                key,
+                f"a nested tensor's entry records its size table's shape [elements, ndim]; found {list(shape)}.",
+            )
             return None
         leaf.shape_file = vdir.files.get(encode_key(name) + NESTED_SHAPE_SUFFIX)
         if leaf.shape_file is None:
-            ctx.add("missing-file", join(vdir.source, encode_key(name) + NESTED_SHAPE_SUFFIX), key, "the size table of a nested tensor is missing; the leaf cannot be rebuilt.")
+            ctx.add(
+                "missing-file",
+                join(vdir.source, encode_key(name) + NESTED_SHAPE_SUFFIX),
+                key,
+                "the size table of a nested tensor is missing; the leaf cannot be rebuilt.",
+            )
             return None
         if leaf.shape_file.size < numel * 8:
-            ctx.add("short-file", leaf.shape_file.source or path, key, f"{leaf.shape_file.size} bytes, but the size table {list(shape)} of int64 needs {numel * 8}.")
+            ctx.add(
+                "short-file",
+                leaf.shape_file.source or path,
+                key,
+                f"{leaf.shape_file.size} bytes, but the size table {list(shape)} of int64 needs {numel * 8}.",
+            )
             return None
         sizes = _read_sizes(ctx.storage, leaf.shape_file, shape)
         if sizes is None or (sizes < 0).any():
-            ctx.add("bad-shape", leaf.shape_file.source or path, key, "the nested tensor's size table holds negative sizes.")
+            ctx.add(
+                "bad-shape",
+                leaf.shape_file.source or path,
+                key,
+                "the nested tensor's size table holds negative sizes.",
+            )
             return None
         leaf.sizes = sizes
         # Python ints: an int64 product wraps (2**32 * 2**32 == 0) and would let a hostile
@@ -339,7 +372,12 @@ def _build_leaf(
             )
             return None
         if batch and shape[0] != batch[0]:
-            ctx.add("batch-mismatch", path, key, f"a nested tensor of {shape[0]} elements in a level of batch size {list(batch)}.")
+            ctx.add(
+                "batch-mismatch",
+                path,
+                key,
+                f"a nested tensor of {shape[0]} elements in a level of batch size {list(batch)}.",
+            )
     else:
         leaf.numel = numel
         if shape[: len(batch)] != batch:
@@ -401,7 +439,11 @@ def _read_sizes(storage: Storage, vfile: VFile, shape: tuple[int, ...]) -> torch
         except TdckptError:
             return None
     n = _numel(shape)
-    return torch.frombuffer(bytearray(raw[: n * 8]), dtype=torch.int64).reshape(shape).clone() if n else torch.zeros(shape, dtype=torch.int64)
+    return (
+        torch.frombuffer(bytearray(raw[: n * 8]), dtype=torch.int64).reshape(shape).clone()
+        if n
+        else torch.zeros(shape, dtype=torch.int64)
+    )
 
 
 def _check_batch_prefix(node: Node, batch: tuple[int, ...], ctx: Ctx) -> None:
@@ -427,7 +469,13 @@ def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyStackNode | 
     except pydantic.ValidationError as exc:
         _schema_problems(ctx, exc, vdir.source, key)
         return None
-    node = LazyStackNode(key=key, path=vdir.source, class_id=model.class_, stack_dim=model.stack_dim, stack_dim_name=model.stack_dim_name)
+    node = LazyStackNode(
+        key=key,
+        path=vdir.source,
+        class_id=model.class_,
+        stack_dim=model.stack_dim,
+        stack_dim_name=model.stack_dim_name,
+    )
     i = 0
     while str(i) in vdir.dirs:
         member = _build(vdir.dirs[str(i)], (*key, str(i)), ctx, parent_batch=None)
@@ -456,7 +504,12 @@ def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyStackNode | 
     members = [m for m in node.members if isinstance(m, (TensorDictNode, LazyStackNode))]
     batches = {b for b in map(node_batch, members) if b is not None}
     if len(batches) > 1:
-        ctx.add("stack-mismatch", vdir.source, key, f"lazy-stack members have different batch sizes {sorted(map(list, batches))}.")
+        ctx.add(
+            "stack-mismatch",
+            vdir.source,
+            key,
+            f"lazy-stack members have different batch sizes {sorted(map(list, batches))}.",
+        )
     devices = {d for m in members for d in _stack_devices(m)}
     if len(devices) > 1:
         ctx.add(
@@ -468,7 +521,12 @@ def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyStackNode | 
         )
     for b in batches:
         if model.stack_dim > len(b):
-            ctx.add("bad-shape", join(vdir.source, "meta.json"), key, f"stack_dim {model.stack_dim} exceeds the members' {len(b)} batch dims.")
+            ctx.add(
+                "bad-shape",
+                join(vdir.source, "meta.json"),
+                key,
+                f"stack_dim {model.stack_dim} exceeds the members' {len(b)} batch dims.",
+            )
             break
     return node
 
@@ -477,7 +535,12 @@ def _stack_devices(node: TensorDictNode | LazyStackNode) -> set[str | None]:
     """The devices of a stack member (a nested stack's: those of its members)."""
     if isinstance(node, TensorDictNode):
         return {node.device}
-    return {d for m in node.members if isinstance(m, (TensorDictNode, LazyStackNode)) for d in _stack_devices(m)}
+    return {
+        d
+        for m in node.members
+        if isinstance(m, (TensorDictNode, LazyStackNode))
+        for d in _stack_devices(m)
+    }
 
 
 def _json_types(vdir: VDir, ctx: Ctx) -> dict[str, str] | None:
@@ -487,19 +550,30 @@ def _json_types(vdir: VDir, ctx: Ctx) -> dict[str, str] | None:
         return None
     try:
         saved = ctx.storage.read_json(jt.source)
-        digest = hashlib.sha256(ctx.storage.read_bytes(pk.source, max_bytes=64 * 1024 * 1024)).hexdigest()
+        digest = hashlib.sha256(
+            ctx.storage.read_bytes(pk.source, max_bytes=64 * 1024 * 1024)
+        ).hexdigest()
     except TdckptError:
         return None
     if not isinstance(saved, dict) or saved.get("pickle_sha256") != digest:
         return None
     types = saved.get("types")
-    if not isinstance(types, dict) or not all(v in ("dict", "OrderedDict", "list", "tuple") for v in types.values()):
-        ctx.add("schema", jt.source, (), f"unknown type names in {types!r}; expected dict, OrderedDict, list or tuple.")
+    if not isinstance(types, dict) or not all(
+        v in ("dict", "OrderedDict", "list", "tuple") for v in types.values()
+    ):
+        ctx.add(
+            "schema",
+            jt.source,
+            (),
+            f"unknown type names in {types!r}; expected dict, OrderedDict, list or tuple.",
+        )
         return None
     return {str(k): str(v) for k, v in types.items()}
 
 
-def _build_non_tensor(vdir: VDir, key: tuple[str, ...], ctx: Ctx, batch: tuple[int, ...]) -> NonTensorNode | None:
+def _build_non_tensor(
+    vdir: VDir, key: tuple[str, ...], ctx: Ctx, batch: tuple[int, ...]
+) -> NonTensorNode | None:
     try:
         model = schema.NonTensorDataMeta.model_validate(vdir.meta)
     except pydantic.ValidationError as exc:
@@ -507,14 +581,26 @@ def _build_non_tensor(vdir: VDir, key: tuple[str, ...], ctx: Ctx, batch: tuple[i
         return None
     assert vdir.meta is not None
     cls = "MetaData" if "MetaData" in model.type_ else "NonTensorData"
-    node = NonTensorNode(key=key, path=vdir.source, class_name=cls, batch_size=batch, device=None, metadata=model.metadata)
+    node = NonTensorNode(
+        key=key,
+        path=vdir.source,
+        class_name=cls,
+        batch_size=batch,
+        device=None,
+        metadata=model.metadata,
+    )
     node.has_data = "data" in vdir.meta
     node.data = vdir.meta.get("data")
     node.json_types = _json_types(vdir, ctx)
     if node.json_types is None:
         node.pickle = vdir.files.get("other.pickle")
     if not node.has_data and node.pickle is None and node.json_types is None:
-        ctx.add("missing-file", join(vdir.source, "other.pickle"), key, "a non-tensor value with neither inline data nor its other.pickle; the value is lost. Restore the file from a backup.")
+        ctx.add(
+            "missing-file",
+            join(vdir.source, "other.pickle"),
+            key,
+            "a non-tensor value with neither inline data nor its other.pickle; the value is lost. Restore the file from a backup.",
+        )
         return None
     return node
 
@@ -529,7 +615,9 @@ def _build_nt_stack(
         return None
     if not _check_device(ctx, vdir, key, model.device):
         return None
-    node = NonTensorStackNode(key=key, path=vdir.source, stack_dim=model.stack_dim, device=model.device)
+    node = NonTensorStackNode(
+        key=key, path=vdir.source, stack_dim=model.stack_dim, device=model.device
+    )
     if isinstance(model.data, list):
         # Every level of list nesting becomes a batch dimension when the stack is rebuilt.
         if _list_depth(model.data, 64) > 64:
@@ -554,7 +642,12 @@ def _build_nt_stack(
     else:
         node.pickle = vdir.files.get("pickle.pkl")
         if node.pickle is None:
-            ctx.add("missing-file", join(vdir.source, "pickle.pkl"), key, "meta.json says the stack is pickled, but pickle.pkl is missing; restore it from a backup.")
+            ctx.add(
+                "missing-file",
+                join(vdir.source, "pickle.pkl"),
+                key,
+                "meta.json says the stack is pickled, but pickle.pkl is missing; restore it from a backup.",
+            )
             return None
     return node
 
@@ -568,21 +661,43 @@ def _build_tensorclass(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorClas
     assert vdir.meta is not None
     inner_dir = vdir.dirs.get("_tensordict")
     if inner_dir is None:
-        ctx.add("missing-child", join(vdir.source, "_tensordict"), key, f"a saved tensorclass {model.type_} without its _tensordict directory; the checkpoint is incomplete.")
+        ctx.add(
+            "missing-child",
+            join(vdir.source, "_tensordict"),
+            key,
+            f"a saved tensorclass {model.type_} without its _tensordict directory; the checkpoint is incomplete.",
+        )
         return None
     inner = _build(inner_dir, key, ctx, parent_batch=None)
     if not isinstance(inner, TensorDictNode):
         if inner is not None:
-            ctx.add("schema", join(inner_dir.source, "meta.json"), key, "a tensorclass's _tensordict must be a TensorDict level.")
+            ctx.add(
+                "schema",
+                join(inner_dir.source, "meta.json"),
+                key,
+                "a tensorclass's _tensordict must be a TensorDict level.",
+            )
         return None
     fields = {k: v for k, v in vdir.meta.items() if k != "_type"}
     if not _check_tensorclass(ctx, vdir, key, model.type_, fields, set(inner.entries)):
         return None
-    return TensorClassNode(key=key, path=vdir.source, type_str=model.type_, fields=fields, inner=inner, pickle=vdir.files.get("other.pickle"))
+    return TensorClassNode(
+        key=key,
+        path=vdir.source,
+        type_str=model.type_,
+        fields=fields,
+        inner=inner,
+        pickle=vdir.files.get("other.pickle"),
+    )
 
 
 def _check_tensorclass(
-    ctx: Ctx, vdir: VDir, key: tuple[str, ...], type_str: str, fields: dict[str, Any], inner: set[str]
+    ctx: Ctx,
+    vdir: VDir,
+    key: tuple[str, ...],
+    type_str: str,
+    fields: dict[str, Any],
+    inner: set[str],
 ) -> bool:
     """A tensorclass level: no field both in meta.json and in ``_tensordict``, and the saved
     class, where this process can resolve it, a tensorclass that declares every field.

@@ -86,7 +86,9 @@ def node_batch(node: Node | None) -> tuple[int, ...] | None:
     return None
 
 
-def _build_source(vdir: VDir, key: tuple[str, ...], ctx: Ctx, what: str) -> tuple[Node, tuple[int, ...]] | None:
+def _build_source(
+    vdir: VDir, key: tuple[str, ...], ctx: Ctx, what: str
+) -> tuple[Node, tuple[int, ...]] | None:
     src_dir = vdir.dirs.get("_source")
     if src_dir is None:
         ctx.add(
@@ -115,10 +117,16 @@ def _build_source(vdir: VDir, key: tuple[str, ...], ctx: Ctx, what: str) -> tupl
     return source, batch
 
 
-def _check_view_class(vdir: VDir, key: tuple[str, ...], ctx: Ctx, allowed: frozenset[str], module: str) -> str | None:
+def _check_view_class(
+    vdir: VDir, key: tuple[str, ...], ctx: Ctx, allowed: frozenset[str], module: str
+) -> str | None:
     meta = vdir.meta or {}
     class_id = meta.get("_class")
-    if not isinstance(class_id, str) or class_id.rpartition(":")[0] != module or class_id.rpartition(":")[2] not in allowed:
+    if (
+        not isinstance(class_id, str)
+        or class_id.rpartition(":")[0] != module
+        or class_id.rpartition(":")[2] not in allowed
+    ):
         ctx.add(
             "unknown-class",
             join(vdir.source, "meta.json"),
@@ -151,7 +159,9 @@ def decode_index(raw: Any) -> Any:
         if x is None and none_ok:
             return None
         if type(x) is not int or not _INT64[0] <= x <= _INT64[1]:
-            raise _BadIndex(f"{what} must be an int{' or null' if none_ok else ''}, found {x!r:.40}")
+            raise _BadIndex(
+                f"{what} must be an int{' or null' if none_ok else ''}, found {x!r:.40}"
+            )
         return x
 
     def content(x: Any, depth: int) -> None:
@@ -176,10 +186,16 @@ def decode_index(raw: Any) -> Any:
                 items = [dec(e, depth + 1) for e in x[1]]
                 return tuple(items) if tag == "tuple" else items
             if tag in ("slice", "range"):
-                if len(x) != 2 or not isinstance(x[1], dict) or set(x[1]) != {"start", "stop", "step"}:
+                if (
+                    len(x) != 2
+                    or not isinstance(x[1], dict)
+                    or set(x[1]) != {"start", "stop", "step"}
+                ):
                     raise _BadIndex(f"a {tag!r} entry must be [{tag!r}, {{start, stop, step}}]")
                 c = x[1]
-                start, stop, step = (integer(c[k], f"{tag} {k}", tag == "slice") for k in ("start", "stop", "step"))
+                start, stop, step = (
+                    integer(c[k], f"{tag} {k}", tag == "slice") for k in ("start", "stop", "step")
+                )
                 if step is not None and step <= 0:
                     raise _BadIndex(f"a {tag} step must be positive, found {step}")
                 if tag == "slice":
@@ -195,14 +211,20 @@ def decode_index(raw: Any) -> Any:
                 try:
                     device = torch.device(x[2])
                 except (RuntimeError, ValueError):
-                    raise _BadIndex(f"index tensor device {x[2]!r:.40} is not a torch device") from None
+                    raise _BadIndex(
+                        f"index tensor device {x[2]!r:.40} is not a torch device"
+                    ) from None
                 if device.type != "cpu":
-                    raise _BadIndex(f"the index tensor is on {x[2]!r:.40}; it cannot index the CPU data of the checkpoint")
+                    raise _BadIndex(
+                        f"the index tensor is on {x[2]!r:.40}; it cannot index the CPU data of the checkpoint"
+                    )
                 content(x[1], depth + 1)
                 try:
                     return torch.tensor(x[1], device=device)
                 except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
-                    raise _BadIndex(f"the index tensor's values do not form a tensor ({exc})") from None
+                    raise _BadIndex(
+                        f"the index tensor's values do not form a tensor ({exc})"
+                    ) from None
             if tag == "ellipsis":
                 if len(x) != 1:
                     raise _BadIndex("an 'ellipsis' entry must be ['ellipsis']")
@@ -246,7 +268,9 @@ def index_batch(index: Any, batch: tuple[int, ...]) -> tuple[int, ...]:
     if sum(t is Ellipsis for t in tensors) > 1:
         raise _BadIndex("the index holds more than one Ellipsis")
     if used > len(batch):
-        raise _BadIndex(f"the index addresses {used} dimensions, the source has {len(batch)} {list(batch)}")
+        raise _BadIndex(
+            f"the index addresses {used} dimensions, the source has {len(batch)} {list(batch)}"
+        )
     pos = 0
     conv: list[Any] = []
     for t in tensors:
@@ -267,13 +291,17 @@ def index_batch(index: Any, batch: tuple[int, ...]) -> tuple[int, ...]:
         elif isinstance(t, torch.Tensor):
             if t.dtype == torch.bool:
                 if t.ndim == 0 or tuple(t.shape) != batch[pos : pos + t.ndim]:
-                    raise _BadIndex(f"a mask of shape {list(t.shape)} for dimensions {list(batch[pos : pos + t.ndim])} of the source")
+                    raise _BadIndex(
+                        f"a mask of shape {list(t.shape)} for dimensions {list(batch[pos : pos + t.ndim])} of the source"
+                    )
                 conv.extend(i.to("meta") for i in t.nonzero(as_tuple=True))
                 pos += t.ndim
             elif t.dtype in (torch.int64, torch.int32):
                 size = batch[pos]
                 if t.numel() and (int(t.min()) < -size or int(t.max()) >= size):
-                    raise _BadIndex(f"index tensor values out of range for dimension {pos} of size {size}")
+                    raise _BadIndex(
+                        f"index tensor values out of range for dimension {pos} of size {size}"
+                    )
                 conv.append(t.to("meta"))
                 pos += 1
             else:
@@ -291,7 +319,12 @@ def build_sub_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> SubTensorDictNod
     where = join(vdir.source, "meta.json")
     class_id = _check_view_class(vdir, key, ctx, frozenset({"_SubTensorDict"}), "tensordict._td")
     if "index" not in meta:
-        ctx.add("schema", where, key, "a saved sub-tensordict without its 'index' field; the metadata is damaged.")
+        ctx.add(
+            "schema",
+            where,
+            key,
+            "a saved sub-tensordict without its 'index' field; the metadata is damaged.",
+        )
         return None
     try:
         index = decode_index(meta["index"])
@@ -300,7 +333,12 @@ def build_sub_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> SubTensorDictNod
         index, bad = None, str(exc)
     built = _build_source(vdir, key, ctx, "sub-tensordict")
     if bad is not None:
-        ctx.add("bad-index", where, key, f"the sub-tensordict index cannot be loaded: {bad}. The metadata is damaged or hostile.")
+        ctx.add(
+            "bad-index",
+            where,
+            key,
+            f"the sub-tensordict index cannot be loaded: {bad}. The metadata is damaged or hostile.",
+        )
         return None
     if built is None or class_id is None:
         return None
@@ -308,9 +346,22 @@ def build_sub_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> SubTensorDictNod
     try:
         batch = index_batch(index, src_batch)
     except _BadIndex as exc:
-        ctx.add("bad-index", where, key, f"the sub-tensordict index does not fit its source of batch size {list(src_batch)}: {exc}.")
+        ctx.add(
+            "bad-index",
+            where,
+            key,
+            f"the sub-tensordict index does not fit its source of batch size {list(src_batch)}: {exc}.",
+        )
         return None
-    return SubTensorDictNode(key=key, path=vdir.source, class_id=class_id, index_json=meta["index"], index=index, batch_size=batch, source=source)
+    return SubTensorDictNode(
+        key=key,
+        path=vdir.source,
+        class_id=class_id,
+        index_json=meta["index"],
+        index=index,
+        batch_size=batch,
+        source=source,
+    )
 
 
 def _op_error(op: Any, kwargs: Any) -> str | None:
@@ -359,7 +410,12 @@ def build_view(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyViewNode | Non
         bad = "inv_op_kwargs must be a dict"
     built = _build_source(vdir, key, ctx, "lazy view")
     if bad is not None:
-        ctx.add("bad-view", where, key, f"the lazy view cannot be loaded: {bad}. The metadata is damaged or hostile.")
+        ctx.add(
+            "bad-view",
+            where,
+            key,
+            f"the lazy view cannot be loaded: {bad}. The metadata is damaged or hostile.",
+        )
         return None
     if built is None or class_id is None:
         return None
@@ -369,7 +425,12 @@ def build_view(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyViewNode | Non
     try:
         batch = _apply_op(op, kwargs, src_batch)
     except (IndexError, RuntimeError, TypeError, ValueError) as exc:
-        ctx.add("bad-view", where, key, f"{op}({kwargs!r:.60}) does not apply to its source of batch size {list(src_batch)}: {exc}")
+        ctx.add(
+            "bad-view",
+            where,
+            key,
+            f"{op}({kwargs!r:.60}) does not apply to its source of batch size {list(src_batch)}: {exc}",
+        )
         return None
     if inv is not None:
         try:

@@ -44,10 +44,12 @@ __all__ = ["restore_into_target"]
 class _Plan:
     """What the commit assigns."""
 
-    __slots__ = ("items", "prefixes", "fields", "levels", "non_tensors")
+    __slots__ = ("fields", "items", "levels", "non_tensors", "prefixes")
 
     def __init__(self) -> None:
-        self.items: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (a level's item dict, new items)
+        self.items: list[
+            tuple[dict[str, Any], dict[str, Any]]
+        ] = []  # (a level's item dict, new items)
         self.prefixes: list[tuple[Any, Path | None]] = []
         self.fields: list[tuple[Any, dict[str, Any]]] = []  # (tensorclass/NTD, fields)
         self.levels: list[Any] = []  # every TensorDict level touched
@@ -106,7 +108,9 @@ def _kind(obj: Any) -> str:
 
 
 class _Preparer:
-    def __init__(self, opened: OpenedCheckpoint, mapper: Mapper, builder: Any, unpickle: bool) -> None:
+    def __init__(
+        self, opened: OpenedCheckpoint, mapper: Mapper, builder: Any, unpickle: bool
+    ) -> None:
         self.opened = opened
         self.mapper = mapper
         self.builder = builder
@@ -214,7 +218,9 @@ class _Preparer:
             key=node.key,
         )
 
-    def _into_dict(self, target: dict[str, Any], node: TensorDictNode, claimed: bool = False) -> None:
+    def _into_dict(
+        self, target: dict[str, Any], node: TensorDictNode, claimed: bool = False
+    ) -> None:
         if not claimed:
             self.claim(target, node)
         new: dict[str, Any] = {}
@@ -255,18 +261,31 @@ class _Preparer:
                 new[key] = mapper.leaf(sub)
                 continue
             existing = target._tensordict.get(key)
-            reuse = (
-                existing is not None
-                and (
-                    (isinstance(sub, TensorDictNode) and _is_td(existing) and not _is_lazy_stack(existing))
-                    or (isinstance(sub, TensorClassNode) and _is_tensorclass(existing) and str(type(existing)) == sub.type_str)
-                    or (isinstance(sub, LazyStackNode) and _is_lazy_stack(existing) and len(existing.tensordicts) == len(sub.members))
+            reuse = existing is not None and (
+                (
+                    isinstance(sub, TensorDictNode)
+                    and _is_td(existing)
+                    and not _is_lazy_stack(existing)
+                )
+                or (
+                    isinstance(sub, TensorClassNode)
+                    and _is_tensorclass(existing)
+                    and str(type(existing)) == sub.type_str
+                )
+                or (
+                    isinstance(sub, LazyStackNode)
+                    and _is_lazy_stack(existing)
+                    and len(existing.tensordicts) == len(sub.members)
                 )
             )
             if reuse:
                 self.into(existing, sub)
                 value = existing
-            elif isinstance(sub, NonTensorNode) and _is_non_tensor_data(existing) and type(existing).__name__ == sub.class_name:
+            elif (
+                isinstance(sub, NonTensorNode)
+                and _is_non_tensor_data(existing)
+                and type(existing).__name__ == sub.class_name
+            ):
                 self.claim(existing, sub)
                 value_, fields = non_tensor_value(sub, self.opened.storage, self.unpickle)
                 new_fields = {"data": value_, **fields, "_is_non_tensor": True}
@@ -276,7 +295,9 @@ class _Preparer:
                 value = self.builder.build(sub, node.batch_size)
                 if not isinstance(sub, NonTensorNode):
                     self.plan.non_tensors.extend(_built_non_tensors(value, sub))
-            vb = _value_batch(value) if not isinstance(sub, NonTensorNode) else tuple(sub.batch_size)
+            vb = (
+                _value_batch(value) if not isinstance(sub, NonTensorNode) else tuple(sub.batch_size)
+            )
             if vb is not None and vb[:nb] != batch:
                 self._batch_error(sub, vb, batch)
             if isinstance(sub, NonTensorNode):
@@ -287,7 +308,9 @@ class _Preparer:
         self.plan.levels.append(target)
 
 
-def _batch_error_message(where: str, sub: Node, shape: tuple[int, ...], batch: tuple[int, ...]) -> str:
+def _batch_error_message(
+    where: str, sub: Node, shape: tuple[int, ...], batch: tuple[int, ...]
+) -> str:
     what = "leaf" if isinstance(sub, LeafNode) else "entry"
     return (
         f"{where}: the saved {what} {'.'.join(sub.key)!r} has shape {list(shape)}, which the "
@@ -380,7 +403,9 @@ def restore_into_target(
     levels = _all_td_levels(target) if was_memmap else [lvl for lvl, _ in plan.prefixes]
     levels += _non_tensor_levels(levels)
     snapshot_items = [(store, dict(store)) for store, _ in plan.items]
-    snapshot_flags = [(lvl, lvl._memmap_prefix, getattr(lvl, "_is_memmap", False)) for lvl in levels]
+    snapshot_flags = [
+        (lvl, lvl._memmap_prefix, getattr(lvl, "_is_memmap", False)) for lvl in levels
+    ]
     snapshot_fields = [(obj, dict(obj._non_tensordict)) for obj, _ in plan.fields]
     try:
         if was_memmap:

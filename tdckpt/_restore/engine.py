@@ -133,7 +133,9 @@ def open_for_restore(
                 key_encoding=opened.key_encoding,
             )
             raise ValidationError(_format_errors(opened), report=report, prefix=opened.prefix)
-        pickled = [(n.key, n.pickle.source or n.path) for n in pickled_nodes(opened.root) if n.pickle]  # type: ignore[union-attr]
+        pickled = [
+            (n.key, n.pickle.source or n.path) for n in pickled_nodes(opened.root) if n.pickle
+        ]  # type: ignore[union-attr]
         resolve_pickle_policy(allow_pickle, pickled, prefix=opened.prefix)
         if opened.lost:
             warnings.warn(
@@ -194,7 +196,15 @@ class _Builder:
             return self._build(node, batch, parent_device)
         except TdckptError:
             raise
-        except (AttributeError, IndexError, KeyError, OverflowError, RuntimeError, TypeError, ValueError) as exc:
+        except (
+            AttributeError,
+            IndexError,
+            KeyError,
+            OverflowError,
+            RuntimeError,
+            TypeError,
+            ValueError,
+        ) as exc:
             # The last line of defence: validation should have refused whatever makes a
             # torch or tensordict constructor fail. Name the key, never a raw traceback.
             where = self.opened.storage.display(node.path)
@@ -219,7 +229,9 @@ class _Builder:
             from tensordict import LazyStackedTensorDict
 
             if not members:
-                raise RestoreError(f"{self.opened.storage.display(node.path)}: a lazy stack with no members cannot be rebuilt.")
+                raise RestoreError(
+                    f"{self.opened.storage.display(node.path)}: a lazy stack with no members cannot be rebuilt."
+                )
             result = LazyStackedTensorDict(*members, stack_dim=node.stack_dim)
             if node.stack_dim_name is not None:
                 result._td_dim_name = node.stack_dim_name
@@ -236,7 +248,9 @@ class _Builder:
             from tensordict import NonTensorStack
 
             device = self._device(node.device)
-            return NonTensorStack._from_list(data, device=parent_device if device is None else device)
+            return NonTensorStack._from_list(
+                data, device=parent_device if device is None else device
+            )
         if isinstance(node, TensorClassNode):
             inner = self.tensordict(node.inner)
             fields = tensorclass_fields(node, self.opened.storage, self.unpickle)
@@ -280,17 +294,25 @@ class _Builder:
                 custom_op_kwargs=dict(node.kwargs),
                 inv_op_kwargs=dict(node.inv_kwargs),
             )
-        return _plain_apply(source, _leaf_op(node.op, node.kwargs, len(node_batch(node.source) or ())))
+        return _plain_apply(
+            source, _leaf_op(node.op, node.kwargs, len(node_batch(node.source) or ()))
+        )
 
     def _non_tensor(
-        self, node: NonTensorNode, value: Any, fields: dict[str, Any], parent_device: torch.device | None
+        self,
+        node: NonTensorNode,
+        value: Any,
+        fields: dict[str, Any],
+        parent_device: torch.device | None,
     ) -> Any:
         from tensordict import TensorDict
         from tensordict.tensorclass import MetaData, NonTensorData
 
         cls = MetaData if node.class_name == "MetaData" else NonTensorData
         device = self._device(node.device)
-        td = TensorDict(batch_size=node.batch_size, device=parent_device if device is None else device)
+        td = TensorDict(
+            batch_size=node.batch_size, device=parent_device if device is None else device
+        )
         non_td = {"data": value, **fields}
         non_td.setdefault("_is_non_tensor", True)
         return cls._from_tensordict(td, non_td)
@@ -332,7 +354,9 @@ def _check_plain_view(node: SubTensorDictNode | LazyViewNode, where: str) -> Non
     if isinstance(node, LazyViewNode):
         values = [v for v in node.kwargs.values()]
         flat = [d for v in values for d in (v if isinstance(v, list) else [v])]
-        if (node.op == "squeeze" and not node.kwargs) or any(d < 0 for d in flat if node.op != "view"):
+        if (node.op == "squeeze" and not node.kwargs) or any(
+            d < 0 for d in flat if node.op != "view"
+        ):
             raise RestoreError(
                 f"{where}: without tensordict, a lazy {node.op}({node.kwargs}) cannot be "
                 "materialized faithfully (tensordict applies it to each tensor as is). Install "
@@ -513,7 +537,11 @@ def restore_in_place(
                     if check is not None:
                         check(opened)
                     restore_into_target(
-                        target, opened, mode=mode, unpickle=unpickle, builder_factory=_Builder  # type: ignore[arg-type]
+                        target,
+                        opened,
+                        mode=mode,
+                        unpickle=unpickle,
+                        builder_factory=_Builder,  # type: ignore[arg-type]
                     )
                 finally:
                     opened.close()
@@ -526,4 +554,3 @@ def restore_in_place(
         if gc_enabled:
             gc.enable()
     return target
-

@@ -26,11 +26,11 @@ from tdckpt.errors import RestoreError, TdckptError
 
 __all__ = [
     "Mapper",
+    "check_tensorclass_fields",
     "has_tensordict",
     "load_pickled",
     "non_tensor_value",
     "nt_stack_value",
-    "check_tensorclass_fields",
     "resolve_tensorclass",
     "tensorclass_fields",
 ]
@@ -62,7 +62,7 @@ def load_pickled(storage: Storage, rel: str) -> Any:
     """Unpickle one sidecar. Only called once the pickle policy allowed it."""
     raw = storage.read_bytes(rel, max_bytes=_MAX_PICKLE_BYTES)
     try:
-        return pickle.loads(raw)  # noqa: S301 - allowed by the caller's allow_pickle
+        return pickle.loads(raw)
     except Exception as exc:
         raise RestoreError(
             f"{storage.display(rel)}: the pickled value cannot be loaded ({type(exc).__name__}: "
@@ -85,7 +85,9 @@ class Mapper:
         self._mmt = _memory_mapped_tensor() if storage.kind == "directory" else None
         self._structure_only = device is not None and device.type == "meta"
         self._move = device is not None and device.type not in ("cpu", "meta")
-        self._dense_dir_leaves = self._mmt is not None and not self._structure_only and not self._move
+        self._dense_dir_leaves = (
+            self._mmt is not None and not self._structure_only and not self._move
+        )
 
     def dir_path(self, rel: str) -> Path | None:
         if not self.records_prefix:
@@ -112,7 +114,11 @@ class Mapper:
             tensor = torch.empty(node.shape, dtype=node.dtype)
         else:
             if src.data is not None:  # content produced by a migration
-                flat = torch.frombuffer(bytearray(src.data[: node.nbytes]), dtype=node.dtype) if node.nbytes else torch.empty(0, dtype=node.dtype)
+                flat = (
+                    torch.frombuffer(bytearray(src.data[: node.nbytes]), dtype=node.dtype)
+                    if node.nbytes
+                    else torch.empty(0, dtype=node.dtype)
+                )
             else:
                 assert src.source is not None
                 flat = self._map(src.source, node)
@@ -147,7 +153,9 @@ class Mapper:
         assert mmt is not None
         # _make_subclass is the cheap alias; a nested tensor goes through the class itself
         # (aliasing one with _make_subclass warns about the nested-tensor prototype).
-        out: torch.Tensor = mmt(tensor) if node.is_nested else torch.Tensor._make_subclass(mmt, tensor)
+        out: torch.Tensor = (
+            mmt(tensor) if node.is_nested else torch.Tensor._make_subclass(mmt, tensor)
+        )
         # The attributes tensordict's from_filename sets, written straight into __dict__:
         # the ``filename`` setter normalises through pathlib (slow for 10,000 leaves), and
         # the storage already gives an absolute, normalised path.
@@ -166,7 +174,9 @@ def _nested_from_buffer(flat: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor
     return torch._nested_view_from_buffer(flat, sizes, *offsets_strides)
 
 
-def non_tensor_value(node: NonTensorNode, storage: Storage, unpickle: bool) -> tuple[Any, dict[str, Any]]:
+def non_tensor_value(
+    node: NonTensorNode, storage: Storage, unpickle: bool
+) -> tuple[Any, dict[str, Any]]:
     """The value of a NonTensorData node and its extra fields (``_metadata`` ...)."""
     fields: dict[str, Any] = {"_metadata": node.metadata}
     value = node.data
@@ -217,7 +227,9 @@ def tensorclass_fields(node: TensorClassNode, storage: Storage, unpickle: bool) 
     return fields
 
 
-def check_tensorclass_fields(cls: type, fields: dict[str, Any], inner_keys: Any, where: str) -> None:
+def check_tensorclass_fields(
+    cls: type, fields: dict[str, Any], inner_keys: Any, where: str
+) -> None:
     """Refuse saved fields the class does not declare (a renamed or edited class), and a
     field saved twice (pickled in other.pickle and in ``_tensordict/``)."""
     try:

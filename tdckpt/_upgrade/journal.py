@@ -287,9 +287,7 @@ def check_journal(prefix: Path, state: Any) -> dict[str, Any]:
     if not isinstance(staging, str) or not re.fullmatch(
         name + re.escape(STAGING_MARK) + "[0-9a-f]{12}", staging
     ):
-        raise _refuse(
-            prefix, f"names the staging {staging!r}, not {prefix.name}{STAGING_MARK}<id>"
-        )
+        raise _refuse(prefix, f"names the staging {staging!r}, not {prefix.name}{STAGING_MARK}<id>")
     backup = state.get("backup")
     if not isinstance(backup, str) or not re.fullmatch(
         name + re.escape(BACKUP_MARK) + r"[0-9]{8}T[0-9]{6}Z(?:-[1-9][0-9]{0,8})?", backup
@@ -512,7 +510,11 @@ def _build_staging(plan: UpgradePlan, staging: Path, runner: _Runner) -> None:
                         # the kept checksum); a link reads them only when none is kept
                         copy = op.kind == "copy"
                         digest = _place_leaf(
-                            storage, vfile, dst, plan.report, copy=copy,
+                            storage,
+                            vfile,
+                            dst,
+                            plan.report,
+                            copy=copy,
                             algorithm=algorithm if copy or kept is None else None,
                         )
                     if kept is not None:

@@ -502,9 +502,7 @@ def _layout(
                 if kept is not None and kept[0] == vfile.size:
                     plan.kept_checksums[where] = kept[1]
                 if archive:
-                    ops.append(
-                        FileOp("write", where, f"extract {vfile.source} from the archive")
-                    )
+                    ops.append(FileOp("write", where, f"extract {vfile.source} from the archive"))
                 elif keep_backup:
                     plan.copy_bytes += vfile.size
                     ops.append(

@@ -124,29 +124,47 @@ def _generated() -> dict[str, Any]:
         "sub_slice": ("td", td._get_sub_tensordict(slice(0, 1))),
         "sub_tuple": ("td", td._get_sub_tensordict((slice(None), 2))),
         "sub_tensor": ("td", td._get_sub_tensordict(torch.tensor([1, 0]))),
-        "sub_mask": ("td", td._get_sub_tensordict((slice(None), torch.tensor([True, False, True])))),
+        "sub_mask": (
+            "td",
+            td._get_sub_tensordict((slice(None), torch.tensor([True, False, True]))),
+        ),
         "unsqueeze": (
             "td",
             _UnsqueezedTensorDict(
-                td, custom_op="unsqueeze", inv_op="squeeze", custom_op_kwargs={"dim": 1}, inv_op_kwargs={"dim": 1}
+                td,
+                custom_op="unsqueeze",
+                inv_op="squeeze",
+                custom_op_kwargs={"dim": 1},
+                inv_op_kwargs={"dim": 1},
             ),
         ),
         "permute": (
             "td",
             _PermutedTensorDict(
-                td, custom_op="permute", inv_op="permute", custom_op_kwargs={"dims": [1, 0]}, inv_op_kwargs={"dims": [1, 0]}
+                td,
+                custom_op="permute",
+                inv_op="permute",
+                custom_op_kwargs={"dims": [1, 0]},
+                inv_op_kwargs={"dims": [1, 0]},
             ),
         ),
         "view": (
             "td",
             _ViewedTensorDict(
-                td, custom_op="view", inv_op="view", custom_op_kwargs={"size": [6]}, inv_op_kwargs={"size": [2, 3]}
+                td,
+                custom_op="view",
+                inv_op="view",
+                custom_op_kwargs={"size": [6]},
+                inv_op_kwargs={"size": [2, 3]},
             ),
         ),
         "stack_dim1": ("td", stack()),
         "tdckpt_nested": ("tdckpt", src()),
         "tdckpt_stack": ("tdckpt", stack()),
-        "tdckpt_non_tensor": ("tdckpt", TensorDict(a=torch.ones(3), s=NonTensorStack("x", "y", "z"), batch_size=[3])),
+        "tdckpt_non_tensor": (
+            "tdckpt",
+            TensorDict(a=torch.ones(3), s=NonTensorStack("x", "y", "z"), batch_size=[3]),
+        ),
         "tdckpt_archive": ("tdckpt.tdz", src()),
     }
 
@@ -182,16 +200,76 @@ def _copy_seed(seed: Any, generated: Path, dest: Path) -> Path:
 
 # -- values ----------------------------------------------------------------------------------
 
-_EDGE_INTS = [0, 1, 2, 3, -1, -2, 63, 64, 65, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**62, 2**62 + 1, 2**63 - 1, 2**63, 2**64, -(2**63), -(2**63) - 1, 10**30]
+_EDGE_INTS = [
+    0,
+    1,
+    2,
+    3,
+    -1,
+    -2,
+    63,
+    64,
+    65,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**53 + 1,
+    2**62,
+    2**62 + 1,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**63),
+    -(2**63) - 1,
+    10**30,
+]
 _DTYPES = sorted(
     {str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)}
-    | {"torch.float", "float32", "torch.int", "torch.Float32", "torch.", "", "torch.float32 ", "torch.uint4"}
+    | {
+        "torch.float",
+        "float32",
+        "torch.int",
+        "torch.Float32",
+        "torch.",
+        "",
+        "torch.float32 ",
+        "torch.uint4",
+    }
 )
 _DEVICES = [
-    "cpu", "cpu:0", "cpu:1", "cpu:-1", "cuda", "cuda:0", "cuda:-1", "cuda:99999999999999999999",
-    "meta", "mps", "xpu", "xla", "hpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve",
-    "fpga", "maia", "vulkan", "mtia", "lazy", "ipu", "privateuseone", "None", "", "cpu:0:0",
-    "cpu:2147483648", " cpu", "CPU", "cuda:1",
+    "cpu",
+    "cpu:0",
+    "cpu:1",
+    "cpu:-1",
+    "cuda",
+    "cuda:0",
+    "cuda:-1",
+    "cuda:99999999999999999999",
+    "meta",
+    "mps",
+    "xpu",
+    "xla",
+    "hpu",
+    "mkldnn",
+    "opengl",
+    "opencl",
+    "ideep",
+    "hip",
+    "ve",
+    "fpga",
+    "maia",
+    "vulkan",
+    "mtia",
+    "lazy",
+    "ipu",
+    "privateuseone",
+    "None",
+    "",
+    "cpu:0:0",
+    "cpu:2147483648",
+    " cpu",
+    "CPU",
+    "cuda:1",
 ]
 _TYPES = [
     "<class 'tensordict._td.TensorDict'>",
@@ -247,12 +325,41 @@ _CLASSES = [
     ":",
     "",
 ]
-_OPS = ["squeeze", "unsqueeze", "view", "transpose", "permute", "reshape", "flatten", "__init__", None]
+_OPS = [
+    "squeeze",
+    "unsqueeze",
+    "view",
+    "transpose",
+    "permute",
+    "reshape",
+    "flatten",
+    "__init__",
+    None,
+]
 _CHECKSUMS = [
-    "crc32:00000000", "crc32:0", "crc32:", "sha256:00", "md5:d41d8cd98f00b204e9800998ecf8427e",
-    "sha1:da39a3ee5e6b4b0d3255bfef95601890afd80709", "shake_128:00", "shake_256:00", "sha3_256:00",
-    "blake2b:00", "blake2s:00", "md4:00", "sm3:00", "ripemd160:00", "whirlpool:00", "crc32c:00",
-    "adler32:00", "xxh64:00", "sha512_224:00", "sha512_256:00", "mdc2:00", "none:00", "a:0",
+    "crc32:00000000",
+    "crc32:0",
+    "crc32:",
+    "sha256:00",
+    "md5:d41d8cd98f00b204e9800998ecf8427e",
+    "sha1:da39a3ee5e6b4b0d3255bfef95601890afd80709",
+    "shake_128:00",
+    "shake_256:00",
+    "sha3_256:00",
+    "blake2b:00",
+    "blake2s:00",
+    "md4:00",
+    "sm3:00",
+    "ripemd160:00",
+    "whirlpool:00",
+    "crc32c:00",
+    "adler32:00",
+    "xxh64:00",
+    "sha512_224:00",
+    "sha512_256:00",
+    "mdc2:00",
+    "none:00",
+    "a:0",
 ]
 
 _small_ints = st.integers(-3, 8)
@@ -262,7 +369,9 @@ _shapes = st.one_of(
     st.lists(_dims, max_size=5),
     st.lists(st.integers(1, 2), min_size=60, max_size=70),
 )
-_names = st.one_of(st.none(), st.lists(st.one_of(st.none(), st.text(max_size=3), _small_ints), max_size=4))
+_names = st.one_of(
+    st.none(), st.lists(st.one_of(st.none(), st.text(max_size=3), _small_ints), max_size=4)
+)
 
 
 def _index_values() -> st.SearchStrategy[Any]:
@@ -289,7 +398,11 @@ def _index_values() -> st.SearchStrategy[Any]:
     base = st.one_of(scalar, sl, tensor, st.just(["ellipsis"]))
     return st.one_of(
         base,
-        st.builds(lambda t, items: [t, items], st.sampled_from(["tuple", "list"]), st.lists(base, max_size=4)),
+        st.builds(
+            lambda t, items: [t, items],
+            st.sampled_from(["tuple", "list"]),
+            st.lists(base, max_size=4),
+        ),
         st.lists(base, max_size=3),
     )
 
@@ -304,7 +417,9 @@ _json_scalar = st.one_of(
 )
 _json_any = st.recursive(
     _json_scalar,
-    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
     max_leaves=6,
 )
 
@@ -337,9 +452,28 @@ _DOMAIN: dict[str, st.SearchStrategy[Any]] = {
     "schema_version": st.sampled_from([0, 1, 2, -1, "1", 2**63]),
 }
 _NEW_KEYS = [
-    "_names", "_format_version", "_class", "_type", "stack_dim", "stack_dim_name", "device", "data",
-    "is_nested", "shape", "dtype", "index", "custom_op", "_metadata", "_is_non_tensor", "x", "0",
-    "_tensordict", "_source", "__proto__", "%2E", "..",
+    "_names",
+    "_format_version",
+    "_class",
+    "_type",
+    "stack_dim",
+    "stack_dim_name",
+    "device",
+    "data",
+    "is_nested",
+    "shape",
+    "dtype",
+    "index",
+    "custom_op",
+    "_metadata",
+    "_is_non_tensor",
+    "x",
+    "0",
+    "_tensordict",
+    "_source",
+    "__proto__",
+    "%2E",
+    "..",
 ]
 
 
@@ -372,11 +506,25 @@ def _retype(data: Any, value: Any) -> Any:
     if isinstance(value, bool):
         options += [int(value), "true"]
     elif isinstance(value, int):
-        options += [float(value), value != 0, -value, value + 1, value - 1, value * 2**40, str(value)]
+        options += [
+            float(value),
+            value != 0,
+            -value,
+            value + 1,
+            value - 1,
+            value * 2**40,
+            str(value),
+        ]
     elif isinstance(value, float):
         options += [int(value) if math.isfinite(value) else 0]
     elif isinstance(value, list):
-        options += [{str(i): v for i, v in enumerate(value)}, tuple(value) and value[:-1], value + value[-1:], value[::-1], []]
+        options += [
+            {str(i): v for i, v in enumerate(value)},
+            tuple(value) and value[:-1],
+            value + value[-1:],
+            value[::-1],
+            [],
+        ]
     elif isinstance(value, dict):
         options += [list(value.values()), list(value), {}]
     elif isinstance(value, str):
@@ -444,9 +592,13 @@ class Mutable:
     # mutations -----------------------------------------------------------------------------
     def new_key(self, data: Any) -> str:
         """A key name: a format field, one this checkpoint uses elsewhere, or any text."""
-        seen = sorted({k for rel, path in self.positions() for k in path[-1:] if isinstance(k, str)})
+        seen = sorted(
+            {k for rel, path in self.positions() for k in path[-1:] if isinstance(k, str)}
+        )
         return data.draw(
-            st.one_of(st.sampled_from(_NEW_KEYS), st.sampled_from(seen or _NEW_KEYS), st.text(max_size=4)),
+            st.one_of(
+                st.sampled_from(_NEW_KEYS), st.sampled_from(seen or _NEW_KEYS), st.text(max_size=4)
+            ),
             label="new key",
         )
 
@@ -499,13 +651,29 @@ class Mutable:
         keys = sorted(doc, key=str)
         pool = st.one_of(
             st.builds(torch.Size, st.lists(st.integers(0, 6), max_size=4)),
-            st.builds(torch.Size, st.lists(st.sampled_from([0, 1, 2**31, 2**62, 2**63 - 1]), max_size=3)),
-            st.sampled_from([None, 0, -1, 3, 2**63 - 1, "cpu", "cuda:0", torch.device("cpu"), torch.device("meta")]),
+            st.builds(
+                torch.Size, st.lists(st.sampled_from([0, 1, 2**31, 2**62, 2**63 - 1]), max_size=3)
+            ),
+            st.sampled_from(
+                [
+                    None,
+                    0,
+                    -1,
+                    3,
+                    2**63 - 1,
+                    "cpu",
+                    "cuda:0",
+                    torch.device("cpu"),
+                    torch.device("meta"),
+                ]
+            ),
             st.sampled_from([v for v in vars(torch).values() if isinstance(v, torch.dtype)]),
             st.lists(st.integers(-1, 4), max_size=3),
             st.booleans(),
         )
-        op = data.draw(st.sampled_from(["replace", "delete", "add"] if keys else ["add"]), label="pt op")
+        op = data.draw(
+            st.sampled_from(["replace", "delete", "add"] if keys else ["add"]), label="pt op"
+        )
         if op == "replace":
             key = data.draw(st.sampled_from(keys), label="pt key")
             doc[key] = data.draw(pool, label="pt value")
@@ -513,7 +681,11 @@ class Mutable:
             key = data.draw(st.sampled_from(keys), label="pt key")
             del doc[key]
         else:
-            key = data.draw(st.sampled_from(["batch_size", "shape", "dtype", "device", "stack_dim", "is_nested", "x"]))
+            key = data.draw(
+                st.sampled_from(
+                    ["batch_size", "shape", "dtype", "device", "stack_dim", "is_nested", "x"]
+                )
+            )
             doc[key] = data.draw(pool, label="pt value")
         self.dirty.add(rel)
         return f"pt {op} {rel}:{key!r}"
@@ -522,8 +694,16 @@ class Mutable:
         """A structural edit: member directories and leaf files (directories only)."""
         self.write()  # earlier edits reach the disk first: the edit copies and moves files
         self.dirty.clear()
-        dirs = sorted(p.relative_to(self.prefix).as_posix() for p in self.prefix.rglob("*") if p.is_dir() and not p.is_symlink())
-        leaves = sorted(p.relative_to(self.prefix).as_posix() for p in self.prefix.rglob("*.memmap") if p.is_file())
+        dirs = sorted(
+            p.relative_to(self.prefix).as_posix()
+            for p in self.prefix.rglob("*")
+            if p.is_dir() and not p.is_symlink()
+        )
+        leaves = sorted(
+            p.relative_to(self.prefix).as_posix()
+            for p in self.prefix.rglob("*.memmap")
+            if p.is_file()
+        )
         ops = []
         if dirs:
             ops += ["rm_dir", "dup_dir", "rename_dir"]
@@ -539,7 +719,12 @@ class Mutable:
             # view...) takes the place of a member, a child or a new key.
             donor = data.draw(st.sampled_from(self.donors), label="donor")
             where = data.draw(st.sampled_from(["", *dirs]), label="graft into")
-            name = data.draw(st.sampled_from(["0", "1", "2", "3", "_tensordict", "_source", "lvl1", "sub", "s", "tc", "x"]), label="as")
+            name = data.draw(
+                st.sampled_from(
+                    ["0", "1", "2", "3", "_tensordict", "_source", "lvl1", "sub", "s", "tc", "x"]
+                ),
+                label="as",
+            )
             dst = self.prefix / where / name
             if dst.exists():
                 shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
@@ -554,7 +739,10 @@ class Mutable:
                 shutil.rmtree(src)
             else:
                 siblings = {p.name for p in src.parent.iterdir()}
-                new = data.draw(st.sampled_from(["0", "1", "2", "3", "4", "9", "_tensordict", "_source", "x"]), label="new name")
+                new = data.draw(
+                    st.sampled_from(["0", "1", "2", "3", "4", "9", "_tensordict", "_source", "x"]),
+                    label="new name",
+                )
                 if new in siblings:
                     return f"{op} {rel} (name taken)"
                 if op == "dup_dir":
@@ -666,7 +854,9 @@ def snapshot(obj: Any) -> Any:
         )
     if isinstance(obj, TensorDictBase):  # sub-tensordicts and lazy views
         inner = getattr(obj, "_source", None)
-        leaves = {k: _tensor_digest(v) for k, v in obj.items(True, True) if isinstance(v, torch.Tensor)}
+        leaves = {
+            k: _tensor_digest(v) for k, v in obj.items(True, True) if isinstance(v, torch.Tensor)
+        }
         return ("view", id(obj), type(obj), tuple(obj.batch_size), leaves, snapshot(inner))
     if isinstance(obj, dict):
         return ("dict", id(obj), {k: snapshot(v) for k, v in obj.items()})
@@ -743,13 +933,17 @@ def check_mutant(prefix: Path, pristine: Path, what: str) -> str:
         snapshot(_load(prefix))
     except RestoreError as exc:
         if not _tolerated_refusal(exc, prefix):
-            raise AssertionError(f"{what}: validate passed, but load_memmap refused: {exc}") from exc
+            raise AssertionError(
+                f"{what}: validate passed, but load_memmap refused: {exc}"
+            ) from exc
     for target in targets:
         state = snapshot(target)
         try:
             out = tdckpt.load_memmap_(target, prefix, robust_key=None, allow_pickle=True)
         except RestoreError:
-            assert snapshot(target) == state, f"{what}: a refused in-place restore changed the target"
+            assert snapshot(target) == state, (
+                f"{what}: a refused in-place restore changed the target"
+            )
         else:
             assert out is target
             snapshot(target)
@@ -799,7 +993,9 @@ def test_the_seeds_validate_and_restore(pristine_dir: dict[str, Path]) -> None:
             assert check_mutant(prefix, prefix, name) == "restored", name
 
 
-def test_fuzz_metadata(fuzz_examples: int, generated_dir: Path, pristine_dir: dict[str, Path]) -> None:
+def test_fuzz_metadata(
+    fuzz_examples: int, generated_dir: Path, pristine_dir: dict[str, Path]
+) -> None:
     outcomes = {"refused": 0, "restored": 0}
     donors = _donors(pristine_dir)
     tally: dict[str, int] = {}
@@ -837,7 +1033,9 @@ def test_fuzz_metadata(fuzz_examples: int, generated_dir: Path, pristine_dir: di
                 outcome = check_mutant(prefix, pristine_dir[_seed_id(seed)], what)
             outcomes[outcome] += 1
             event(outcome)
-            tally[f"{outcome}: {done[0].split(' ')[0] if done else '-'}"] = tally.get(f"{outcome}: {done[0].split(' ')[0] if done else '-'}", 0) + 1
+            tally[f"{outcome}: {done[0].split(' ')[0] if done else '-'}"] = (
+                tally.get(f"{outcome}: {done[0].split(' ')[0] if done else '-'}", 0) + 1
+            )
 
     run()
     print(f"metadata fuzzer: {outcomes} {sorted(tally.items())}")
@@ -852,7 +1050,11 @@ def test_fuzz_metadata(fuzz_examples: int, generated_dir: Path, pristine_dir: di
 @pytest.fixture(scope="module")
 def manager_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("fuzz-manager") / "run"
-    td = TensorDict(a=torch.arange(6.0).reshape(3, 2), n=TensorDict(b=torch.ones(3), batch_size=[3]), batch_size=[3])
+    td = TensorDict(
+        a=torch.arange(6.0).reshape(3, 2),
+        n=TensorDict(b=torch.ones(3), batch_size=[3]),
+        batch_size=[3],
+    )
     with tdckpt.CheckpointManager(root, fsync=False) as mgr:
         mgr.save(1, td)
     with tdckpt.CheckpointManager(root, fsync=False, checksum="sha256") as mgr:
@@ -865,7 +1067,12 @@ def manager_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_fuzz_manager_manifests(fuzz_examples: int, manager_root: Path) -> None:
     """``CheckpointManager.verify`` / ``restore`` on mutated manifests: a report or a TdckptError."""
 
-    @settings(max_examples=max(fuzz_examples // 3, 10), deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=max(fuzz_examples // 3, 10),
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(data=st.data())
     def run(data: Any) -> None:
         with tempfile.TemporaryDirectory(prefix="tdckpt-fuzz-mgr-") as tmp:
@@ -883,8 +1090,20 @@ def test_fuzz_manager_manifests(fuzz_examples: int, manager_root: Path) -> None:
             op = data.draw(st.sampled_from(["checksum", "any"]), label="manifest op")
             if op == "checksum" and files:
                 i = data.draw(st.integers(0, len(files) - 1), label="file")
-                algo = data.draw(st.one_of(st.sampled_from([c.split(":")[0] for c in _CHECKSUMS]), st.from_regex(r"[a-z0-9_]{1,8}", fullmatch=True)), label="algorithm")
-                digest = data.draw(st.one_of(st.from_regex(r"[0-9a-f]{0,130}", fullmatch=True), st.just((files[i].get("checksum") or ":").split(":")[1])), label="digest")
+                algo = data.draw(
+                    st.one_of(
+                        st.sampled_from([c.split(":")[0] for c in _CHECKSUMS]),
+                        st.from_regex(r"[a-z0-9_]{1,8}", fullmatch=True),
+                    ),
+                    label="algorithm",
+                )
+                digest = data.draw(
+                    st.one_of(
+                        st.from_regex(r"[0-9a-f]{0,130}", fullmatch=True),
+                        st.just((files[i].get("checksum") or ":").split(":")[1]),
+                    ),
+                    label="digest",
+                )
                 files[i]["checksum"] = f"{algo}:{digest}"
                 what = f"checksum of {files[i].get('path')} = {files[i]['checksum']}"
             else:
@@ -912,14 +1131,20 @@ def test_fuzz_manager_manifests(fuzz_examples: int, manager_root: Path) -> None:
                         report = None
                     else:
                         assert isinstance(report, tdckpt.VerifyReport), what
-                    target = TensorDict(a=torch.zeros(3, 2), n=TensorDict(b=torch.zeros(3), batch_size=[3]), batch_size=[3])
+                    target = TensorDict(
+                        a=torch.zeros(3, 2),
+                        n=TensorDict(b=torch.zeros(3), batch_size=[3]),
+                        batch_size=[3],
+                    )
                     state = snapshot(target)
                     try:
                         mgr.restore_into(target, step, verify=True)
                     except TdckptError:
                         assert snapshot(target) == state, what
                     else:
-                        assert report is not None and report.ok, f"{what}: restored a step verify does not pass"
+                        assert report is not None and report.ok, (
+                            f"{what}: restored a step verify does not pass"
+                        )
             assert tree_digest(root) == before, f"{what}: verify or restore wrote to the checkpoint"
 
     run()
@@ -935,5 +1160,6 @@ def test_mutable_round_trips_an_archive(tmp_path: Path) -> None:
     assert tdckpt.validate(prefix).ok
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        assert sorted(tdckpt.load_memmap(prefix).keys()) == sorted(tdckpt.load_memmap(fc.target).keys())
-
+        assert sorted(tdckpt.load_memmap(prefix).keys()) == sorted(
+            tdckpt.load_memmap(fc.target).keys()
+        )

@@ -24,7 +24,9 @@ json_values = st.recursive(
     | st.integers(min_value=-(2**80), max_value=2**80)
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -54,14 +56,18 @@ def _check(data: bytes) -> None:
 
 @settings(max_examples=400, deadline=None)
 @given(json_values, st.booleans(), st.booleans())
-def test_documents_parse_as_json_loads_parses_them(value: Any, ascii_only: bool, compact: bool) -> None:
+def test_documents_parse_as_json_loads_parses_them(
+    value: Any, ascii_only: bool, compact: bool
+) -> None:
     text = json.dumps(value, ensure_ascii=ascii_only, separators=(",", ":") if compact else None)
     _check(text.encode("utf-8"))
 
 
 @settings(max_examples=400, deadline=None)
 @given(json_values, st.data())
-def test_damaged_documents_are_judged_as_json_loads_judges_them(value: Any, data: st.DataObject) -> None:
+def test_damaged_documents_are_judged_as_json_loads_judges_them(
+    value: Any, data: st.DataObject
+) -> None:
     raw = bytearray(json.dumps(value).encode("utf-8"))
     for _ in range(data.draw(st.integers(1, 3))):
         pos = data.draw(st.integers(0, len(raw)))

@@ -39,9 +39,13 @@ def _maybe(draw: st.DrawFn, good: st.SearchStrategy[Any], odd: st.SearchStrategy
 @st.composite
 def leaf_entry(draw: st.DrawFn) -> dict[str, Any]:
     entry: dict[str, Any] = {
-        "device": _maybe(draw, st.sampled_from(["cpu", None]), st.sampled_from(["cuda:0", 0, True])),
+        "device": _maybe(
+            draw, st.sampled_from(["cpu", None]), st.sampled_from(["cuda:0", 0, True])
+        ),
         "shape": _maybe(draw, st.lists(st.integers(0, 8), max_size=4), st.one_of(dims, odd_scalar)),
-        "dtype": _maybe(draw, st.sampled_from(["torch.float32", "torch.int64"]), st.sampled_from([7, None])),
+        "dtype": _maybe(
+            draw, st.sampled_from(["torch.float32", "torch.int64"]), st.sampled_from([7, None])
+        ),
         "is_nested": _maybe(draw, st.booleans(), st.sampled_from([0, 1, "false", None])),
     }
     if draw(st.integers(0, 5)) == 0:
@@ -55,7 +59,11 @@ def leaf_entry(draw: st.DrawFn) -> dict[str, Any]:
 @st.composite
 def level(draw: st.DrawFn) -> dict[str, Any]:
     raw: dict[str, Any] = {}
-    names = ["a", "b", "c", "d"] if draw(st.integers(0, 5)) else ["a", "_names", "_format_version", "_class", "shape"]
+    names = (
+        ["a", "b", "c", "d"]
+        if draw(st.integers(0, 5))
+        else ["a", "_names", "_format_version", "_class", "shape"]
+    )
     for key in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
         raw[key] = _maybe(
             draw,
@@ -64,11 +72,17 @@ def level(draw: st.DrawFn) -> dict[str, Any]:
         )
     fields = {
         "shape": _maybe(draw, st.lists(st.integers(0, 8), max_size=3), st.one_of(dims, odd_scalar)),
-        "device": _maybe(draw, st.sampled_from(["cpu", "None", None]), st.sampled_from([1, "cuda:0", True])),
-        "_type": _maybe(draw, st.just("<class 'tensordict._td.TensorDict'>"), st.sampled_from([3, None])),
+        "device": _maybe(
+            draw, st.sampled_from(["cpu", "None", None]), st.sampled_from([1, "cuda:0", True])
+        ),
+        "_type": _maybe(
+            draw, st.just("<class 'tensordict._td.TensorDict'>"), st.sampled_from([3, None])
+        ),
         "_format_version": _maybe(draw, st.just(1), st.sampled_from([2, True, 1.0, "1", None])),
         "_class": _maybe(draw, st.just("tensordict:TensorDict"), st.sampled_from(["", 5])),
-        "_names": _maybe(draw, st.sampled_from([None, ["a"], [None, "b"]]), st.sampled_from([[1], "a", ("a",)])),
+        "_names": _maybe(
+            draw, st.sampled_from([None, ["a"], [None, "b"]]), st.sampled_from([[1], "a", ("a",)])
+        ),
     }
     if draw(st.integers(0, 5)) == 0:
         for name in draw(st.sets(st.sampled_from(list(fields)), min_size=1, max_size=2)):
@@ -83,7 +97,9 @@ def level(draw: st.DrawFn) -> dict[str, Any]:
 def _via_model(raw: dict[str, Any]) -> tuple[Any, ...]:
     model = schema.TensorDictMeta.model_validate(raw)
     entries = {
-        name: (e.dtype, tuple(e.shape), e.device, e.is_nested) if isinstance(e, schema.LeafEntry) else e.type
+        name: (e.dtype, tuple(e.shape), e.device, e.is_nested)
+        if isinstance(e, schema.LeafEntry)
+        else e.type
         for name, e in model.entries.items()
     }
     return (model.class_, model.type_, tuple(model.shape), model.device, model.names, entries)
@@ -93,7 +109,13 @@ def _fields(level: Any) -> tuple[Any, ...]:
     return (level.class_, level.type_, level.shape, level.device, level.names, level.entries)
 
 
-_LEVEL = {"shape": [2], "device": "cpu", "_type": "<class 'tensordict._td.TensorDict'>", "_format_version": 1, "_class": "tensordict:TensorDict"}
+_LEVEL = {
+    "shape": [2],
+    "device": "cpu",
+    "_type": "<class 'tensordict._td.TensorDict'>",
+    "_format_version": 1,
+    "_class": "tensordict:TensorDict",
+}
 _LEAF = {"device": "cpu", "shape": [2, 3], "dtype": "torch.float32", "is_nested": False}
 
 
@@ -134,7 +156,11 @@ def _tensordict_levels() -> list[dict[str, Any]]:
     out = []
     for meta in sorted(FIXTURES.glob("0.15.3/**/meta.json")):
         raw = json.loads(meta.read_text())
-        if isinstance(raw, dict) and "shape" in raw and raw.get("_class", "").startswith("tensordict:"):
+        if (
+            isinstance(raw, dict)
+            and "shape" in raw
+            and raw.get("_class", "").startswith("tensordict:")
+        ):
             out.append(raw)
     return out
 

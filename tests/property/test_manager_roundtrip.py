@@ -34,7 +34,15 @@ from tdckpt import CheckpointManager  # noqa: E402
 
 EXAMPLES = int(os.environ.get("TDCKPT_HYPOTHESIS_EXAMPLES", "15"))
 KEYS = ["a", "b c", "p%q", ".hidden", "ü", "..", "x/y", "meta.json", "other.pickle"]
-DTYPES = [torch.float32, torch.bfloat16, torch.complex64, torch.bool, torch.uint8, torch.uint16, torch.int64]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.complex64,
+    torch.bool,
+    torch.uint8,
+    torch.uint16,
+    torch.int64,
+]
 
 
 STALE = "zz_stale"
@@ -55,7 +63,9 @@ def _values(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tens
     return torch.randint(-(2**62), 2**62, shape, generator=g).to(dtype)
 
 
-def _leaf(draw: Any, shape: tuple[int, ...], path: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _leaf(
+    draw: Any, shape: tuple[int, ...], path: str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     dtype = dtype if dtype is not None else draw(st.sampled_from(DTYPES))
     # The drawn seed, mixed with the key path: two leaves never share their values' stream.
     seed = draw(st.integers(0, 2**31 - 1)) ^ zlib.crc32(path.encode())
@@ -115,7 +125,9 @@ def _target(obj: Any, *, stale: bool, drop: str | None = None, seed: int = 1) ->
     if isinstance(obj, NonTensorData):
         return NonTensorData(_other(obj.data), batch_size=obj.batch_size)
     if isinstance(obj, LazyStackedTensorDict):
-        members = [_target(m, stale=stale, seed=seed + i + 1) for i, m in enumerate(obj.tensordicts)]
+        members = [
+            _target(m, stale=stale, seed=seed + i + 1) for i, m in enumerate(obj.tensordicts)
+        ]
         return LazyStackedTensorDict(*members, stack_dim=obj.stack_dim)
     if isinstance(obj, FixtureTC):
         inner = _target(obj._tensordict, stale=False, seed=seed)
@@ -125,7 +137,13 @@ def _target(obj: Any, *, stale: bool, drop: str | None = None, seed: int = 1) ->
     td = TensorDict(batch_size=obj.batch_size)
     for i, (key, value) in enumerate(obj._tensordict.items()):
         if key != drop:
-            td._set_str(key, _target(value, stale=stale, seed=seed + 7 * (i + 1)), validated=True, inplace=False, non_blocking=False)
+            td._set_str(
+                key,
+                _target(value, stale=stale, seed=seed + 7 * (i + 1)),
+                validated=True,
+                inplace=False,
+                non_blocking=False,
+            )
     if stale:
         td[STALE] = torch.zeros(obj.batch_size)
     return td
