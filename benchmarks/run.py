@@ -35,6 +35,9 @@ from typing import Any
 
 import torch
 
+# Time this checkout's tdckpt, installed or not (``python benchmarks/run.py`` from anywhere).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 GiB = 1024**3
 
 

@@ -46,6 +46,10 @@ hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}:
     hypothesis_settings.load_profile("ci")
 
+#: Trials per fault-injection loop (SIGKILL at random points, injected errors) when neither
+#: ``--fault-trials`` nor ``TDCKPT_FAULT_TRIALS`` says otherwise (sized for CI).
+DEFAULT_FAULT_TRIALS = 3
+
 #: Examples per metadata-fuzzer test when neither ``--fuzz-examples`` nor the
 #: ``TDCKPT_FUZZ_EXAMPLES`` environment variable says otherwise (sized for CI).
 DEFAULT_FUZZ_EXAMPLES = 150
@@ -60,6 +64,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="examples per metadata-fuzzer test (tests/property/test_fuzz_metadata.py); "
         f"default: $TDCKPT_FUZZ_EXAMPLES or {DEFAULT_FUZZ_EXAMPLES}",
     )
+    parser.addoption(
+        "--fault-trials",
+        type=int,
+        default=None,
+        metavar="N",
+        help="trials per fault-injection loop (kills and injected errors at random points); "
+        f"default: $TDCKPT_FAULT_TRIALS or {DEFAULT_FAULT_TRIALS}",
+    )
+
+
+@pytest.fixture(scope="session")
+def fault_trials(request: pytest.FixtureRequest) -> int:
+    """Trials per fault-injection loop: the option, else the env var, else the default."""
+    value = request.config.getoption("--fault-trials")
+    if value is None:
+        env = os.environ.get("TDCKPT_FAULT_TRIALS", "").strip()
+        value = int(env) if env else DEFAULT_FAULT_TRIALS
+    if value < 1:
+        raise pytest.UsageError(f"--fault-trials / TDCKPT_FAULT_TRIALS must be >= 1, got {value}")
+    return int(value)
 
 
 @pytest.fixture(scope="session")
