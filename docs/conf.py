@@ -10,6 +10,7 @@ No network access: no intersphinx inventories are fetched.
 
 from __future__ import annotations
 
+import doctest
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import tdckpt  # noqa: E402
 
 project = "tdckpt"
 author = "tdckpt developers"
-copyright = "tdckpt developers"  # noqa: A001
+copyright = "tdckpt developers"
 release = tdckpt.__version__
 version = ".".join(release.split(".")[:2])
 
@@ -67,9 +68,7 @@ doctest_global_cleanup = """
 _os.chdir(_cwd)
 _shutil.rmtree(_work, ignore_errors=True)
 """
-doctest_default_flags = (
-    __import__("doctest").ELLIPSIS | __import__("doctest").NORMALIZE_WHITESPACE
-)
+doctest_default_flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 # -- HTML ---------------------------------------------------------------------------------------
 html_theme = "furo"

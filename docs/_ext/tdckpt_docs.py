@@ -22,9 +22,7 @@ def help_text(command: str | None) -> str:
     try:
         parser = _parser()
         if command is not None:
-            sub = next(
-                a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"
-            )
+            sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
             parser = sub.choices[command]  # type: ignore[attr-defined]
         return parser.format_help().rstrip()
     finally:
