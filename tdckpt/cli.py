@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
+from tdckpt._progress import Bar, isatty
 from tdckpt.errors import CheckpointNotFoundError, TdckptError
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "main"]
@@ -301,32 +302,13 @@ def _first_line(func: Callable[..., Any]) -> str:
     return (func.__doc__ or "").strip().splitlines()[0]
 
 
-class _Progress:
-    """A one-line progress bar (on stderr) when stdout is a terminal; quiet in pipes."""
+def _progress(label: str, *, unit: str) -> Bar:
+    """A tqdm bar on stderr when stdout and stderr are terminals; quiet in pipes and logs.
 
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.enabled = _isatty(sys.stdout) and _isatty(sys.stderr)
-
-    def __call__(self, done: int, total: int, what: str = "") -> None:
-        if not self.enabled or total <= 0:
-            return
-        width = 30
-        filled = max(0, min(width, int(width * done / total)))
-        what = _clean(what)[:40]
-        sys.stderr.write(
-            f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:40}"
-        )
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError, OSError):
-        return False
+    Both must be terminals: ``tdckpt verify ROOT --json | jq`` or ``> report.txt`` gets
+    clean output and no bar in between.
+    """
+    return Bar(label, unit=unit, enabled=isatty(sys.stdout) and isatty(sys.stderr))
 
 
 # -- roots and prefixes ------------------------------------------------------------------------
@@ -463,13 +445,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_upgrade(args: argparse.Namespace) -> int:
     from tdckpt._upgrade.upgrade import upgrade
 
-    with _prefix_hints(args.prefix):
+    with _prefix_hints(args.prefix), _progress("upgrade", unit="op") as bar:
         report = upgrade(
             args.prefix,
             dry_run=args.dry_run,
             backup=not args.no_backup,
             convert_pickles=args.convert_pickles,
-            progress=_Progress("upgrade"),
+            progress=bar,
         )
     if args.json:
         _print_json(report.to_json())
@@ -506,7 +488,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    report = _manager(args.root).verify(args.step, progress=_Progress("verify"))
+    with _progress("verify", unit="B") as bar:
+        report = _manager(args.root).verify(args.step, progress=bar)
     if args.json:
         _print_json(report.to_json())
     else:

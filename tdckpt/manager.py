@@ -46,6 +46,7 @@ from tdckpt._manage.verify import (
     manifest_problem,
     verify_files,
 )
+from tdckpt._progress import ProgressArg, progress_bar
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.lock import RootLock
@@ -299,6 +300,7 @@ class CheckpointManager:
         *,
         metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
+        progress: ProgressArg = None,
     ) -> Path:
         """Save ``obj`` as ``step``: all or nothing on disk, then apply the retention policy.
 
@@ -313,6 +315,9 @@ class CheckpointManager:
             metadata: plain JSON data stored in the manifest (see :meth:`metadata`,
                 :meth:`best_step`, :class:`~tdckpt.retention.KeepBest`).
             overwrite: replace an existing step (atomically) instead of refusing.
+            progress: ``True`` draws a progress bar of the bytes written (tqdm, on
+                stderr, only when it is a terminal); a callable is called as
+                ``progress(bytes_done, bytes_total)``.
 
         Returns:
             The committed folder (or archive).
@@ -352,7 +357,8 @@ class CheckpointManager:
                         )
                     self._overwriting.add(step)
             try:
-                path = self._commit(step, obj, metadata, overwrite=overwrite)
+                with progress_bar(progress, "save") as report:
+                    path = self._commit(step, obj, metadata, overwrite=overwrite, progress=report)
                 # An overwrite in the other form (folder vs archive) leaves the old one.
                 other = "dir" if self.archive else "archive"
                 if other in forms:
@@ -366,7 +372,13 @@ class CheckpointManager:
         return path
 
     def _commit(
-        self, step: int, obj: Any, metadata: dict[str, Any] | None, *, overwrite: bool
+        self,
+        step: int,
+        obj: Any,
+        metadata: dict[str, Any] | None,
+        *,
+        overwrite: bool,
+        progress: Progress | None = None,
     ) -> Path:
         def write(staging: Path) -> Manifest:
             return write_checkpoint(
@@ -376,6 +388,7 @@ class CheckpointManager:
                 user_metadata=metadata,
                 fsync=self.fsync,
                 checksum=self.checksum,
+                progress=progress,
             )
 
         if self.archive:
@@ -478,7 +491,7 @@ class CheckpointManager:
             return removed
 
     # -- verification ----------------------------------------------------------------------
-    def verify(self, step: int | None = None, *, progress: Progress | None = None) -> VerifyReport:
+    def verify(self, step: int | None = None, *, progress: ProgressArg = None) -> VerifyReport:
         """Re-read every file of a step and compare it with the manifest.
 
         Reports every missing, short, long, changed (checksum), misplaced (not a regular
@@ -487,12 +500,18 @@ class CheckpointManager:
 
         Args:
             step: the step (default: the latest committed one).
-            progress: called as ``progress(bytes_done, bytes_total)`` while reading.
+            progress: ``True`` draws a progress bar (tqdm, on stderr, only when it is a
+                terminal); a callable is called as ``progress(bytes_done, bytes_total)``
+                while reading.
 
         Raises:
             CheckpointNotFoundError: no such step (a step-named entry without a valid
                 manifest is reported, not raised).
         """
+        with progress_bar(progress, "verify") as report:
+            return self._verify(step, report)
+
+    def _verify(self, step: int | None, progress: Progress | None) -> VerifyReport:
         if step is None:
             with self._using(None) as (resolved, path, manifest):
                 return verify_files(resolved, path, manifest, progress)

@@ -713,4 +713,4 @@ def test_remove_never_walks_a_link_to_a_directory(tmp_path: Path) -> None:
     link.symlink_to(victim)
     assert _atomic.recover_or_remove(tmp_path, link.name, fsync=False) == link
     assert not os.path.lexists(link) and (victim / "f").read_text() == "keep"
-    _export._remove(tmp_path / "missing")  # missing is fine
+    assert not _atomic.remove_tree(tmp_path / "missing")  # missing is fine

@@ -42,7 +42,6 @@ import glob
 import json
 import os
 import re
-import shutil
 import stat
 import uuid
 import zipfile
@@ -55,6 +54,7 @@ from tdckpt import schema
 from tdckpt._read.storage import Storage
 from tdckpt._read.tree import VFile
 from tdckpt._report import Problem
+from tdckpt._write.atomic import fsync_dir, remove_tree
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt.errors import (
     CheckpointNotFoundError,
@@ -206,7 +206,7 @@ def _write_journal(prefix: Path, state: dict[str, Any], *, create: bool) -> None
         tmp.unlink()
     else:
         os.replace(tmp, journal)
-    _fsync_dir(prefix.parent)
+    fsync_dir(prefix.parent)
 
 
 def read_journal(prefix: Path) -> dict[str, Any] | None:
@@ -337,13 +337,7 @@ def _refuse(prefix: Path, why: str, *, unsafe: bool = True) -> TdckptError:
 def _remove_journal(prefix: Path) -> None:
     journal_path(prefix).unlink(missing_ok=True)
     journal_tmp(prefix).unlink(missing_ok=True)
-    _fsync_dir(prefix.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    from tdckpt._write.atomic import fsync_dir
-
-    fsync_dir(path)
+    fsync_dir(prefix.parent)
 
 
 def _fsync_file(path: Path) -> None:
@@ -360,14 +354,6 @@ def _ino(path: Path) -> list[int] | None:
     except FileNotFoundError:
         return None
     return [st.st_dev, st.st_ino]
-
-
-def _rmtree(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
 
 
 # -- executing ---------------------------------------------------------------------------------
@@ -435,7 +421,7 @@ def execute(plan: UpgradePlan, *, keep_backup: bool, progress: Progress | None) 
         # Nothing was swapped: the old prefix is untouched. Undo the staging.
         for leftover in (staging, new_archive):
             with contextlib.suppress(OSError):
-                _rmtree(leftover)
+                remove_tree(leftover)
         with contextlib.suppress(OSError):
             _remove_journal(prefix)
         if isinstance(exc, OSError):
@@ -532,8 +518,8 @@ def _build_staging(plan: UpgradePlan, staging: Path, runner: _Runner) -> None:
         if zf is not None:
             zf.close()
     for rel in reversed(plan.dirs):  # children before parents
-        _fsync_dir(staging / rel if rel else staging)
-    _fsync_dir(staging.parent)
+        fsync_dir(staging / rel if rel else staging)
+    fsync_dir(staging.parent)
 
 
 def _mismatch(path: str, kept: str, found: str) -> Problem:
@@ -738,33 +724,33 @@ def _swap(prefix: Path, state: dict[str, Any], runner: _Runner | None) -> None:
         new_archive = parent / state["new_archive"]
         if _ino(prefix) == old and _ino(backup) is None:
             os.link(prefix, backup)
-            _fsync_dir(parent)
+            fsync_dir(parent)
         if runner:
             runner.step("backup")
         if _ino(prefix) == old and _ino(new_archive) == new:
             os.replace(new_archive, prefix)
-            _fsync_dir(parent)
+            fsync_dir(parent)
         if runner:
             runner.step("swap")
         with contextlib.suppress(OSError):
-            _rmtree(staging)
+            remove_tree(staging)
     else:
         from tdckpt._write.atomic import _exchange, rename_noreplace
 
         if _ino(prefix) == old and _ino(staging) == new:
             if _exchange(staging, prefix):
-                _fsync_dir(parent)
+                fsync_dir(parent)
             else:
                 rename_noreplace(prefix, backup)
-                _fsync_dir(parent)
+                fsync_dir(parent)
         if runner:
             runner.step("backup")
         if _ino(staging) == old and _ino(backup) is None:
             rename_noreplace(staging, backup)  # after an exchange
-            _fsync_dir(parent)
+            fsync_dir(parent)
         if _ino(prefix) is None and _ino(staging) == new:
             os.rename(staging, prefix)
-            _fsync_dir(parent)
+            fsync_dir(parent)
         if runner:
             runner.step("swap")
     if _ino(prefix) != new:
@@ -779,8 +765,8 @@ def _swap(prefix: Path, state: dict[str, Any], runner: _Runner | None) -> None:
         if runner:
             runner.step("remove")
         if _ino(backup) == old:
-            _rmtree(backup)
-            _fsync_dir(parent)
+            remove_tree(backup)
+            fsync_dir(parent)
     _remove_journal(prefix)
 
 
@@ -810,14 +796,14 @@ def recover(prefix: str | os.PathLike[str]) -> str | None:
     parent = path.parent
     staging = parent / str(state["staging"])
     if state.get("phase") == "staging":
-        _rmtree(staging)
+        remove_tree(staging)
         if state.get("new_archive"):
-            _rmtree(parent / str(state["new_archive"]))
+            remove_tree(parent / str(state["new_archive"]))
             left = re.escape(f".{state['new_archive']}.") + r"[0-9a-f]+\.tmp"
             for tmp in parent.glob(f".{glob.escape(state['new_archive'])}.*.tmp"):
                 if re.fullmatch(left, tmp.name):  # write_archive's temporary file
                     tmp.unlink(missing_ok=True)
-        _fsync_dir(parent)
+        fsync_dir(parent)
         _remove_journal(path)
         return "an upgrade interrupted while staging: the partial staging was removed"
     try:

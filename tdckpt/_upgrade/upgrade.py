@@ -31,6 +31,7 @@ from typing import Any
 
 from tdckpt import schema
 from tdckpt._keys import encode_key
+from tdckpt._progress import progress_bar
 from tdckpt._read.detect import class_id_for, level_kind
 from tdckpt._read.migrate import migrate_tree
 from tdckpt._read.storage import Storage, join, open_storage
@@ -184,7 +185,7 @@ def upgrade(
     dry_run: bool = False,
     backup: bool = True,
     convert_pickles: bool = False,
-    progress: Progress | None = None,
+    progress: Progress | bool | None = None,
 ) -> UpgradeReport:
     """Upgrade a checkpoint on disk to the current format (crash-safe, with a backup).
 
@@ -196,7 +197,9 @@ def upgrade(
         convert_pickles: unpickle ``other.pickle``/``pickle.pkl`` (only for trusted data:
             pickle runs code) and store the values that are plain JSON data in meta.json,
             so the checkpoint loads with ``allow_pickle=False``.
-        progress: called as ``progress(done, total, what)`` after each operation.
+        progress: ``True`` draws a progress bar (tqdm, on stderr, only when it is a
+            terminal); a callable is called as ``progress(done, total, what)`` after each
+            operation.
 
     Returns:
         The report: steps applied, every file operation, the backup, what was lost.
@@ -223,9 +226,9 @@ def upgrade(
     try:
         if dry_run:
             return _upgrade_locked(path, dry_run=True, backup=backup, convert=convert_pickles)
-        with upgrade_lock(path):
+        with upgrade_lock(path), progress_bar(progress, "upgrade", unit="op") as report:
             return _upgrade_locked(
-                path, dry_run=False, backup=backup, convert=convert_pickles, progress=progress
+                path, dry_run=False, backup=backup, convert=convert_pickles, progress=report
             )
     except TdckptError:
         raise

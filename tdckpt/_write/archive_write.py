@@ -20,6 +20,7 @@ from typing import IO, BinaryIO
 
 from tdckpt._read.archive_index import LOCAL_HEADER
 from tdckpt._read.storage import DirectoryStorage, join
+from tdckpt._write.atomic import fsync_dir, rename_noreplace
 from tdckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -134,8 +135,6 @@ def write_archive(
         if replace:
             os.replace(tmp, target)
         else:
-            from tdckpt._write.atomic import rename_noreplace
-
             try:
                 rename_noreplace(tmp, target)
             except CheckpointExistsError:
@@ -146,7 +145,7 @@ def write_archive(
         tmp.unlink(missing_ok=True)
         raise
     if fsync:
-        _fsync_dir(parent)
+        fsync_dir(parent)
 
 
 def _walk(storage: DirectoryStorage, rel: str) -> Iterator[tuple[str, Path]]:
@@ -221,11 +220,3 @@ def _write_entry(zf: zipfile.ZipFile, fh: BinaryIO, arcname: str, path: Path, me
 def _copy(src: IO[bytes], dst: IO[bytes]) -> None:
     """Stream one file into its entry in bounded chunks (leaves can be huge)."""
     shutil.copyfileobj(src, dst, _COPY_CHUNK)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

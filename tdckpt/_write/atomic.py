@@ -49,6 +49,7 @@ __all__ = [
     "is_tmp_name",
     "parse_step_name",
     "recover_or_remove",
+    "remove_tree",
     "retire",
     "step_archive_name",
     "step_name",
@@ -223,22 +224,36 @@ def _exchange(a: Path, b: Path) -> bool:
     return _rename2(a, b, _RENAME_EXCHANGE)
 
 
-def _remove(path: Path) -> None:
+def remove_tree(path: str | os.PathLike[str], *, ignore_errors: bool = False) -> bool:
     """Remove a file, a link or a directory tree, never following a link; missing is fine.
 
-    Decided from ``lstat``: a link (even one to a directory) is unlinked, never walked. If
-    the entry is swapped for a link after that, ``shutil.rmtree`` refuses it (it works on
-    directory descriptors and never follows links inside the tree either).
+    The one tree-removal helper of tdckpt. Decided from ``lstat``: a link (even one to a
+    directory) is unlinked, never walked. If the entry is swapped for a link after that,
+    ``shutil.rmtree`` refuses it (it works on directory descriptors and never follows links
+    inside the tree either). ``ignore_errors`` is for clean-ups after a failure: an
+    ``OSError`` then leaves what it could not remove instead of hiding the first error.
+
+    Returns:
+        True when something was there (and is now removed), False when nothing was.
     """
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=False)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        return False
+    except OSError:
+        if ignore_errors:
+            return False
+        raise
+    try:
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path, ignore_errors=ignore_errors)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    except OSError:
+        if not ignore_errors:
+            raise
+    return True
 
 
 # -- commits -----------------------------------------------------------------------------------
@@ -290,8 +305,7 @@ def commit_directory(
     except BaseException:
         # Never leave a half-written staging folder behind on an ordinary error; a crash
         # leaves it for gc.
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        remove_tree(staging, ignore_errors=True)
         raise
     return final, result
 
@@ -318,7 +332,7 @@ def _replace(root: Path, step: int, staging: Path, final: Path, *, fsync: bool) 
             raise
     if fsync:
         fsync_dir(root)
-    _remove(aside)
+    remove_tree(aside)
 
 
 def commit_archive(
@@ -350,7 +364,7 @@ def commit_archive(
             _raise_exists(final)
         write_archive(staging, final, compression=compression, fsync=fsync)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree(staging, ignore_errors=True)
     return final, result
 
 
@@ -369,7 +383,7 @@ def retire(root: Path, path: Path, step: int, *, fsync: bool = True) -> Path:
 
 def remove_retired(path: Path) -> None:
     """Delete what :func:`retire` set aside."""
-    _remove(path)
+    remove_tree(path)
 
 
 def recover_or_remove(root: Path, name: str, *, fsync: bool = True) -> Path | None:
@@ -392,5 +406,5 @@ def recover_or_remove(root: Path, name: str, *, fsync: bool = True) -> Path | No
         if fsync:
             fsync_dir(root)
         return None
-    _remove(path)
+    remove_tree(path)
     return path

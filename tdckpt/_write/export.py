@@ -41,7 +41,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import stat
 import time
 import warnings
@@ -49,6 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tdckpt._progress import ProgressArg, progress_bar
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.lock import same_file, try_flock
 from tdckpt._write.save import write_checkpoint
@@ -103,26 +103,8 @@ class _Names:
         return self.parent / f".{self.name}.{token}.tmp"
 
 
-def _fsync_dir(path: Path, fsync: bool) -> None:
-    if fsync:
-        _atomic.fsync_dir(path)
-
-
 def _lexists(path: Path) -> bool:
     return os.path.lexists(path)
-
-
-def _remove(path: Path) -> bool:
-    """Remove a file, link or tree tdckpt created, never following a link. True: removed."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)  # fd-based where the platform allows: never leaves the tree
-    else:
-        os.unlink(path)
-    return True
 
 
 def _journal_record(names: _Names, token: str) -> bytes:
@@ -187,15 +169,17 @@ def _recover(names: _Names, *, fsync: bool, stacklevel: int) -> None:
                 # Crashed between renaming the old tree aside and the new one in.
                 os.rename(old, names.dest)
                 done.append(f"restored the previous checkpoint from {old.name}")
-            elif _remove(old):
+            elif _atomic.remove_tree(old):
                 done.append(f"removed the replaced checkpoint {old.name}")
         for leftover in (names.staging(token), names.archive_tmp(token)):
-            if _remove(leftover):
+            if _atomic.remove_tree(leftover):
                 done.append(f"removed {leftover.name}")
-        _fsync_dir(names.parent, fsync)
+        if fsync:
+            _atomic.fsync_dir(names.parent)
         if same_file(fd, names.journal):
             os.unlink(names.journal)
-            _fsync_dir(names.parent, fsync)
+            if fsync:
+                _atomic.fsync_dir(names.parent)
     finally:
         os.close(fd)
     warnings.warn(
@@ -259,7 +243,8 @@ def _begin(names: _Names, *, fsync: bool, stacklevel: int) -> tuple[int, str]:
                 f"{names.dest}: other saves of this prefix keep starting; try again.",
                 path=str(names.dest),
             )
-        _fsync_dir(names.parent, fsync)
+        if fsync:
+            _atomic.fsync_dir(names.parent)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -273,7 +258,8 @@ def _end(names: _Names, fd: int, *, fsync: bool) -> None:
     try:
         if same_file(fd, names.journal):
             os.unlink(names.journal)
-            _fsync_dir(names.parent, fsync)
+            if fsync:
+                _atomic.fsync_dir(names.parent)
     finally:
         os.close(fd)
 
@@ -352,13 +338,15 @@ def _commit_dir(names: _Names, staging: Path, token: str, *, overwrite: bool, fs
             _atomic.rename_noreplace(staging, dest)
         except CheckpointExistsError:
             raise _refuse_existing(dest) from None
-        _fsync_dir(names.parent, fsync)
+        if fsync:
+            _atomic.fsync_dir(names.parent)
         return
     if _atomic._exchange(staging, dest):
         # One atomic step: dest is the new tree, staging the old one.
         _at("swapped")
-        _fsync_dir(names.parent, fsync)
-        _remove(staging)
+        if fsync:
+            _atomic.fsync_dir(names.parent)
+        _atomic.remove_tree(staging)
         _at("cleaned")
         return
     old = names.old(token)
@@ -371,8 +359,9 @@ def _commit_dir(names: _Names, staging: Path, token: str, *, overwrite: bool, fs
         os.rename(old, dest)
         raise
     _at("renamed")
-    _fsync_dir(names.parent, fsync)
-    _remove(old)
+    if fsync:
+        _atomic.fsync_dir(names.parent)
+    _atomic.remove_tree(old)
     _at("cleaned")
 
 
@@ -383,6 +372,7 @@ def save(
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
     fsync: bool = True,
+    progress: ProgressArg = None,
 ) -> Manifest:
     """Save a TensorDict (or tensorclass, lazy stack) to ``prefix``, all or nothing.
 
@@ -404,6 +394,8 @@ def save(
         metadata: JSON data stored in tdckpt's manifest (``user_metadata``).
         overwrite: replace an existing ``prefix`` instead of refusing.
         fsync: make the data durable before the commit (on by default).
+        progress: ``True`` draws a progress bar (tqdm, on stderr, only when it is a
+            terminal); a callable is called as ``progress(bytes_done, bytes_total)``.
 
     Returns:
         The manifest written (sizes and checksums of every file).
@@ -437,7 +429,10 @@ def save(
     clean = False
     try:
         _at("journal")
-        manifest = write_checkpoint(obj, staging, user_metadata=metadata, fsync=fsync)
+        with progress_bar(progress, "save") as report:
+            manifest = write_checkpoint(
+                obj, staging, user_metadata=metadata, fsync=fsync, progress=report
+            )
         _at("written")
         if dest.suffix == ".tdz":
             from tdckpt._write.archive_write import write_archive
@@ -456,7 +451,7 @@ def save(
                 replace=overwrite,
             )
             _at("archived")
-            _remove(staging)
+            _atomic.remove_tree(staging)
         else:
             _commit_dir(names, staging, token, overwrite=overwrite, fsync=fsync)
         _at("committed")
@@ -466,8 +461,8 @@ def save(
         # An ordinary error: undo what this save created. If that fails too, the journal
         # stays, and the next save of the prefix finishes the job.
         with contextlib.suppress(OSError):
-            _remove(staging)
-            _remove(names.archive_tmp(token))
+            _atomic.remove_tree(staging)
+            _atomic.remove_tree(names.archive_tmp(token))
             clean = not _lexists(names.old(token))
         raise
     finally:

@@ -24,8 +24,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 
 from tdckpt._version import __version__
 from tdckpt._write.checksum import CHECKSUM_ALGORITHMS, CHUNK_BYTES, DEFAULT_CHECKSUM, new_hasher
-from tdckpt._write.save_plan import class_id, plan_checkpoint
+from tdckpt._write.save_plan import Op, class_id, plan_checkpoint
 from tdckpt.errors import CheckpointExistsError, MetadataError, UnsupportedContentError
 from tdckpt.schema import (
     FORMAT_VERSION,
@@ -122,6 +121,22 @@ def _plain_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu").resolve_conj().resolve_neg().contiguous()
 
 
+def _op_bytes(op: Op) -> int:
+    """The bytes a planned write puts on disk (0 for a directory)."""
+    if op.data is not None:
+        return len(op.data)
+    return _nbytes(op.tensor)
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    """The bytes :func:`_pieces` yields for ``t`` (the progress total of a save)."""
+    if t is None:
+        return 0
+    if t.is_nested:
+        return sum(_nbytes(component) for component in t.unbind())
+    return t.numel() * t.element_size()
+
+
 def _pieces(t: torch.Tensor) -> Iterator[torch.Tensor]:
     """Yield plain contiguous CPU tensors whose bytes, in order, are ``t``'s C-order bytes.
 
@@ -179,10 +194,21 @@ _OPEN_FLAGS = (
 class _Writer:
     """Creates the planned files under ``root``; hashes while writing; fsyncs."""
 
-    def __init__(self, root: Path, *, algorithm: str, fsync: bool) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        algorithm: str,
+        fsync: bool,
+        progress: Callable[[int, int], None] | None = None,
+        total: int = 0,
+    ) -> None:
         self.root = root
         self.algorithm = algorithm
         self.fsync = fsync
+        self.progress = progress
+        self.total = total
+        self.done = 0
         self.records: list[FileRecord] = []
         self.dirs: list[Path] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -191,6 +217,11 @@ class _Writer:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+    def _advance(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
 
     def _path(self, rel: str) -> Path:
         return self.root / rel if rel else self.root
@@ -221,6 +252,7 @@ class _Writer:
         finally:
             os.close(fd)
         self._record(rel, len(data), hasher.hexdigest(), key)
+        self._advance(len(data))
 
     def write_tensor(self, rel: str, tensor: torch.Tensor, key: tuple[str, ...] | None) -> None:
         hasher = new_hasher(self.algorithm)
@@ -245,6 +277,7 @@ class _Writer:
                     finally:
                         pending.result()
                 size += len(buf)
+                self._advance(len(buf))
             if self.fsync:
                 os.fsync(fd)
         finally:
@@ -280,6 +313,7 @@ def write_checkpoint(
     user_metadata: dict[str, Any] | None = None,
     fsync: bool = True,
     checksum: str = DEFAULT_CHECKSUM,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Manifest:
     """Write ``obj`` into ``dest_dir`` in tensordict 0.15.3's format, then the manifest.
 
@@ -296,6 +330,8 @@ def write_checkpoint(
         fsync: fsync every file, the directories bottom-up, and the manifest, which is
             written last. Off only for throw-away data.
         checksum: ``"crc32"`` (default) or a hashlib algorithm such as ``"sha256"``.
+        progress: called as ``progress(bytes_done, bytes_total)`` after each file (each
+            piece of a large leaf) is written.
 
     Returns:
         The manifest written to ``dest_dir/tdckpt.manifest.json``.
@@ -355,7 +391,8 @@ def write_checkpoint(
             "new or empty directory. Choose another path or remove it.",
             path=str(dest),
         )
-    writer = _Writer(dest, algorithm=checksum, fsync=fsync)
+    total = sum(map(_op_bytes, plan.ops)) if progress is not None else 0
+    writer = _Writer(dest, algorithm=checksum, fsync=fsync, progress=progress, total=total)
     try:
         for op in plan.ops:
             if op.kind == "dir":
@@ -387,14 +424,13 @@ def write_checkpoint(
 
             fsync_dir(dest)
     except BaseException:
+        from tdckpt._write.atomic import remove_tree
+
         if created:
-            shutil.rmtree(dest, ignore_errors=True)
+            remove_tree(dest, ignore_errors=True)
         else:
             for child in dest.iterdir():
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child, ignore_errors=True)
-                else:
-                    child.unlink(missing_ok=True)
+                remove_tree(child, ignore_errors=True)
         raise
     finally:
         writer.close()
