@@ -46,6 +46,8 @@ from tdckpt._manage.verify import (
     manifest_problem,
     verify_files,
 )
+from tdckpt._shard.group import DEFAULT_TIMEOUT as _SHARD_TIMEOUT
+from tdckpt._shard.group import resolve_group
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.lock import RootLock
@@ -56,9 +58,10 @@ from tdckpt.errors import (
     LockError,
     MetadataError,
     RestoreError,
+    TdckptError,
 )
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
-from tdckpt.schema import MANIFEST_NAME, Manifest
+from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest
 from tdckpt.warnings import TdckptWarning
 
 if TYPE_CHECKING:
@@ -88,6 +91,14 @@ class CheckpointManager:
         checksum: the checksum algorithm of new saves: ``"crc32"`` (default, fast) or a
             hashlib algorithm such as ``"sha256"`` (slower; resists deliberate tampering).
         compression: for archives, ``"stored"`` (mappable without copies) or ``"deflate"``.
+        group: the ranks that save and restore together (a ``torch.distributed`` process
+            group). With a group, or whenever ``torch.distributed`` is initialized, the
+            manager is collective: every rank of the group makes it and calls :meth:`save`
+            and :meth:`restore` alike, each with its shard (see docs/distributed.rst).
+            Otherwise nothing changes.
+        timeout: seconds a collective of a sharded save or restore waits for the other
+            ranks before every surviving rank raises
+            :class:`~tdckpt.errors.CollectiveError`.
 
     Example:
         >>> import tempfile, torch
@@ -110,6 +121,8 @@ class CheckpointManager:
         fsync: bool = True,
         checksum: str = DEFAULT_CHECKSUM,
         compression: str = "stored",
+        group: Any = None,
+        timeout: float = _SHARD_TIMEOUT,
     ) -> None:
         self.root = Path(root)
         self.retention: RetentionPolicy = KeepAll() if retention is None else retention
@@ -139,12 +152,20 @@ class CheckpointManager:
         self._writing = threading.Lock()
         self._in_use: Counter[int] = Counter()
         self._index = StepIndex(self.root, self._state)
+        self._shard = resolve_group(group, timeout)  # None: a single-process manager
+        if self._shard is not None and self.archive:
+            raise ValueError("a collective manager saves sharded steps as folders: archive=False")
 
     def __repr__(self) -> str:
         return (
             f"CheckpointManager({str(self.root)!r}, retention={self.retention!r}, "
             f"archive={self.archive}, fsync={self.fsync})"
         )
+
+    @property
+    def tdckpt_group(self) -> Any:
+        """The gloo process group tdckpt coordinates ranks on (None outside a group)."""
+        return None if self._shard is None else self._shard.pg
 
     # -- life cycle ------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -299,6 +320,7 @@ class CheckpointManager:
         *,
         metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
+        replicated: Any = (),
     ) -> Path:
         """Save ``obj`` as ``step``: all or nothing on disk, then apply the retention policy.
 
@@ -313,6 +335,13 @@ class CheckpointManager:
             metadata: plain JSON data stored in the manifest (see :meth:`metadata`,
                 :meth:`best_step`, :class:`~tdckpt.retention.KeepBest`).
             overwrite: replace an existing step (atomically) instead of refusing.
+            replicated: in a collective manager, the keys of entries that are equal on
+                every rank and carry no batch dimension (non-tensor data): written once,
+                by rank 0. Ignored outside a group (everything is saved).
+
+        In a collective manager ``obj`` is this rank's shard: the global TensorDict is the
+        ranks' shards concatenated along dim 0 in rank order, saved as one step by every
+        rank together (all or nothing; see docs/distributed.rst).
 
         Returns:
             The committed folder (or archive).
@@ -325,6 +354,12 @@ class CheckpointManager:
                 store (every such key is listed); nothing was written.
             MetadataError: ``metadata`` is not plain JSON data.
         """
+        if self._shard is not None:
+            from tdckpt._shard.save import collective_save
+
+            return collective_save(
+                self, step, obj, metadata=metadata, overwrite=overwrite, replicated=replicated
+            )
         step = _atomic.check_step(step)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
@@ -583,6 +618,12 @@ class CheckpointManager:
         from tdckpt._restore.keys import key_difference, saved_structure, target_structure
 
         _check_args(True, allow_pickle, mode)
+        if self._sharded_path(step, None):
+            from tdckpt._shard.restore import restore_into_rows
+
+            return restore_into_rows(
+                self, td, step, allow_pickle=allow_pickle, mode=mode, verify=verify, strict=strict
+            )
         with self._using(step) as (resolved, path, manifest):
             if verify:
                 self._verified(resolved, path, manifest)
@@ -623,8 +664,14 @@ class CheckpointManager:
         allow_pickle: bool | None = None,
         mode: Literal["r", "r+"] | None = "r",
         verify: bool = False,
+        rows: slice | None = None,
     ) -> Any:
         """Load a committed step into a new object (TensorDict, tensorclass, lazy stack, ...).
+
+        In a collective manager of M ranks each rank gets its part of the global rows
+        (``torch.tensor_split`` into M along dim 0), or the ``rows`` slice it asks for;
+        outside a group a sharded step restores whole (or its ``rows``). Only the rows
+        returned are read, as views of the mapped files where they lie in one shard.
 
         ``mode="r"`` (default) maps the files copy-on-write: writes into the result never
         reach the checkpoint. See :meth:`restore_into` for the other arguments.
@@ -635,10 +682,25 @@ class CheckpointManager:
         """
         from tdckpt._restore.engine import load_memmap
 
+        if self._sharded_path(step, rows):
+            from tdckpt._shard.restore import restore_rows
+
+            return restore_rows(
+                self, step, rows, allow_pickle=allow_pickle, mode=mode, verify=verify
+            )
         with self._using(step) as (resolved, path, manifest):
             if verify:
                 self._verified(resolved, path, manifest)
             return load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
+
+    def _sharded_path(self, step: int | None, rows: Any) -> bool:
+        """Whether a restore is collective, of a sharded step, or of some rows."""
+        if self._shard is not None or rows is not None:
+            return True
+        try:
+            return isinstance(self._resolve(step)[2], ShardedManifest)
+        except TdckptError:
+            return False  # the plain path raises the error
 
 
 def _warn_not_removed(path: Path, exc: OSError, *, stacklevel: int) -> None:

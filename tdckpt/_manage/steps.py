@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tdckpt._shard.manifest import parse_step_manifest
 from tdckpt._write import atomic as _atomic
 from tdckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, MetadataError
 from tdckpt.schema import MANIFEST_NAME, Manifest
@@ -139,7 +140,7 @@ class StepIndex:
             return cached[1]
         result: Manifest | MetadataError
         try:
-            result = Manifest.model_validate_json(self._manifest_bytes(where, kind, st.st_size))
+            result = parse_step_manifest(self._manifest_bytes(where, kind, st.st_size))
         except MetadataError as exc:
             result = exc
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
