@@ -480,6 +480,8 @@ class CheckpointManager:
 
     def prune(self) -> list[Path]:
         """Apply the retention policy now (it also runs after every save); return what went."""
+        if self._shard is not None and self._shard.rank != 0:
+            return []  # rank 0 prunes the shared root
         with self._writing:
             if not self.root.is_dir():
                 return []
@@ -492,8 +494,11 @@ class CheckpointManager:
         Removes every ``<step>.tmp-*`` entry (staging folders, steps being deleted) and the
         archive writer's temporary files. A step that an interrupted overwrite had renamed
         aside, with nothing committed in its place, is renamed back instead. Committed
-        steps and foreign entries are never touched. Takes the writer lock.
+        steps and foreign entries are never touched. Takes the writer lock. In a
+        collective manager rank 0 cleans the shared root; the other ranks return ``[]``.
         """
+        if self._shard is not None and self._shard.rank != 0:
+            return []  # rank 0 cleans the shared root
         with self._writing:
             if not self.root.is_dir():
                 return []

@@ -102,12 +102,20 @@ def install_fault() -> None:
     if phase == "mid_leaf":
         from tdckpt._write import save as write_save
 
-        real = write_save._write_all
+        real_write, real_bytes = write_save._write_all, write_save._as_bytes
+        armed = []
+
+        def tensor_bytes(t: torch.Tensor) -> memoryview:
+            armed.append(True)  # the next write is a leaf's bytes
+            return real_bytes(t)
 
         def half_then_die(fd: int, data: memoryview) -> None:
-            real(fd, data[: max(1, len(data) // 2)])
-            os._exit(9)
+            if armed and len(data) > 1:
+                real_write(fd, data[: len(data) // 2])
+                os._exit(9)
+            real_write(fd, data)
 
+        write_save._as_bytes = tensor_bytes  # type: ignore[assignment]
         write_save._write_all = half_then_die  # type: ignore[assignment]
         return
     from tdckpt._shard import save as shard_save
@@ -134,7 +142,10 @@ def rank_main(command: str, rank: int, world: int, port: int, args: dict[str, An
         )
         mgr = CheckpointManager(args["root"], timeout=args.get("timeout", 60))
         install_fault()
-        result = {"ok": COMMANDS[command](mgr, rank, world, args)}
+        try:
+            result = {"ok": COMMANDS[command](mgr, rank, world, args)}
+        finally:
+            mgr.close()  # a surviving rank 0 lets go of the root's writer lock
     except BaseException as exc:
         result = {"error": [type(exc).__name__, str(exc), traceback.format_exc()]}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
@@ -237,4 +248,55 @@ def cmd_restore(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
     return checked
 
 
-COMMANDS = {"save": cmd_save, "restore": cmd_restore}
+def cmd_fault(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """Save step 1 (case "nested"); then save step 2, or overwrite step 1 with the
+    "tensorclass" case, with args["fault"] (``"<rank>:<phase>"``) armed."""
+    import time
+
+    mgr.save(1, shard_of("nested", world, rank))
+    os.environ["TDCKPT_TEST_FAULT"] = args["fault"]
+    install_fault()
+    overwrite = args.get("overwrite", False)
+    start = time.monotonic()
+    try:
+        if overwrite:
+            mgr.save(1, shard_of("tensorclass", world, rank), overwrite=True)
+        else:
+            mgr.save(2, shard_of("nested", world, rank)[:, :1])
+    except Exception as exc:
+        from tdckpt.errors import TdckptError
+
+        return {
+            "raised": type(exc).__name__,
+            "tdckpt": isinstance(exc, TdckptError),
+            "message": str(exc),
+            "seconds": time.monotonic() - start,
+        }
+    return {"raised": None, "seconds": time.monotonic() - start}
+
+
+def cmd_mismatch(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """Rank 1 saves other keys than the rest: every rank must raise, nothing committed."""
+    shard = shard_of("nested", world, rank)
+    if rank == 1:
+        shard = shard.exclude(("nested", "c"))
+    out: dict[str, Any] = {}
+    try:
+        mgr.save(5, shard)
+    except Exception as exc:
+        out["mismatch"] = [type(exc).__name__, str(exc)]
+    try:  # rank 0 refuses: step 5 does not exist but step 1 does after this save
+        mgr.save(1, shard_of("nested", world, rank))
+        mgr.save(1, shard_of("nested", world, rank))
+    except Exception as exc:
+        out["exists"] = [type(exc).__name__, str(exc)]
+    out["steps"] = mgr.steps()
+    return out
+
+
+COMMANDS = {
+    "save": cmd_save,
+    "restore": cmd_restore,
+    "fault": cmd_fault,
+    "mismatch": cmd_mismatch,
+}

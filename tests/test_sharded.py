@@ -263,3 +263,50 @@ def test_a_single_process_manager_is_unchanged(tmp_path: Path) -> None:
     assert mgr.restore(1, rows=slice(1, 3))["a"].tolist() == [1, 2]
     with pytest.raises(RestoreError, match="no rows to select"):
         mgr.restore(2, rows=slice(1, 3))
+
+
+def test_ls_inspect_and_verify_know_sharded_steps(
+    saved_roots: dict[int, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+    import shutil
+
+    from tdckpt.cli import main
+
+    root = tmp_path / "copy"
+    shutil.copytree(saved_roots[3], root)
+    mgr = CheckpointManager(root)
+    rows = mgr.list_steps()
+    assert [(r.step, r.kind, r.status) for r in rows] == [
+        (step_of(c), "sharded", "committed") for c in CASES
+    ]
+    assert rows[0].detail == "3 shards, rows 0..5, 5..6, 6..13; batch size [13, 2]"
+    assert main(["ls", str(root)]) == 0
+    assert "sharded" in capsys.readouterr().out
+    step = root / str(step_of("replicated"))
+    assert main(["inspect", str(step), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["world_size"] == 3 and info["batch_size"] == [13]
+    assert [s["rows"] for s in info["shards"]] == [[0, 5], [5, 6], [6, 13]]
+    assert info["replicated"]["keys"] == [["run"], ["cfg"]]
+    assert main(["inspect", str(step)]) == 0
+    text = capsys.readouterr().out
+    assert "world size   3" in text and "replicated   run, cfg" in text
+    # each shard inspects as the plain prefix it is
+    assert main(["inspect", str(step / info["shards"][2]["prefix"])]) == 0
+    assert "x: torch.float32 [7]" in capsys.readouterr().out
+    # verify: a flipped byte in one shard's leaf, named with its key
+    assert mgr.verify(step_of("nested")).ok
+    leaf = next((root / str(step_of("nested"))).glob("attempt-*/shard-2/a.memmap"))
+    data = bytearray(leaf.read_bytes())
+    data[5] ^= 0xFF
+    leaf.write_bytes(bytes(data))
+    report = mgr.verify(step_of("nested"))
+    assert not report.ok
+    assert [(p.kind, p.path.split("/", 1)[1], p.key) for p in report.problems] == [
+        ("changed", "shard-2/a.memmap", ("a",))
+    ]
+    from tdckpt.errors import IntegrityError
+
+    with pytest.raises(IntegrityError, match="failed verification"):
+        mgr.restore(step_of("nested"), verify=True)

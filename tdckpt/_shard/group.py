@@ -93,10 +93,8 @@ class ShardGroup:
         """Free the gloo group (collective on its ranks in torch; best effort here)."""
         import torch.distributed as dist
 
-        try:
+        with contextlib.suppress(Exception):  # a broken group cannot be torn down cleanly
             dist.destroy_process_group(self.pg)
-        except Exception:
-            pass
 
 
 def resolve_group(group: Any, timeout: float) -> ShardGroup | None:
