@@ -294,7 +294,34 @@ def cmd_mismatch(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
     return out
 
 
+def cmd_subgroup(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """Ranks 1 and 2 of 3 save and restore on their own group (group=...), rank 0 idles."""
+    import torch.distributed as dist
+
+    from tdckpt import CheckpointManager
+
+    sub = dist.new_group(ranks=[1, 2])  # every rank of the world creates it
+    out: dict[str, Any] = {"world_group": mgr.tdckpt_group is not None}
+    if rank in (1, 2):
+        m = CheckpointManager(args["sub_root"], group=sub, timeout=60)
+        out["sub_rank"] = dist.get_rank(m.tdckpt_group)
+        m.save(3, shard_of("nested", 2, rank - 1))
+        got = m.restore(3)
+        from _shard_compare import assert_same
+
+        from tdckpt._shard.rows import even_part
+
+        whole = make_case("nested", sum(LENGTHS[2]))
+        start, stop = even_part(sum(LENGTHS[2]), rank - 1, 2)
+        assert_same(got, whole[start:stop], f"subgroup rank {rank}")
+        out["steps"] = m.steps()
+        m.close()
+    dist.barrier()
+    return out
+
+
 COMMANDS = {
+    "subgroup": cmd_subgroup,
     "save": cmd_save,
     "restore": cmd_restore,
     "fault": cmd_fault,

@@ -250,6 +250,17 @@ def test_build_manifest_names_the_disagreeing_rank() -> None:
             build_manifest(results, step=1, attempt="attempt-" + "1" * 32, user_metadata={})
 
 
+def test_a_given_group_saves_on_its_ranks_only(tmp_path: Path) -> None:
+    sub_root = tmp_path / "sub"
+    args = {"out": str(tmp_path / "o"), "root": str(tmp_path / "world"), "sub_root": str(sub_root)}
+    results = _ok(spawn_ranks("subgroup", 3, args), "subgroup")
+    assert results[0] == {"world_group": True}
+    assert [r["sub_rank"] for r in results[1:]] == [0, 1]
+    assert all(r["steps"] == [3] for r in results[1:])
+    whole = make_case("nested", sum(LENGTHS[2]))
+    assert_same(CheckpointManager(sub_root).restore(3), whole, "subgroup step, whole")
+
+
 def test_a_single_process_manager_is_unchanged(tmp_path: Path) -> None:
     from tensordict import TensorDict
 
