@@ -8,6 +8,7 @@ To keep CI time bounded on 2 cores, the ranks are started once per world size to
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -321,3 +322,65 @@ def test_ls_inspect_and_verify_know_sharded_steps(
 
     with pytest.raises(IntegrityError, match="failed verification"):
         mgr.restore(step_of("nested"), verify=True)
+
+
+def test_restore_into_checks_before_touching_the_target(saved_roots: dict[int, Path]) -> None:
+    mgr = CheckpointManager(saved_roots[2])
+    step = step_of("nested")
+    whole = make_case("nested", sum(LENGTHS[2]))
+    target = make_case("nested", 5)
+    before = target.clone()
+    assert mgr.restore_into(target, step) is target
+    assert_same(target, whole[:5], "restore_into outside a group: the first rows")
+    wrong = before.clone().exclude(("nested", "c"))
+    kept = wrong.clone()
+    with pytest.raises(
+        RestoreError, match=r"In the checkpoint but not the target: \('nested', 'c'\)"
+    ):
+        mgr.restore_into(wrong, step)
+    assert_same(wrong, kept, "unchanged after a key mismatch")
+    too_many = make_case("nested", sum(LENGTHS[2]) + 1)
+    kept = too_many.clone()
+    with pytest.raises(RestoreError, match="take 14 rows"):
+        mgr.restore_into(too_many, step)
+    assert_same(too_many, kept, "unchanged after too many rows")
+
+
+def test_replicated_entries_must_carry_no_batch_dim() -> None:
+    from tensordict import TensorDict
+
+    from tdckpt._shard.save import split_shard
+    from tdckpt.errors import UnsupportedContentError
+
+    td = make_case("replicated", 4)
+    shard, rep, keys = split_shard(td, ("run", ("cfg",)))
+    assert set(shard.keys()) == {"x"} and keys == [["run"], ["cfg"]]
+    assert rep.batch_size == torch.Size([]) and rep["run"] == "exp-1"
+    with pytest.raises(UnsupportedContentError, match="x: a replicated entry must carry no batch"):
+        split_shard(td, ("x",))
+    with pytest.raises(UnsupportedContentError, match="nope: named in replicated= but not in"):
+        split_shard(td, ("nope",))
+    with pytest.raises(UnsupportedContentError, match="has batch size \\[\\]"):
+        split_shard(TensorDict(a=torch.zeros(3)), ())
+    with pytest.raises(TypeError, match="a str or a tuple of str"):
+        split_shard(td, (3,))
+
+
+def test_retention_and_gc_on_sharded_steps(saved_roots: dict[int, Path], tmp_path: Path) -> None:
+    import shutil
+
+    from tdckpt import KeepLast
+
+    root = tmp_path / "copy"
+    shutil.copytree(saved_roots[4], root)
+    (root / f"20.tmp-{'a' * 32}").mkdir()  # what a killed sharded save leaves
+    mgr = CheckpointManager(root, retention=KeepLast(2))
+    assert [s.status for s in mgr.list_steps()][-1] == "incomplete"
+    gone = mgr.prune()
+    assert sorted(p.name for p in gone) == [str(step_of("nested")), str(step_of("nontensor"))]
+    assert mgr.steps() == [step_of("tensorclass"), step_of("replicated")]
+    assert [p.name for p in mgr.gc()] == ["20.tmp-" + "a" * 32]
+    assert sorted(os.listdir(root)) == sorted([".tdckpt.lock", *map(str, mgr.steps())])
+    whole = make_case("replicated", sum(LENGTHS[4]))
+    assert_same(mgr.restore(), whole, "latest after retention")
+    mgr.close()
