@@ -95,7 +95,8 @@ class CheckpointManager:
             group). With a group, or whenever ``torch.distributed`` is initialized, the
             manager is collective: every rank of the group makes it and calls :meth:`save`
             and :meth:`restore` alike, each with its shard (see docs/distributed.rst).
-            Otherwise nothing changes.
+            Otherwise nothing changes. ``group=False``: never collective, even under
+            ``torch.distributed`` (a manager one rank alone makes, e.g. to list steps).
         timeout: seconds a collective of a sharded save or restore waits for the other
             ranks before every surviving rank raises
             :class:`~tdckpt.errors.CollectiveError`.

@@ -302,6 +302,9 @@ def cmd_subgroup(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
 
     sub = dist.new_group(ranks=[1, 2])  # every rank of the world creates it
     out: dict[str, Any] = {"world_group": mgr.tdckpt_group is not None}
+    if rank == 0:  # alone, not collective: lists and reads without the other ranks
+        alone = CheckpointManager(args["root"], group=False)
+        assert alone.tdckpt_group is None and alone.steps() == []
     if rank in (1, 2):
         m = CheckpointManager(args["sub_root"], group=sub, timeout=60)
         out["sub_rank"] = dist.get_rank(m.tdckpt_group)

@@ -100,6 +100,9 @@ class ShardGroup:
 def resolve_group(group: Any, timeout: float) -> ShardGroup | None:
     """The manager's ShardGroup: None unless torch.distributed is initialized or ``group``.
 
+    ``group=False`` is never collective (e.g. a manager that rank 0 alone makes to list or
+    read steps while the job runs).
+
     Collective over the ranks of ``group`` (default: every rank of the world): each must
     build its manager, in the same order relative to other group creations.
 
@@ -110,6 +113,8 @@ def resolve_group(group: Any, timeout: float) -> ShardGroup | None:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch without distributed support
         dist = None  # type: ignore[assignment]
+    if group is False:  # explicitly a single-process manager, even under torch.distributed
+        return None
     initialized = dist is not None and dist.is_available() and dist.is_initialized()
     if group is None and not initialized:
         return None
