@@ -305,6 +305,16 @@ def cmd_subgroup(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
     if rank == 0:  # alone, not collective: lists and reads without the other ranks
         alone = CheckpointManager(args["root"], group=False)
         assert alone.tdckpt_group is None and alone.steps() == []
+        alone.save(1, make_case("nontensor", 10))  # a plain, one-process step
+        alone.close()
+    dist.barrier()
+    # a plain step restores in a group too: each rank its tensor_split part
+    from _shard_compare import assert_same
+
+    from tdckpt._shard.rows import even_part
+
+    start, stop = even_part(10, rank, world)
+    assert_same(mgr.restore(1), make_case("nontensor", 10)[start:stop], f"plain step {rank}")
     if rank in (1, 2):
         m = CheckpointManager(args["sub_root"], group=sub, timeout=60)
         out["sub_rank"] = dist.get_rank(m.tdckpt_group)

@@ -256,6 +256,7 @@ def test_a_given_group_saves_on_its_ranks_only(tmp_path: Path) -> None:
     args = {"out": str(tmp_path / "o"), "root": str(tmp_path / "world"), "sub_root": str(sub_root)}
     results = _ok(spawn_ranks("subgroup", 3, args), "subgroup")
     assert results[0] == {"world_group": True}
+    assert CheckpointManager(tmp_path / "world").steps() == [1]
     assert [r["sub_rank"] for r in results[1:]] == [0, 1]
     assert all(r["steps"] == [3] for r in results[1:])
     whole = make_case("nested", sum(LENGTHS[2]))
