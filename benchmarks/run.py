@@ -353,6 +353,7 @@ BENCHES = {
     "save": bench_save,
     "verify": bench_verify,
     "upgrade": bench_upgrade,
+    "distributed": lambda work, quick: __import__("bench_distributed").bench(work, quick),
 }
 
 

@@ -378,7 +378,11 @@ def _prefix_hints(prefix: str) -> Iterator[None]:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from tdckpt._read.inspect import inspect
+    from tdckpt._shard.inspect import describe_sharded
 
+    sharded = describe_sharded(args.prefix)
+    if sharded is not None:
+        return _print_sharded(sharded, as_json=args.json)
     with _prefix_hints(args.prefix):
         result = inspect(args.prefix, robust_key=_robust(args.robust_key))
     if args.json:
@@ -398,6 +402,28 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     _print_tree(result.root, "  ")
     for p in result.problems:
         _out(str(p))
+    return EXIT_OK
+
+
+def _print_sharded(info: dict[str, Any], *, as_json: bool) -> int:
+    if as_json:
+        _print_json(info)
+        return EXIT_OK
+    _out(f"sharded step {info['step_folder']} (step {info['step']}, {info['attempt']})")
+    _out(f"world size   {info['world_size']}")
+    _out(f"batch size   {info['batch_size']} ({info['root_type']})")
+    _out(f"size         {info['bytes']} bytes")
+    _out(f"{'rank':>6}  {'rows':<20} {'files':>6} {'bytes':>12}  prefix")
+    for shard in info["shards"]:
+        rows = f"{shard['rows'][0]}..{shard['rows'][1]}"
+        _out(
+            f"{shard['rank']:>6}  {rows:<20} {shard['files']:>6} {shard['bytes']:>12}  "
+            f"{_clean(shard['prefix'])}"
+        )
+    if info["replicated"] is not None:
+        keys = ", ".join(".".join(map(_clean, k)) for k in info["replicated"]["keys"])
+        _out(f"replicated   {keys} (written once, in {_clean(info['replicated']['prefix'])})")
+    _out(f"each shard is a plain prefix: `tdckpt inspect {info['step_folder']}/<prefix>`")
     return EXIT_OK
 
 

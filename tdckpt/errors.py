@@ -17,7 +17,8 @@
     │  └─ MigrationChainError                    gap / duplicate / does not reach the end
     ├─ RestoreError                              target cannot take the checkpoint
     │  └─ IntegrityError                         checksum or size differs from the manifest
-    └─ LockError                                 another writer holds the root
+    ├─ LockError                                 another writer holds the root
+    └─ CollectiveError                           a rank of a sharded save died or failed
 
 Every message states what was found, what was expected and what to do, and names the
 prefix, the key and the file involved. The same facts are kept as attributes.
@@ -31,6 +32,7 @@ __all__ = [
     "AmbiguousKeyEncodingError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CollectiveError",
     "IncompleteCheckpointError",
     "IntegrityError",
     "LockError",
@@ -136,3 +138,12 @@ class IntegrityError(RestoreError):
 
 class LockError(TdckptError):
     """Another live writer holds the checkpoint root."""
+
+
+class CollectiveError(TdckptError):
+    """A collective save or restore failed: a rank died, timed out or raised.
+
+    Attributes:
+        rank: the rank reporting it (None before the group exists).
+        phase: the protocol step that failed (``"gather shard records"``, ...).
+    """

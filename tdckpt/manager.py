@@ -47,6 +47,8 @@ from tdckpt._manage.verify import (
     verify_files,
 )
 from tdckpt._progress import ProgressArg, progress_bar
+from tdckpt._shard.group import DEFAULT_TIMEOUT as _SHARD_TIMEOUT
+from tdckpt._shard.group import resolve_group
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.lock import RootLock
@@ -57,9 +59,10 @@ from tdckpt.errors import (
     LockError,
     MetadataError,
     RestoreError,
+    TdckptError,
 )
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
-from tdckpt.schema import MANIFEST_NAME, Manifest
+from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest
 from tdckpt.warnings import TdckptWarning
 
 if TYPE_CHECKING:
@@ -89,6 +92,15 @@ class CheckpointManager:
         checksum: the checksum algorithm of new saves: ``"crc32"`` (default, fast) or a
             hashlib algorithm such as ``"sha256"`` (slower; resists deliberate tampering).
         compression: for archives, ``"stored"`` (mappable without copies) or ``"deflate"``.
+        group: the ranks that save and restore together (a ``torch.distributed`` process
+            group). With a group, or whenever ``torch.distributed`` is initialized, the
+            manager is collective: every rank of the group makes it and calls :meth:`save`
+            and :meth:`restore` alike, each with its shard (see docs/distributed.rst).
+            Otherwise nothing changes. ``group=False``: never collective, even under
+            ``torch.distributed`` (a manager one rank alone makes, e.g. to list steps).
+        timeout: seconds a collective of a sharded save or restore waits for the other
+            ranks before every surviving rank raises
+            :class:`~tdckpt.errors.CollectiveError`.
 
     Example:
         >>> import tempfile, torch
@@ -111,6 +123,8 @@ class CheckpointManager:
         fsync: bool = True,
         checksum: str = DEFAULT_CHECKSUM,
         compression: str = "stored",
+        group: Any = None,
+        timeout: float = _SHARD_TIMEOUT,
     ) -> None:
         self.root = Path(root)
         self.retention: RetentionPolicy = KeepAll() if retention is None else retention
@@ -140,12 +154,20 @@ class CheckpointManager:
         self._writing = threading.Lock()
         self._in_use: Counter[int] = Counter()
         self._index = StepIndex(self.root, self._state)
+        self._shard = resolve_group(group, timeout)  # None: a single-process manager
+        if self._shard is not None and self.archive:
+            raise ValueError("a collective manager saves sharded steps as folders: archive=False")
 
     def __repr__(self) -> str:
         return (
             f"CheckpointManager({str(self.root)!r}, retention={self.retention!r}, "
             f"archive={self.archive}, fsync={self.fsync})"
         )
+
+    @property
+    def tdckpt_group(self) -> Any:
+        """The gloo process group tdckpt coordinates ranks on (None outside a group)."""
+        return None if self._shard is None else self._shard.pg
 
     # -- life cycle ------------------------------------------------------------------------
     def __enter__(self) -> CheckpointManager:
@@ -301,6 +323,7 @@ class CheckpointManager:
         metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
         progress: ProgressArg = None,
+        replicated: Any = (),
     ) -> Path:
         """Save ``obj`` as ``step``: all or nothing on disk, then apply the retention policy.
 
@@ -308,6 +331,10 @@ class CheckpointManager:
         tensordict 0.15.3's format into a staging folder beside the root's steps, made
         durable, and committed by one rename; it is never modified. Retention runs only
         after the commit.
+
+        In a collective manager ``obj`` is this rank's shard: the global TensorDict is the
+        ranks' shards concatenated along dim 0 in rank order, saved as one step by every
+        rank together (all or nothing; see docs/distributed.rst).
 
         Args:
             step: the step number (an int >= 0); it names the folder.
@@ -318,6 +345,9 @@ class CheckpointManager:
             progress: ``True`` draws a progress bar of the bytes written (tqdm, on
                 stderr, only when it is a terminal); a callable is called as
                 ``progress(bytes_done, bytes_total)``.
+            replicated: in a collective manager, the keys of entries that are equal on
+                every rank and carry no batch dimension (non-tensor data): written once,
+                by rank 0. Ignored outside a group (everything is saved).
 
         Returns:
             The committed folder (or archive).
@@ -330,6 +360,12 @@ class CheckpointManager:
                 store (every such key is listed); nothing was written.
             MetadataError: ``metadata`` is not plain JSON data.
         """
+        if self._shard is not None:
+            from tdckpt._shard.save import collective_save
+
+            return collective_save(
+                self, step, obj, metadata=metadata, overwrite=overwrite, replicated=replicated
+            )
         step = _atomic.check_step(step)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
@@ -458,6 +494,8 @@ class CheckpointManager:
 
     def prune(self) -> list[Path]:
         """Apply the retention policy now (it also runs after every save); return what went."""
+        if self._shard is not None and self._shard.rank != 0:
+            return []  # rank 0 prunes the shared root
         with self._writing:
             if not self.root.is_dir():
                 return []
@@ -470,8 +508,11 @@ class CheckpointManager:
         Removes every ``<step>.tmp-*`` entry (staging folders, steps being deleted) and the
         archive writer's temporary files. A step that an interrupted overwrite had renamed
         aside, with nothing committed in its place, is renamed back instead. Committed
-        steps and foreign entries are never touched. Takes the writer lock.
+        steps and foreign entries are never touched. Takes the writer lock. In a
+        collective manager rank 0 cleans the shared root; the other ranks return ``[]``.
         """
+        if self._shard is not None and self._shard.rank != 0:
+            return []  # rank 0 cleans the shared root
         with self._writing:
             if not self.root.is_dir():
                 return []
@@ -602,6 +643,12 @@ class CheckpointManager:
         from tdckpt._restore.keys import key_difference, saved_structure, target_structure
 
         _check_args(True, allow_pickle, mode)
+        if self._sharded_path(step, None):
+            from tdckpt._shard.restore import restore_into_rows
+
+            return restore_into_rows(
+                self, td, step, allow_pickle=allow_pickle, mode=mode, verify=verify, strict=strict
+            )
         with self._using(step) as (resolved, path, manifest):
             if verify:
                 self._verified(resolved, path, manifest)
@@ -642,8 +689,14 @@ class CheckpointManager:
         allow_pickle: bool | None = None,
         mode: Literal["r", "r+"] | None = "r",
         verify: bool = False,
+        rows: slice | None = None,
     ) -> Any:
         """Load a committed step into a new object (TensorDict, tensorclass, lazy stack, ...).
+
+        In a collective manager of M ranks each rank gets its part of the global rows
+        (``torch.tensor_split`` into M along dim 0), or the ``rows`` slice it asks for;
+        outside a group a sharded step restores whole (or its ``rows``). Only the rows
+        returned are read, as views of the mapped files where they lie in one shard.
 
         ``mode="r"`` (default) maps the files copy-on-write: writes into the result never
         reach the checkpoint. See :meth:`restore_into` for the other arguments.
@@ -654,10 +707,25 @@ class CheckpointManager:
         """
         from tdckpt._restore.engine import load_memmap
 
+        if self._sharded_path(step, rows):
+            from tdckpt._shard.restore import restore_rows
+
+            return restore_rows(
+                self, step, rows, allow_pickle=allow_pickle, mode=mode, verify=verify
+            )
         with self._using(step) as (resolved, path, manifest):
             if verify:
                 self._verified(resolved, path, manifest)
             return load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
+
+    def _sharded_path(self, step: int | None, rows: Any) -> bool:
+        """Whether a restore is collective, of a sharded step, or of some rows."""
+        if self._shard is not None or rows is not None:
+            return True
+        try:
+            return isinstance(self._resolve(step)[2], ShardedManifest)
+        except TdckptError:
+            return False  # the plain path raises the error
 
 
 def _warn_not_removed(path: Path, exc: OSError, *, stacklevel: int) -> None:

@@ -9,6 +9,10 @@ Two documents are described here, each a frozen pydantic model:
 * tdckpt's own per-checkpoint **manifest** (``tdckpt.manifest.json`` at the root of a
   prefix), which records what no tensordict file does: the key encoding, the pickle
   inventory, the writer versions, the size and checksum of every file, the user's metadata.
+* the **step manifest of a sharded step** (:class:`ShardedManifest`, the same file name at
+  the root of a step saved by several ranks): a manifest whose files span every rank's
+  shard prefix, plus the rows of the global batch each shard holds and the attempt folder
+  the step commits.
 
 The JSON Schema of every model is exported to ``schemas/`` (``python -m tdckpt.schema``);
 a test regenerates them and fails when they drift.
@@ -30,6 +34,7 @@ __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_SCHEMA_VERSION",
     "SCHEMA_MODELS",
+    "SHARDED_SCHEMA_VERSION",
     "ChildEntry",
     "FileRecord",
     "LazyStackMeta",
@@ -38,6 +43,9 @@ __all__ = [
     "NonTensorDataMeta",
     "NonTensorStackMeta",
     "PickleRecord",
+    "ReplicatedRecord",
+    "ShardRecord",
+    "ShardedManifest",
     "TensorClassMeta",
     "TensorDictMeta",
     "WriterVersions",
@@ -273,6 +281,93 @@ class Manifest(_Model):
         return value
 
 
+#: The version of the sharded step manifest's own fields (shards, rows, attempt).
+SHARDED_SCHEMA_VERSION = 1
+#: A relative POSIX path of one or more plain components (no '..', '.', '' or NUL).
+_REL_PATH = r"^[^/\x00]+(/[^/\x00]+)*$"
+
+
+def _check_rel(value: str) -> str:
+    if any(part in (".", "..") for part in value.split("/")):
+        raise ValueError(f"{value!r} is not a relative path inside the step (no '.' or '..')")
+    return value
+
+
+class ShardRecord(_Model):
+    """One rank's shard of a sharded step: a plain tensordict prefix holding some rows."""
+
+    rank: int = Field(ge=0, description="the rank that wrote it (shards are in rank order)")
+    prefix: str = Field(
+        pattern=_REL_PATH, description="the shard's folder, relative to the step folder"
+    )
+    start: Dim = Field(description="first global row (along dim 0) the shard holds")
+    stop: Dim = Field(description="one past the last global row the shard holds")
+    root_type: str = Field(description="the class saved in the shard")
+
+    @field_validator("prefix")
+    @classmethod
+    def _inside(cls, value: str) -> str:
+        return _check_rel(value)
+
+
+class ReplicatedRecord(_Model):
+    """The entries saved once (by rank 0) rather than split across the shards."""
+
+    prefix: str = Field(pattern=_REL_PATH, description="its folder, relative to the step folder")
+    keys: list[list[str]] = Field(description="the nested keys it holds")
+
+    @field_validator("prefix")
+    @classmethod
+    def _inside(cls, value: str) -> str:
+        return _check_rel(value)
+
+
+class ShardedManifest(Manifest):
+    """The step manifest of a step saved by several ranks (``tdckpt.manifest.json``).
+
+    ``files`` lists every file of every shard (paths relative to the step folder);
+    ``shards`` says which global rows each shard holds. The shards cover the global rows
+    ``0 .. batch_size[0]`` once each, in rank order.
+    """
+
+    sharded: Literal[1] = Field(description="the version of the sharded step fields")
+    world_size: int = Field(ge=1, description="ranks that saved the step")
+    attempt: str = Field(
+        pattern=r"^attempt-[0-9a-f]{32}$", description="the attempt folder this step commits"
+    )
+    batch_size: list[Dim] = Field(min_length=1, max_length=64, description="the global batch size")
+    shards: list[ShardRecord] = Field(min_length=1)
+    replicated: ReplicatedRecord | None = None
+
+    @model_validator(mode="after")
+    def _coverage(self) -> ShardedManifest:
+        if len(self.shards) != self.world_size:
+            raise ValueError(f"{len(self.shards)} shards for a world size of {self.world_size}")
+        row = 0
+        for i, shard in enumerate(self.shards):
+            if shard.rank != i:
+                raise ValueError(f"shard {i} is recorded as rank {shard.rank}")
+            if shard.start != row or shard.stop < shard.start:
+                raise ValueError(
+                    f"shard {i} holds rows {shard.start}..{shard.stop}; expected it to start "
+                    f"at row {row} (shards cover the global rows once, in rank order)"
+                )
+            row = shard.stop
+        if row != self.batch_size[0]:
+            raise ValueError(
+                f"the shards cover {row} rows of a global batch of {self.batch_size[0]}"
+            )
+        prefixes = [s.prefix for s in self.shards]
+        if self.replicated is not None:
+            prefixes.append(self.replicated.prefix)
+        for prefix in prefixes:
+            if prefix.split("/")[0] != self.attempt:
+                raise ValueError(f"the prefix {prefix!r} lies outside the attempt {self.attempt!r}")
+        if len(set(prefixes)) != len(prefixes):
+            raise ValueError("two shards share a prefix")
+        return self
+
+
 #: name -> model of every exported JSON Schema (``schemas/<name>.v<N>.json``).
 SCHEMA_MODELS: dict[str, tuple[type[BaseModel], int]] = {
     "tensordict-meta": (TensorDictMeta, FORMAT_VERSION),
@@ -281,6 +376,7 @@ SCHEMA_MODELS: dict[str, tuple[type[BaseModel], int]] = {
     "nontensorstack-meta": (NonTensorStackMeta, FORMAT_VERSION),
     "tensorclass-meta": (TensorClassMeta, FORMAT_VERSION),
     "manifest": (Manifest, MANIFEST_SCHEMA_VERSION),
+    "sharded-manifest": (ShardedManifest, SHARDED_SCHEMA_VERSION),
 }
 
 

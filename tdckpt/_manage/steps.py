@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tdckpt._shard.inspect import shard_summary
+from tdckpt._shard.manifest import parse_step_manifest
 from tdckpt._write import atomic as _atomic
 from tdckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, MetadataError
-from tdckpt.schema import MANIFEST_NAME, Manifest
+from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest
 
 __all__ = ["StepIndex", "StepStatus", "preferred"]
 
@@ -59,7 +61,8 @@ class StepStatus:
     Attributes:
         step: the step number (None for a leftover whose name carries none).
         path: the folder, archive or leftover.
-        kind: ``"dir"``, ``"archive"`` or ``"tmp"``.
+        kind: ``"dir"``, ``"archive"``, ``"sharded"`` (a step saved by several ranks:
+            ``detail`` lists its shards' rows) or ``"tmp"``.
         status: ``"committed"``, ``"damaged"`` (unreadable manifest) or ``"incomplete"``.
         size: bytes of the checkpoint's files, from the manifest.
     """
@@ -139,7 +142,7 @@ class StepIndex:
             return cached[1]
         result: Manifest | MetadataError
         try:
-            result = Manifest.model_validate_json(self._manifest_bytes(where, kind, st.st_size))
+            result = parse_step_manifest(self._manifest_bytes(where, kind, st.st_size))
         except MetadataError as exc:
             result = exc
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
@@ -242,17 +245,21 @@ class StepIndex:
                 except MetadataError as exc:
                     rows.append(StepStatus(step, path, kind, "damaged", detail=str(exc)))
                     continue
+                sharded = isinstance(manifest, ShardedManifest)
                 rows.append(
                     StepStatus(
                         step,
                         path,
-                        kind,
+                        "sharded" if sharded else kind,
                         "committed",
                         size=sum(f.size for f in manifest.files),
                         format_version=manifest.format_version,
                         key_encoding=manifest.key_encoding,
                         created=manifest.created,
                         metadata=dict(manifest.user_metadata),
+                        detail=shard_summary(manifest)
+                        if isinstance(manifest, ShardedManifest)
+                        else None,
                     )
                 )
         if self.root.is_dir():

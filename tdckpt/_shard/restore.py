@@ -1,0 +1,229 @@
+"""Restoring in a group of ranks, and restoring a sharded step anywhere.
+
+* In a group of M ranks (every rank calls): rank 0 picks the step (the latest when none is
+  given) and broadcasts it; each rank then reads the step manifest itself and takes its
+  part - ``torch.tensor_split`` of the global rows into M, or the ``rows`` it asks for -
+  reading only those rows (:mod:`tdckpt._shard.rows`). ``restore_into(td)`` gathers every
+  rank's ``td.batch_size[0]`` so that the offsets follow rank order.
+* Outside a group, a sharded step restores as the whole global TensorDict.
+
+A plain (one-process) step restores the same way in a group: it is one shard holding
+every row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tdckpt._shard.rows import ReadStats, even_part, read_rows, row_range
+from tdckpt.errors import RestoreError
+from tdckpt.schema import Manifest, ShardedManifest
+
+if TYPE_CHECKING:
+    from tdckpt.manager import CheckpointManager
+
+__all__ = ["restore_into_rows", "restore_rows", "wants_shard_path"]
+
+
+def wants_shard_path(mgr: CheckpointManager, manifest: Manifest, rows: Any) -> bool:
+    """Whether a restore goes through this module (else the manager's own path)."""
+    return mgr._shard is not None or isinstance(manifest, ShardedManifest) or rows is not None
+
+
+def _agreed_step(mgr: CheckpointManager, step: int | None) -> int | None:
+    group = mgr._shard
+    if group is None:
+        return step
+    picked: int | str | None = None
+    if group.rank == 0:
+        try:
+            picked = mgr._resolve(step)[0]
+        except Exception as exc:  # every rank raises the same error below
+            picked = f"{type(exc).__name__}: {exc}"
+    agreed = group.broadcast(picked, "agree on the step")
+    if isinstance(agreed, str):
+        if group.rank == 0:
+            mgr._resolve(step)  # raise the real error here
+        raise RestoreError(f"rank 0 could not pick the step to restore: {agreed}", step=step)
+    if step is not None and agreed != step:  # pragma: no cover - ranks passed other steps
+        raise RestoreError(
+            f"rank {group.rank} asked for step {step} but rank 0 for {agreed}; every rank "
+            "must restore the same step.",
+            step=step,
+        )
+    return int(agreed)
+
+
+def _read(
+    path: Path,
+    manifest: Manifest,
+    rows: Any,
+    counts: list[int] | None,
+    rank: int,
+    world: int,
+    *,
+    allow_pickle: bool | None,
+    mode: str | None,
+    stats: ReadStats | None,
+) -> Any:
+    if isinstance(manifest, ShardedManifest):
+        total = manifest.batch_size[0]
+        loaded = None
+    else:
+        from tdckpt._restore.engine import load_memmap
+
+        loaded = load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
+        if not getattr(loaded, "batch_size", None):
+            raise RestoreError(
+                f"{path}: this step has batch size {list(getattr(loaded, 'batch_size', []))}, "
+                "so it has no rows to select or split across ranks. Restore it whole, without "
+                "rows= and with a manager outside the group (group=None).",
+                path=str(path),
+            )
+        total = int(loaded.batch_size[0])
+    if counts is not None:
+        start = sum(counts[:rank])
+        stop = start + counts[rank]
+        if sum(counts) > total:
+            raise RestoreError(
+                f"{path}: the ranks' targets take {sum(counts)} rows ({counts}, in rank "
+                f"order) but the step holds {total}; nothing was changed. Size the targets' "
+                "dim 0 to add up to at most the saved rows.",
+                path=str(path),
+                counts=counts,
+            )
+    elif rows is not None:
+        start, stop = row_range(rows, total)
+    else:
+        start, stop = even_part(total, rank, world)
+    if not isinstance(manifest, ShardedManifest):
+        assert loaded is not None
+        return loaded if (start, stop) == (0, total) else loaded[start:stop]
+    return read_rows(path, manifest, start, stop, allow_pickle=allow_pickle, mode=mode, stats=stats)
+
+
+def restore_rows(
+    mgr: CheckpointManager,
+    step: int | None,
+    rows: Any,
+    *,
+    allow_pickle: bool | None,
+    mode: str | None,
+    verify: bool,
+    stats: ReadStats | None = None,
+) -> Any:
+    """``CheckpointManager.restore`` of a part of the global rows (see the module)."""
+    group = mgr._shard
+    step = _agreed_step(mgr, step)
+    rank, world = (group.rank, group.size) if group is not None else (0, 1)
+    with mgr._using(step) as (resolved, path, manifest):
+        if verify:
+            mgr._verified(resolved, path, manifest)
+        if group is None and rows is None:
+            rank, world = 0, 1
+        return _read(
+            path,
+            manifest,
+            rows,
+            None,
+            rank,
+            world,
+            allow_pickle=allow_pickle,
+            mode=mode,
+            stats=stats,
+        )
+
+
+def restore_into_rows(
+    mgr: CheckpointManager,
+    td: Any,
+    step: int | None,
+    *,
+    allow_pickle: bool | None,
+    mode: str | None,
+    verify: bool,
+    strict: bool,
+) -> Any:
+    """``CheckpointManager.restore_into``: ``td.batch_size[0]`` rows, offsets in rank order."""
+    from tensordict import is_tensor_collection
+
+    group = mgr._shard
+    if not is_tensor_collection(td) or not td.batch_size:
+        raise RestoreError(
+            f"restore_into of a sharded or collective restore takes td.batch_size[0] rows; "
+            f"the target is a {type(td).__name__} without a batch dimension.",
+        )
+    mine = int(td.batch_size[0])
+    counts = group.all_gather(mine, "gather the targets' rows") if group else [mine]
+    step = _agreed_step(mgr, step)
+    rank, world = (group.rank, group.size) if group is not None else (0, 1)
+    with mgr._using(step) as (resolved, path, manifest):
+        if verify:
+            mgr._verified(resolved, path, manifest)
+        part = _read(
+            path,
+            manifest,
+            None,
+            counts,
+            rank,
+            world,
+            allow_pickle=allow_pickle,
+            mode=mode,
+            stats=None,
+        )
+        _check_target(td, part, path, resolved, strict=strict)
+        target = td._tensordict if hasattr(td, "_tensordict") else td
+        source = part._tensordict if hasattr(part, "_tensordict") else part
+        if strict:
+            target.update(source)
+        else:
+            for key in list(target.keys()):
+                if key not in source:
+                    del target[key]
+            target.update(source)
+    return td
+
+
+def _keys(obj: Any) -> set[tuple[str, ...]]:
+    from tensordict.base import _is_leaf_nontensor
+
+    out = set()
+    for key in obj.keys(True, True, is_leaf=_is_leaf_nontensor):
+        out.add(key if isinstance(key, tuple) else (key,))
+    return out
+
+
+def _check_target(td: Any, part: Any, path: Path, step: int, *, strict: bool) -> None:
+    if list(td.batch_size[1:]) != list(part.batch_size[1:]):
+        raise RestoreError(
+            f"{path}: step {step} has batch size [rows, {list(part.batch_size[1:])}] but the "
+            f"target {list(td.batch_size)}; nothing was changed. The dims after dim 0 must "
+            "agree.",
+            path=str(path),
+            step=step,
+        )
+    if type(td) is not type(part) and (hasattr(td, "_tensordict") or hasattr(part, "_tensordict")):
+        raise RestoreError(
+            f"{path}: step {step} holds a {type(part).__name__}, the target is a "
+            f"{type(td).__name__}; nothing was changed.",
+            path=str(path),
+            step=step,
+        )
+    if strict:
+        have, saved = _keys(td), _keys(part)
+        missing, unexpected = sorted(have - saved), sorted(saved - have)
+        if missing or unexpected:
+            from tdckpt.manager import _show_keys
+
+            raise RestoreError(
+                f"{path}: step {step} does not have the target's keys (strict=True); "
+                f"nothing was changed. In the target but not the checkpoint: "
+                f"{_show_keys(missing)}. In the checkpoint but not the target: "
+                f"{_show_keys(unexpected)}. Pass strict=False to give the target the "
+                "checkpoint's structure.",
+                path=str(path),
+                step=step,
+                missing=missing,
+                unexpected=unexpected,
+            )

@@ -1,0 +1,428 @@
+"""The collective save protocol of a sharded step.
+
+Every rank of the manager's gloo group calls :func:`collective_save` with the same step::
+
+    rank 0: take the root's writer lock, check the step, create the staging folder
+            <root>/<step>.tmp-<uuid>/ and a fresh attempt-<uuid>/ inside it
+    bcast   rank 0 -> all: the attempt's path (or rank 0's refusal: every rank raises)
+    all:    write this rank's shard as a plain tensordict prefix
+            attempt-<uuid>/shard-<rank>/ (tdckpt._write.save.write_checkpoint: every file
+            fsynced, checksummed while written); rank 0 also writes the replicated entries
+            into attempt-<uuid>/replicated/
+    gather  all -> rank 0: each shard's record (rows, files, sizes, checksums) or its error
+    rank 0: check coverage (build_manifest), write ONE step manifest into the staging folder
+            (tmp + fsync + os.replace + fsync), then commit the folder as <root>/<step> by
+            one rename (an overwrite swaps it in atomically: tdckpt._write.atomic)
+    bcast   rank 0 -> all: the outcome; no rank returns before it knows it
+    rank 0: retention, only after the outcome is out
+
+A rank that fails (bad input, a full disk) still joins every collective and reports its
+error, so every rank raises; a dead or hung rank makes the collectives fail within the
+group's timeout (:class:`~tdckpt.errors.CollectiveError`). Either way nothing is committed
+and earlier steps are untouched: what was written is a ``*.tmp-*`` staging folder that
+``gc`` removes. The one commit step is :func:`commit_local`: a file system without atomic
+rename (an object store) provides its own variant with the same signature.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tdckpt._shard.group import ShardGroup
+from tdckpt._shard.manifest import ShardResult, build_manifest
+from tdckpt._write import atomic as _atomic
+from tdckpt._write.save import _writer_versions, check_json_data, write_checkpoint
+from tdckpt.errors import (
+    CheckpointExistsError,
+    CollectiveError,
+    TdckptError,
+    UnsupportedContentError,
+)
+from tdckpt.schema import MANIFEST_NAME, ShardedManifest
+
+if TYPE_CHECKING:
+    from tdckpt.manager import CheckpointManager
+
+__all__ = ["collective_save", "commit_local", "fault_point", "split_shard"]
+
+Key = tuple[str, ...]
+
+
+def _no_fault(phase: str) -> None:
+    """Where a test's fault injector hooks in (tests/_shard_child.py); does nothing here."""
+
+
+#: Called with the phase name at each protocol boundary ("before_write", "before_gather",
+#: "after_records", "after_commit"); only tests replace it.
+fault_point: Callable[[str], None] = _no_fault
+
+
+def _fault(phase: str) -> None:
+    fault_point(phase)
+
+
+# -- the shard and its replicated entries --------------------------------------------------
+
+
+def _norm_key(key: Any) -> Key:
+    if isinstance(key, str):
+        return (key,)
+    if isinstance(key, tuple) and key and all(isinstance(k, str) for k in key):
+        return key
+    raise TypeError(f"a replicated entry is named by a str or a tuple of str, got {key!r}")
+
+
+def _unbatched(value: Any, where: str) -> Any:
+    """``value`` with no batch dims: non-tensor data (nested in TensorDicts) only."""
+    from tensordict import NonTensorData, TensorDict, TensorDictBase
+
+    if isinstance(value, NonTensorData):
+        return NonTensorData(value.data, batch_size=[])
+    if isinstance(value, TensorDictBase) and type(value) is TensorDict:
+        return TensorDict(
+            {k: _unbatched(v, f"{where}.{k}") for k, v in value.items()}, batch_size=[]
+        )
+    raise UnsupportedContentError(
+        f"{where}: a replicated entry must carry no batch dimension of the shard (non-tensor "
+        f"data, or TensorDicts of it); this one is a {type(value).__name__}. Save it as part "
+        "of the shard instead (drop it from replicated=).",
+        path=where,
+        problems=[f"{where}: a {type(value).__name__} cannot be replicated"],
+        keys=[tuple(where.split("."))],
+    )
+
+
+def split_shard(obj: Any, replicated: Iterable[Any]) -> tuple[Any, Any, list[list[str]]]:
+    """``(shard, replicated TensorDict or None, replicated keys)`` for this rank's ``obj``.
+
+    Raises:
+        UnsupportedContentError: ``obj`` has no batch dimension to shard along, or a
+            replicated entry is missing or carries the batch dimension.
+    """
+    from tensordict import TensorDict, TensorDictBase, is_tensor_collection
+
+    if not is_tensor_collection(obj) or not obj.batch_size:
+        shape = list(obj.batch_size) if is_tensor_collection(obj) else None
+        raise UnsupportedContentError(
+            f"a sharded save splits along dim 0 of the batch size; this rank's "
+            f"{type(obj).__name__} has batch size {shape}. Give it a batch dimension "
+            "(e.g. TensorDict(..., batch_size=[rows]))",
+            path="<shard>",
+            problems=[f"the shard has batch size {shape}"],
+            keys=[()],
+        )
+    keys = [_norm_key(k) for k in replicated]
+    if not keys:
+        return obj, None, []
+    if not isinstance(obj, TensorDictBase):
+        raise UnsupportedContentError(
+            f"replicated= names entries of a TensorDict; this rank saves a "
+            f"{type(obj).__name__}. Drop replicated=.",
+            path="<shard>",
+            problems=["replicated entries of a non-TensorDict"],
+            keys=[()],
+        )
+    rep = TensorDict(batch_size=[])
+    for key in keys:
+        where = ".".join(key)
+        if key not in obj.keys(include_nested=True):
+            raise UnsupportedContentError(
+                f"{where}: named in replicated= but not in the TensorDict saved.",
+                path=where,
+                problems=[f"{where}: missing"],
+                keys=[key],
+            )
+        rep.set(key, _unbatched(obj.get(key), where))
+    return obj.exclude(*keys), rep, [list(k) for k in keys]
+
+
+def _leaves(obj: Any) -> dict[Key, tuple[str, str, tuple[int, ...]]]:
+    import torch
+    from tensordict.base import _is_leaf_nontensor
+
+    dims = len(obj.batch_size)
+    out: dict[Key, tuple[str, str, tuple[int, ...]]] = {}
+    for key, value in obj.items(True, True, is_leaf=_is_leaf_nontensor):
+        k = key if isinstance(key, tuple) else (key,)
+        if isinstance(value, torch.Tensor):
+            out[k] = ("tensor", str(value.dtype), tuple(value.shape[dims:]))
+        else:
+            out[k] = (type(value).__name__, "", ())
+    return out
+
+
+# -- one rank's write ------------------------------------------------------------------------
+
+
+def _file_record(path: Path, rel: str, algorithm: str) -> dict[str, Any]:
+    from tdckpt._write.checksum import new_hasher
+
+    data = path.read_bytes()
+    hasher = new_hasher(algorithm)
+    hasher.update(data)
+    return {"path": rel, "size": len(data), "checksum": f"{algorithm}:{hasher.hexdigest()}"}
+
+
+def _write_prefix(
+    obj: Any, staging: Path, rel: str, *, fsync: bool, checksum: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Write ``obj`` at ``staging/rel``; its file and pickle records relative to staging."""
+    dest = staging / rel
+    manifest = write_checkpoint(obj, dest, fsync=fsync, checksum=checksum)
+    if fsync:
+        _atomic.fsync_dir(dest.parent)
+    files = [{**f.model_dump(mode="json"), "path": f"{rel}/{f.path}"} for f in manifest.files]
+    files.append(_file_record(dest / MANIFEST_NAME, f"{rel}/{MANIFEST_NAME}", checksum))
+    pickles = [{**p.model_dump(mode="json"), "file": f"{rel}/{p.file}"} for p in manifest.pickles]
+    return files, pickles
+
+
+def _write_shard(
+    group: ShardGroup,
+    prepared: tuple[Any, Any, list[list[str]]] | BaseException,
+    staging: Path,
+    attempt: str,
+    *,
+    fsync: bool,
+    checksum: str,
+) -> tuple[ShardResult, BaseException | None]:
+    from tdckpt._write.save_plan import class_id
+
+    result = ShardResult(rank=group.rank)
+    try:
+        if isinstance(prepared, BaseException):
+            raise prepared
+        shard, rep, rep_keys = prepared
+        _fault("before_write")
+        rel = f"{attempt}/shard-{group.rank}"
+        files, pickles = _write_prefix(shard, staging, rel, fsync=fsync, checksum=checksum)
+        if group.rank == 0 and rep is not None:
+            rep_rel = f"{attempt}/replicated"
+            rfiles, rpickles = _write_prefix(rep, staging, rep_rel, fsync=fsync, checksum=checksum)
+            files += rfiles
+            pickles += rpickles
+            result.replicated_prefix = rep_rel
+        result.rows = int(shard.batch_size[0])
+        result.batch_tail = [int(d) for d in shard.batch_size[1:]]
+        result.root_type = class_id(type(shard))
+        result.prefix = rel
+        result.files = files
+        result.pickles = pickles
+        result.leaves = _leaves(shard)
+        result.replicated = rep_keys
+        result.writer = _writer_versions().model_dump(mode="json")
+        return result, None
+    except Exception as exc:  # reported to rank 0, so that every rank raises
+        return ShardResult(rank=group.rank, error=(type(exc).__name__, str(exc))), exc
+
+
+# -- the commit ------------------------------------------------------------------------------
+
+
+def write_step_manifest(staging: Path, manifest: ShardedManifest, *, fsync: bool) -> None:
+    """Write the step manifest into ``staging``: a temporary file, fsync, ``os.replace``."""
+    text = json.dumps(manifest.model_dump(mode="json"), indent=1, allow_nan=False) + "\n"
+    tmp = staging / f".{MANIFEST_NAME}.{uuid.uuid4().hex}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+    try:
+        data = memoryview(text.encode("utf-8"))
+        while data:
+            data = data[os.write(fd, data) :]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, staging / MANIFEST_NAME)
+    if fsync:
+        _atomic.fsync_dir(staging)
+
+
+def commit_local(
+    root: Path,
+    step: int,
+    write: Callable[[Path], ShardedManifest],
+    *,
+    overwrite: bool,
+    fsync: bool,
+) -> tuple[Path, ShardedManifest]:
+    """Stage, write (``write(staging)``: shards + manifest) and commit ``<root>/<step>``.
+
+    The local-file-system commit: :func:`tdckpt._write.atomic.commit_directory` (one rename;
+    an overwrite swaps the folders atomically where the kernel can, and ``gc`` renames the
+    old step back if a crash hits in between elsewhere). An object store provides a
+    function with this signature whose commit is a conditional create of the manifest.
+    """
+    return _atomic.commit_directory(root, step, write, overwrite=overwrite, fsync=fsync)
+
+
+# -- the protocol ----------------------------------------------------------------------------
+
+
+def _refusal(results: list[ShardResult]) -> str | None:
+    failed = [r for r in results if r.error is not None]
+    if not failed:
+        return None
+    return "; ".join(f"rank {r.rank}: {r.error[0]}: {r.error[1]}" for r in failed if r.error)
+
+
+def collective_save(
+    mgr: CheckpointManager,
+    step: int,
+    obj: Any,
+    *,
+    metadata: dict[str, Any] | None,
+    overwrite: bool,
+    replicated: Iterable[Any],
+    commit: Callable[..., tuple[Path, ShardedManifest]] = commit_local,
+) -> Path:
+    """Save this rank's shard ``obj`` as part of ``step`` (every rank calls it). See module."""
+    group = mgr._shard
+    assert group is not None
+    step = _atomic.check_step(step)
+    prepared: tuple[Any, Any, list[list[str]]] | BaseException
+    try:
+        if metadata is not None:
+            check_json_data(metadata)
+        prepared = split_shard(obj, replicated)
+    except (TdckptError, TypeError, ValueError) as exc:
+        prepared = exc
+    if group.rank != 0:
+        return _follow(mgr, group, step, prepared)
+    return _lead(mgr, group, step, prepared, metadata or {}, overwrite, commit)
+
+
+def _follow(
+    mgr: CheckpointManager,
+    group: ShardGroup,
+    step: int,
+    prepared: tuple[Any, Any, list[list[str]]] | BaseException,
+) -> Path:
+    plan = group.broadcast(None, "announce the attempt")
+    if "error" in plan:
+        raise CollectiveError(
+            f"rank 0 refused to save step {step}, so nothing was written: {plan['error']}",
+            rank=group.rank,
+            phase="announce the attempt",
+            step=step,
+        )
+    staging = mgr.root / plan["staging"]
+    result, own = _write_shard(
+        group, prepared, staging, plan["attempt"], fsync=mgr.fsync, checksum=mgr.checksum
+    )
+    _fault("before_gather")
+    group.gather(asdict(result), "gather shard records")
+    outcome = group.broadcast(None, "broadcast the outcome")
+    if outcome.get("error"):
+        if own is not None:
+            raise own
+        raise CollectiveError(
+            f"step {step} was not saved: {outcome['error']}",
+            rank=group.rank,
+            phase="commit",
+            step=step,
+        )
+    return mgr.root / _atomic.step_name(step)
+
+
+def _lead(
+    mgr: CheckpointManager,
+    group: ShardGroup,
+    step: int,
+    prepared: tuple[Any, Any, list[list[str]]] | BaseException,
+    metadata: dict[str, Any],
+    overwrite: bool,
+    commit: Callable[..., tuple[Path, ShardedManifest]],
+) -> Path:
+    announced = False
+    own: BaseException | None = None
+    with mgr._writing:
+        forms: dict[str, Path] = {}
+        try:
+            mgr._ensure_lock()
+            forms = mgr._index.entries().get(step, {})
+            if forms and not overwrite:
+                raise CheckpointExistsError(
+                    f"{mgr._preferred(forms)}: step {step} already exists; a committed step is "
+                    "never overwritten unless asked. Pass overwrite=True to replace it, or "
+                    "save under another step.",
+                    path=str(mgr._preferred(forms)),
+                    step=step,
+                )
+            if forms:
+                with mgr._state:
+                    if mgr._in_use.get(step):
+                        raise CheckpointExistsError(
+                            f"{mgr.root}: step {step} is being restored or verified right now; "
+                            "it cannot be overwritten until that finishes.",
+                            path=str(mgr.root),
+                            step=step,
+                        )
+                    mgr._overwriting.add(step)
+
+            def write(staging: Path) -> ShardedManifest:
+                nonlocal announced, own
+                attempt = f"attempt-{uuid.uuid4().hex}"
+                (staging / attempt).mkdir()
+                if mgr.fsync:
+                    _atomic.fsync_dir(staging)
+                group.broadcast(
+                    {"staging": staging.name, "attempt": attempt}, "announce the attempt"
+                )
+                announced = True
+                result, own = _write_shard(
+                    group, prepared, staging, attempt, fsync=mgr.fsync, checksum=mgr.checksum
+                )
+                _fault("before_gather")
+                gathered = group.gather(asdict(result), "gather shard records")
+                assert gathered is not None
+                results = [_result(r) for r in gathered]
+                refusal = _refusal(results)
+                if refusal is not None:
+                    if own is not None:
+                        raise own
+                    raise CollectiveError(
+                        f"step {step} was not saved, nothing was committed: {refusal}",
+                        rank=0,
+                        phase="write shards",
+                        step=step,
+                    )
+                manifest = build_manifest(
+                    results, step=step, attempt=attempt, user_metadata=metadata
+                )
+                write_step_manifest(staging, manifest, fsync=mgr.fsync)
+                _fault("after_records")
+                return manifest
+
+            try:
+                path, _ = commit(mgr.root, step, write, overwrite=overwrite, fsync=mgr.fsync)
+            finally:
+                if forms:
+                    with mgr._state:
+                        mgr._overwriting.discard(step)
+                        mgr._swapped.notify_all()
+        except BaseException as exc:
+            if isinstance(exc, CollectiveError) and exc.facts.get("broken"):
+                raise  # the group is broken: the others fail on their own collectives
+            message = f"{type(exc).__name__}: {exc}"
+            if not announced:
+                group.broadcast({"error": message}, "announce the attempt")
+            else:
+                group.broadcast({"error": f"rank 0: {message}"}, "broadcast the outcome")
+            raise
+        _fault("after_commit")
+        group.broadcast({"error": None}, "broadcast the outcome")
+        mgr._apply_retention(just_saved=step)
+    return path
+
+
+def _result(raw: dict[str, Any]) -> ShardResult:
+    raw = dict(raw)
+    if raw.get("error") is not None:
+        raw["error"] = tuple(raw["error"])
+    return ShardResult(**raw)

@@ -1,0 +1,342 @@
+"""One rank of a sharded-checkpoint test (run by tests/test_sharded*.py, never by pytest).
+
+    spawn_ranks(command, world, args)   # from a test
+
+starts ``world`` ranks (forkserver children), each joins a gloo group on 127.0.0.1 and a
+free port, runs <command> and writes ``{"ok": ...}`` or
+``{"error": [type, message]}`` to ``<args.out>/rank<rank>.json``. The cases' global
+TensorDicts (:func:`make_case`) are deterministic, so the test process rebuilds the same
+reference and every rank cuts its own shard from it.
+
+Fault injection (only here): ``TDCKPT_TEST_FAULT="<rank>:<phase>"`` kills that rank with
+``os._exit(9)`` at a phase of the save protocol (tdckpt._shard.save.fault_point), or in the
+middle of writing its first leaf file (``mid_leaf``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from tensordict import NonTensorData, NonTensorStack, TensorDict, tensorclass  # noqa: E402
+
+#: Rows of each rank's shard for a world of N ranks (uneven; one empty shard at N=4).
+LENGTHS = {1: [11], 2: [4, 9], 3: [5, 1, 7], 4: [6, 0, 3, 8]}
+
+CASES = ("nested", "nontensor", "tensorclass", "replicated")
+
+
+@tensorclass
+class Particles:
+    pos: torch.Tensor
+    vel: torch.Tensor
+    label: str
+
+
+def make_case(case: str, rows: int) -> Any:
+    """The global object of ``case`` with ``rows`` rows (same values in every process)."""
+    g = torch.Generator().manual_seed(sum(map(ord, case)))
+    if case == "nested":
+        return TensorDict(
+            a=torch.randn(rows, 2, 3, generator=g),
+            b=torch.arange(rows * 2, dtype=torch.int64).reshape(rows, 2),
+            nested=TensorDict(
+                c=torch.rand(rows, 2, generator=g) > 0.5,
+                deeper=TensorDict(d=torch.randn(rows, 2, generator=g).half(), batch_size=[rows, 2]),
+                batch_size=[rows, 2],
+            ),
+            batch_size=[rows, 2],
+        )
+    if case == "nontensor":
+        td = TensorDict(x=torch.randn(rows, generator=g), batch_size=[rows])
+        td["label"] = NonTensorStack(*[f"row-{i}" for i in range(rows)]) if rows else "none"
+        td["const"] = "hello"
+        return td
+    if case == "tensorclass":
+        return Particles(
+            pos=torch.randn(rows, 3, generator=g),
+            vel=torch.randn(rows, 3, generator=g).double(),
+            label="swarm",
+            batch_size=[rows],
+        )
+    if case == "replicated":
+        td = TensorDict(x=torch.arange(rows, dtype=torch.float32), batch_size=[rows])
+        td["run"] = "exp-1"
+        td["cfg"] = TensorDict(batch_size=[rows])
+        td["cfg", "lr"] = NonTensorData(0.25)
+        return td
+    raise ValueError(case)
+
+
+def replicated_of(case: str) -> tuple[Any, ...]:
+    return ("run", "cfg") if case == "replicated" else ()
+
+
+def shard_of(case: str, world: int, rank: int) -> Any:
+    lengths = LENGTHS[world]
+    whole = make_case(case, sum(lengths))
+    start = sum(lengths[:rank])
+    return whole[start : start + lengths[rank]]
+
+
+def step_of(case: str) -> int:
+    return 10 * (CASES.index(case) + 1)
+
+
+def install_fault() -> None:
+    spec = os.environ.get("TDCKPT_TEST_FAULT")
+    if not spec:
+        return
+    who, phase = spec.split(":")
+    if int(who) != int(os.environ["RANK"]):
+        return
+    if phase == "mid_leaf":
+        from tdckpt._write import save as write_save
+
+        real_write, real_bytes = write_save._write_all, write_save._as_bytes
+        armed = []
+
+        def tensor_bytes(t: torch.Tensor) -> memoryview:
+            armed.append(True)  # the next write is a leaf's bytes
+            return real_bytes(t)
+
+        def half_then_die(fd: int, data: memoryview) -> None:
+            if armed and len(data) > 1:
+                real_write(fd, data[: len(data) // 2])
+                os._exit(9)
+            real_write(fd, data)
+
+        write_save._as_bytes = tensor_bytes  # type: ignore[assignment]
+        write_save._write_all = half_then_die  # type: ignore[assignment]
+        return
+    from tdckpt._shard import save as shard_save
+
+    def die(at: str) -> None:
+        if at == phase:
+            os._exit(9)
+
+    shard_save.fault_point = die
+
+
+def rank_main(command: str, rank: int, world: int, port: int, args: dict[str, Any]) -> None:
+    """One rank: join the group, run ``command``, write ``rank<rank>.json`` into args["out"]."""
+    out = Path(args["out"])
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), **args.get("env", {}))
+    import torch.distributed as dist
+
+    from tdckpt import CheckpointManager
+
+    result: dict[str, Any]
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        mgr = CheckpointManager(args["root"], timeout=args.get("timeout", 60))
+        install_fault()
+        try:
+            result = {"ok": COMMANDS[command](mgr, rank, world, args)}
+        finally:
+            mgr.close()  # a surviving rank 0 lets go of the root's writer lock
+    except BaseException as exc:
+        result = {"error": [type(exc).__name__, str(exc), traceback.format_exc()]}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # no destroy_process_group: a broken group must not hang the exit
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_CTX: Any = None
+
+
+def spawn_ranks(
+    command: str, world: int, args: dict[str, Any], *, timeout: float = 120
+) -> list[dict[str, Any] | None]:
+    """Run ``command`` on ``world`` ranks (forkserver children: torch is imported once).
+
+    Returns each rank's result (None for a rank that died); kills every rank still alive
+    after ``timeout`` seconds and fails.
+    """
+    import multiprocessing
+    import time
+
+    global _CTX
+    if _CTX is None:
+        _CTX = multiprocessing.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "tensordict", "tdckpt", "_shard_child"])
+    out = Path(args["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("rank*.json"):
+        old.unlink()
+    port = free_port()
+    procs = [
+        _CTX.Process(target=rank_main, args=(command, r, world, port, args), daemon=True)
+        for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    assert not hung, f"ranks {hung} of {world} still ran after {timeout} s ({command})"
+    results: list[dict[str, Any] | None] = []
+    for r in range(world):
+        path = out / f"rank{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    return results
+
+
+def cmd_save(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    for case in args.get("cases", CASES):
+        mgr.save(
+            args.get("step", step_of(case)),
+            shard_of(case, args.get("lengths_of", world), rank),
+            replicated=replicated_of(case),
+            metadata={"case": case},
+            overwrite=args.get("overwrite", False),
+        )
+    return mgr.steps()
+
+
+def cmd_restore(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """Restore every case of every root in args["roots"]; compare with the reference."""
+    from _shard_compare import assert_same
+
+    from tdckpt import CheckpointManager
+    from tdckpt._shard.rows import even_part
+
+    checked = []
+    for saved_by, root in args["roots"]:
+        m = CheckpointManager(root, timeout=60)
+        for case in CASES:
+            total = sum(LENGTHS[saved_by])
+            whole = make_case(case, total)
+            start, stop = even_part(total, rank, world)
+            got = m.restore(step_of(case))
+            assert_same(got, whole[start:stop], f"{saved_by}->{world} {case} rank {rank}")
+            # an explicit slice, crossing shard borders
+            lo, hi = total // 3, total - 1
+            got = m.restore(step_of(case), rows=slice(lo, hi))
+            assert_same(got, whole[lo:hi], f"{saved_by}->{world} {case} rows {lo}:{hi}")
+            # restore_into: rank r takes r + 1 rows, offsets in rank order
+            take = [r + 1 for r in range(world)]
+            if sum(take) <= total:
+                target = make_case(case, take[rank])  # same structure, other values
+                m.restore_into(target, step_of(case))
+                off = sum(take[:rank])
+                assert_same(target, whole[off : off + take[rank]], f"restore_into {case}")
+            checked.append([saved_by, case])
+    return checked
+
+
+def cmd_fault(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """Save step 1 (case "nested"); then save step 2, or overwrite step 1 with the
+    "tensorclass" case, with args["fault"] (``"<rank>:<phase>"``) armed."""
+    import time
+
+    mgr.save(1, shard_of("nested", world, rank))
+    os.environ["TDCKPT_TEST_FAULT"] = args["fault"]
+    install_fault()
+    overwrite = args.get("overwrite", False)
+    start = time.monotonic()
+    try:
+        if overwrite:
+            mgr.save(1, shard_of("tensorclass", world, rank), overwrite=True)
+        else:
+            mgr.save(2, shard_of("nested", world, rank)[:, :1])
+    except Exception as exc:
+        from tdckpt.errors import TdckptError
+
+        return {
+            "raised": type(exc).__name__,
+            "tdckpt": isinstance(exc, TdckptError),
+            "message": str(exc),
+            "seconds": time.monotonic() - start,
+        }
+    return {"raised": None, "seconds": time.monotonic() - start}
+
+
+def cmd_mismatch(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """Rank 1 saves other keys than the rest: every rank must raise, nothing committed."""
+    shard = shard_of("nested", world, rank)
+    if rank == 1:
+        shard = shard.exclude(("nested", "c"))
+    out: dict[str, Any] = {}
+    try:
+        mgr.save(5, shard)
+    except Exception as exc:
+        out["mismatch"] = [type(exc).__name__, str(exc)]
+    try:  # rank 0 refuses: step 5 does not exist but step 1 does after this save
+        mgr.save(1, shard_of("nested", world, rank))
+        mgr.save(1, shard_of("nested", world, rank))
+    except Exception as exc:
+        out["exists"] = [type(exc).__name__, str(exc)]
+    out["steps"] = mgr.steps()
+    return out
+
+
+def cmd_subgroup(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """Ranks 1 and 2 of 3 save and restore on their own group (group=...), rank 0 idles."""
+    import torch.distributed as dist
+
+    from tdckpt import CheckpointManager
+
+    sub = dist.new_group(ranks=[1, 2])  # every rank of the world creates it
+    out: dict[str, Any] = {"world_group": mgr.tdckpt_group is not None}
+    if rank == 0:  # alone, not collective: lists and reads without the other ranks
+        alone = CheckpointManager(args["root"], group=False)
+        assert alone.tdckpt_group is None and alone.steps() == []
+        alone.save(1, make_case("nontensor", 10))  # a plain, one-process step
+        alone.close()
+    dist.barrier()
+    # a plain step restores in a group too: each rank its tensor_split part
+    from _shard_compare import assert_same
+
+    from tdckpt._shard.rows import even_part
+
+    start, stop = even_part(10, rank, world)
+    assert_same(mgr.restore(1), make_case("nontensor", 10)[start:stop], f"plain step {rank}")
+    if rank in (1, 2):
+        m = CheckpointManager(args["sub_root"], group=sub, timeout=60)
+        out["sub_rank"] = dist.get_rank(m.tdckpt_group)
+        m.save(3, shard_of("nested", 2, rank - 1))
+        got = m.restore(3)
+        from _shard_compare import assert_same
+
+        from tdckpt._shard.rows import even_part
+
+        whole = make_case("nested", sum(LENGTHS[2]))
+        start, stop = even_part(sum(LENGTHS[2]), rank - 1, 2)
+        assert_same(got, whole[start:stop], f"subgroup rank {rank}")
+        out["steps"] = m.steps()
+        m.close()
+    dist.barrier()
+    return out
+
+
+COMMANDS = {
+    "subgroup": cmd_subgroup,
+    "save": cmd_save,
+    "restore": cmd_restore,
+    "fault": cmd_fault,
+    "mismatch": cmd_mismatch,
+}
