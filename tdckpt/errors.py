@@ -17,7 +17,8 @@
     │  └─ MigrationChainError                    gap / duplicate / does not reach the end
     ├─ RestoreError                              target cannot take the checkpoint
     │  └─ IntegrityError                         checksum or size differs from the manifest
-    └─ LockError                                 another writer holds the root
+    ├─ LockError                                 another writer holds the root
+    └─ AsyncSaveError                            a background save failed, unretrieved; .step
 
 Every message states what was found, what was expected and what to do, and names the
 prefix, the key and the file involved. The same facts are kept as attributes.
@@ -29,6 +30,7 @@ from typing import Any
 
 __all__ = [
     "AmbiguousKeyEncodingError",
+    "AsyncSaveError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",
@@ -136,3 +138,11 @@ class IntegrityError(RestoreError):
 
 class LockError(TdckptError):
     """Another live writer holds the checkpoint root."""
+
+
+class AsyncSaveError(TdckptError):
+    """A background save (``save_async``) failed and nobody retrieved its error.
+
+    Raised by the next save and by ``close()``; the original error is ``__cause__``, and
+    ``step`` names the step that was not committed.
+    """
