@@ -54,6 +54,7 @@ from tdckpt._write.lock import RootLock
 from tdckpt._write.save import check_json_data, prepare_checkpoint, write_checkpoint
 from tdckpt._write.snapshot import StagingBuffers
 from tdckpt.errors import (
+    AsyncSaveError,
     CheckpointExistsError,
     IntegrityError,
     LockError,
@@ -158,8 +159,16 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._close(stacklevel=3)
+    def __exit__(self, kind: object, error: object, tb: object) -> None:
+        if not isinstance(error, BaseException):
+            self._close(stacklevel=3)
+            return
+        # The block raised: its error goes on. A background save that failed unretrieved
+        # is told in a note of that error's traceback instead of replacing it.
+        try:
+            self._close(stacklevel=3)
+        except AsyncSaveError as failure:
+            error.add_note(f"While leaving the CheckpointManager block: {failure}")
 
     def close(self) -> None:
         """Release the writer lock (if taken). Reading still works; a later write re-locks.
@@ -171,7 +180,9 @@ class CheckpointManager:
         Raises:
             AsyncSaveError: the last :meth:`save_async` failed and nobody retrieved its
                 error (``result()``, ``exception()`` or a later save); the lock is
-                released all the same.
+                released all the same. Leaving a ``with`` block raises it too - unless
+                the block is left by an exception: that one goes on, with the failure
+                told in a note (``__notes__``) of its traceback.
         """
         self._close(stacklevel=3)
 
