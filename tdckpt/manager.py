@@ -32,7 +32,6 @@ import copy
 import os
 import threading
 import uuid
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -441,7 +440,9 @@ class CheckpointManager:
                 step, lambda: self._save_in_background(step, snapshot, metadata)
             )
 
-    def _save_in_background(self, step: int, snapshot: Any, metadata: dict[str, Any] | None) -> Path:
+    def _save_in_background(
+        self, step: int, snapshot: Any, metadata: dict[str, Any] | None
+    ) -> Path:
         with self._writing:
             return self._save_locked(step, snapshot, metadata, overwrite=False)
 

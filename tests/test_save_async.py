@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,9 +108,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 def _nested(v: int) -> torch.Tensor:
     with warnings.catch_warnings():  # "nested tensors are a prototype" (torch)
         warnings.simplefilter("ignore", UserWarning)
-        return torch.nested.nested_tensor(
-            [torch.full((2,), float(v)), torch.full((3,), float(v))]
-        )
+        return torch.nested.nested_tensor([torch.full((2,), float(v)), torch.full((3,), float(v))])
 
 
 class State:
@@ -235,9 +232,7 @@ def test_writes_right_after_return_do_not_reach_the_checkpoint(tmp_path: Path) -
         assert mgr.verify(5).ok
 
 
-def test_writes_during_a_slow_background_write_do_not_reach_it(
-    tmp_path: Path, gate: Any
-) -> None:
+def test_writes_during_a_slow_background_write_do_not_reach_it(tmp_path: Path, gate: Any) -> None:
     state = State(tmp_path, v=1)
     with CheckpointManager(tmp_path / "run", retention=KeepLast(1)) as mgr:
         mgr.save(1, state.td)  # the previous step
@@ -294,9 +289,7 @@ def test_metadata_is_copied_at_the_call(tmp_path: Path, gate: Any) -> None:
 
 
 @pytest.mark.parametrize("second", ["save_async", "save"])
-def test_the_next_save_waits_for_the_one_in_flight(
-    tmp_path: Path, gate: Any, second: str
-) -> None:
+def test_the_next_save_waits_for_the_one_in_flight(tmp_path: Path, gate: Any, second: str) -> None:
     hook = gate(at=1)
     with CheckpointManager(tmp_path / "run") as mgr:
         first = mgr.save_async(1, TensorDict(a=torch.zeros(4)))
@@ -402,9 +395,7 @@ def test_an_unretrieved_error_is_raised_by_the_next_save(
         assert mgr.steps() == [5]
 
 
-def test_close_raises_an_unretrieved_error_and_releases_the_root(
-    tmp_path: Path, gate: Any
-) -> None:
+def test_close_raises_an_unretrieved_error_and_releases_the_root(tmp_path: Path, gate: Any) -> None:
     hook = gate(at=1, error=_enospc())
     mgr = CheckpointManager(tmp_path / "run")
     mgr.save_async(1, TensorDict(a=torch.ones(2)))
@@ -420,18 +411,22 @@ def test_close_raises_an_unretrieved_error_and_releases_the_root(
 
 def test_leaving_the_with_block_raises_an_unretrieved_error(tmp_path: Path, gate: Any) -> None:
     gate(at=1, error=_enospc())
-    with pytest.raises(AsyncSaveError, match="step 1 failed"):
-        with CheckpointManager(tmp_path / "run") as mgr:
-            mgr.save_async(1, TensorDict(a=torch.ones(2)))
+    with (
+        pytest.raises(AsyncSaveError, match="step 1 failed"),
+        CheckpointManager(tmp_path / "run") as mgr,
+    ):
+        mgr.save_async(1, TensorDict(a=torch.ones(2)))
     assert CheckpointManager(tmp_path / "run").steps() == []
 
 
 def test_leaving_the_with_block_on_an_error_keeps_that_error(tmp_path: Path, gate: Any) -> None:
     gate(at=1, error=_enospc())
-    with pytest.raises(KeyError, match="the training loop's own error") as caught:
-        with CheckpointManager(tmp_path / "run") as mgr:
-            mgr.save_async(1, TensorDict(a=torch.ones(2)))
-            raise KeyError("the training loop's own error")
+    with (
+        pytest.raises(KeyError, match="the training loop's own error") as caught,
+        CheckpointManager(tmp_path / "run") as mgr,
+    ):
+        mgr.save_async(1, TensorDict(a=torch.ones(2)))
+        raise KeyError("the training loop's own error")
     # The block's own error goes on; the failed save is told in a note of its traceback.
     [note] = caught.value.__notes__
     assert "background save of step 1 failed (OSError" in note

@@ -29,8 +29,9 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 from tdckpt.errors import AsyncSaveError
 
@@ -145,7 +146,7 @@ class BackgroundSaver:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.context: Callable[[], ContextManager[Any]] | None = None
+        self.context: Callable[[], AbstractContextManager[Any]] | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: SaveFuture | None = None
         self._guard = threading.Lock()
