@@ -353,6 +353,7 @@ BENCHES = {
     "save": bench_save,
     "verify": bench_verify,
     "upgrade": bench_upgrade,
+    "async": lambda work, quick: __import__("bench_async").bench(work, quick),
 }
 
 
