@@ -51,6 +51,7 @@ from tdckpt.warnings import TdckptWarning
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 WAIT = 30.0  # seconds: the longest any single wait may take
+WAIT_CHILD = 60  # seconds: a forked child kills itself (SIGALRM) after this
 
 
 @pytest.fixture(autouse=True)
@@ -586,3 +587,28 @@ def test_sigkill_during_the_background_write(tmp_path: Path, fault_trials: int) 
         child.wait(WAIT)
         child.stdout.close()
     assert killed == fault_trials * 2
+
+
+def test_a_forked_child_saves_on_its_own_thread(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "parent") as mgr:
+        mgr.save_async(1, TensorDict(a=torch.zeros(2))).result(timeout=WAIT)
+        assert mgr._background._executor is not None  # its thread is alive, here
+        with mgr._writing, mgr._state:  # let go of the root (close() would stop the thread)
+            assert mgr._lock is not None
+            mgr._lock.release()
+            mgr._lock = None
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's executor thread does not exist here
+            code = 1
+            try:
+                signal.alarm(WAIT_CHILD)
+                future = mgr.save_async(2, TensorDict(a=torch.ones(2)))
+                future.result(timeout=WAIT)
+                mgr.close()
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        assert mgr.steps() == [1, 2]
+        assert mgr.restore(2)["a"].tolist() == [1.0, 1.0]

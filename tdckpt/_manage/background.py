@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -150,6 +151,15 @@ class BackgroundSaver:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: SaveFuture | None = None
         self._guard = threading.Lock()
+        self._pid = os.getpid()
+
+    def _forked(self) -> None:
+        # A forked child has none of its parent's threads: the parent's save in flight is
+        # the parent's to finish and report; the child starts its own thread when needed.
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._executor = None
+            self._inflight = None
 
     @property
     def inflight(self) -> SaveFuture | None:
@@ -158,6 +168,7 @@ class BackgroundSaver:
 
     def submit(self, step: int, job: Callable[[], Path]) -> SaveFuture:
         """Run ``job`` on the background thread (call :meth:`drain` first)."""
+        self._forked()
         holder: list[SaveFuture] = []
 
         def run() -> Path:
@@ -197,6 +208,7 @@ class BackgroundSaver:
 
     def wait(self) -> SaveFuture | None:
         """Wait until the save in flight (if any) has committed or failed."""
+        self._forked()
         future = self._inflight
         if future is not None:
             concurrent.futures.wait([future._future])
