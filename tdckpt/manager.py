@@ -350,7 +350,11 @@ class CheckpointManager:
         Returns:
             The committed folder (or archive).
 
+        A background save of :meth:`save_async` still in flight is waited for first.
+
         Raises:
+            AsyncSaveError: the previous :meth:`save_async` failed and nobody retrieved its
+                error; nothing of this save was started.
             CheckpointExistsError: the step exists and ``overwrite`` is False, or it is
                 being restored right now.
             LockError: another writer holds the root.
