@@ -10,6 +10,9 @@ never listed and that :meth:`CheckpointManager.gc` removes.
 The manager decides what is saved, restored and deleted, and when; it finds the root's
 steps and reads their manifests through :mod:`tdckpt._manage.steps`, and re-reads a step against
 its manifest through :mod:`tdckpt._manage.verify`.
+:meth:`CheckpointManager.save_async` stages a snapshot of the state on the caller's thread
+(:mod:`tdckpt._write.snapshot`) and runs the same save on one background thread
+(:mod:`tdckpt._manage.background`).
 
 Example:
     >>> import tempfile, torch
