@@ -354,6 +354,7 @@ BENCHES = {
     "verify": bench_verify,
     "upgrade": bench_upgrade,
     "distributed": lambda work, quick: __import__("bench_distributed").bench(work, quick),
+    "async": lambda work, quick: __import__("bench_async").bench(work, quick),
 }
 
 

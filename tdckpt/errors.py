@@ -18,7 +18,8 @@
     ├─ RestoreError                              target cannot take the checkpoint
     │  └─ IntegrityError                         checksum or size differs from the manifest
     ├─ LockError                                 another writer holds the root
-    └─ CollectiveError                           a rank of a sharded save died or failed
+    ├─ CollectiveError                           a rank of a sharded save died or failed
+    └─ AsyncSaveError                            a background save failed, unretrieved; .step
 
 Every message states what was found, what was expected and what to do, and names the
 prefix, the key and the file involved. The same facts are kept as attributes.
@@ -30,6 +31,7 @@ from typing import Any
 
 __all__ = [
     "AmbiguousKeyEncodingError",
+    "AsyncSaveError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CollectiveError",
@@ -146,4 +148,12 @@ class CollectiveError(TdckptError):
     Attributes:
         rank: the rank reporting it (None before the group exists).
         phase: the protocol step that failed (``"gather shard records"``, ...).
+    """
+
+
+class AsyncSaveError(TdckptError):
+    """A background save (``save_async``) failed and nobody retrieved its error.
+
+    Raised by the next save and by ``close()``; the original error is ``__cause__``, and
+    ``step`` names the step that was not committed.
     """

@@ -10,6 +10,9 @@ never listed and that :meth:`CheckpointManager.gc` removes.
 The manager decides what is saved, restored and deleted, and when; it finds the root's
 steps and reads their manifests through :mod:`tdckpt._manage.steps`, and re-reads a step against
 its manifest through :mod:`tdckpt._manage.verify`.
+:meth:`CheckpointManager.save_async` stages a snapshot of the state on the caller's thread
+(:mod:`tdckpt._write.snapshot`) and runs the same save on one background thread
+(:mod:`tdckpt._manage.background`).
 
 Example:
     >>> import tempfile, torch
@@ -32,12 +35,13 @@ import copy
 import os
 import threading
 import uuid
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from tdckpt._manage import background as _background
+from tdckpt._manage.background import BackgroundSaver, SaveFuture
 from tdckpt._manage.steps import StepIndex, StepStatus, preferred
 from tdckpt._manage.verify import (
     Progress,
@@ -52,8 +56,10 @@ from tdckpt._shard.group import resolve_group
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.lock import RootLock
-from tdckpt._write.save import check_json_data, write_checkpoint
+from tdckpt._write.save import check_json_data, prepare_checkpoint, write_checkpoint
+from tdckpt._write.snapshot import StagingBuffers
 from tdckpt.errors import (
+    AsyncSaveError,
     CheckpointExistsError,
     IntegrityError,
     LockError,
@@ -68,7 +74,7 @@ from tdckpt.warnings import TdckptWarning
 if TYPE_CHECKING:
     from tdckpt._read.pipeline import OpenedCheckpoint
 
-__all__ = ["CheckpointManager", "StepStatus", "VerifyProblem", "VerifyReport"]
+__all__ = ["CheckpointManager", "SaveFuture", "StepStatus", "VerifyProblem", "VerifyReport"]
 
 
 class CheckpointManager:
@@ -157,6 +163,11 @@ class CheckpointManager:
         self._shard = resolve_group(group, timeout)  # None: a single-process manager
         if self._shard is not None and self.archive:
             raise ValueError("a collective manager saves sharded steps as folders: archive=False")
+        # save_async: one save in flight on one background thread, staged into buffers
+        # reused across saves (tdckpt._manage.background, tdckpt._write.snapshot).
+        self._background = BackgroundSaver(self.root)
+        self._staging = StagingBuffers()
+        self._staging_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (
@@ -173,19 +184,44 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, error: object, tb: object) -> None:
+        if not isinstance(error, BaseException):
+            self._close(stacklevel=3)
+            return
+        # The block raised: its error goes on. A background save that failed unretrieved
+        # is told in a note of that error's traceback instead of replacing it.
+        try:
+            self._close(stacklevel=3)
+        except AsyncSaveError as failure:
+            error.add_note(f"While leaving the CheckpointManager block: {failure}")
 
     def close(self) -> None:
         """Release the writer lock (if taken). Reading still works; a later write re-locks.
 
-        Waits for a save, retention or gc running in another thread to finish first, so
-        the lock is never released in the middle of a write.
+        Waits for a save, retention or gc running in another thread to finish first - the
+        background save of :meth:`save_async` included - so the lock is never released in
+        the middle of a write. Frees the staging buffer of :meth:`save_async`.
+
+        Raises:
+            AsyncSaveError: the last :meth:`save_async` failed and nobody retrieved its
+                error (``result()``, ``exception()`` or a later save); the lock is
+                released all the same. Leaving a ``with`` block raises it too - unless
+                the block is left by an exception: that one goes on, with the failure
+                told in a note (``__notes__``) of its traceback.
         """
+        self._close(stacklevel=3)
+
+    def _close(self, *, stacklevel: int) -> None:
+        # stacklevel: of the kept background warnings, from this method (3: close's caller).
+        failure = self._background.shutdown(stacklevel=stacklevel)
+        with self._staging_lock:
+            self._staging.release()
         with self._writing, self._state:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+        if failure is not None:
+            raise failure
 
     def _ensure_lock(self) -> None:
         with self._state:
@@ -349,10 +385,14 @@ class CheckpointManager:
                 every rank and carry no batch dimension (non-tensor data): written once,
                 by rank 0. Ignored outside a group (everything is saved).
 
+        A background save of :meth:`save_async` still in flight is waited for first.
+
         Returns:
             The committed folder (or archive).
 
         Raises:
+            AsyncSaveError: the previous :meth:`save_async` failed and nobody retrieved its
+                error; nothing of this save was started.
             CheckpointExistsError: the step exists and ``overwrite`` is False, or it is
                 being restored right now.
             LockError: another writer holds the root.
@@ -364,47 +404,160 @@ class CheckpointManager:
             from tdckpt._shard.save import collective_save
 
             return collective_save(
-                self, step, obj, metadata=metadata, overwrite=overwrite, replicated=replicated
+                self,
+                step,
+                self._saveable(obj),
+                metadata=metadata,
+                overwrite=overwrite,
+                replicated=replicated,
             )
         step = _atomic.check_step(step)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
+        obj = self._saveable(obj)
+        self._background.drain(before=f"this save of step {step} started", stacklevel=2)
         with self._writing:
             self._ensure_lock()
-            forms = self._index.entries().get(step, {})
-            if forms and not overwrite:
-                raise CheckpointExistsError(
-                    f"{self._preferred(forms)}: step {step} already exists; a committed step "
-                    "is never overwritten unless asked. Pass overwrite=True to replace it, "
-                    "or save under another step.",
-                    path=str(self._preferred(forms)),
-                    step=step,
-                )
+            return self._save_locked(step, obj, metadata, overwrite=overwrite, progress=progress)
 
+    def save_async(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> SaveFuture:
+        """Snapshot ``state`` now, write and commit it on a background thread.
+
+        Returns once every leaf of ``state`` is copied into a reusable CPU buffer (pinned
+        memory for tensors on an accelerator) and its non-tensor data serialized: from then
+        on the caller may change ``state`` in place - CPU, shared-memory and memory-mapped
+        leaves included - without reaching the checkpoint. Writing, checksums, fsync, the
+        commit and retention then run on this manager's background thread, exactly as
+        :meth:`save` does them; the step is listed (:meth:`steps`, :meth:`latest_step`) and
+        retention runs only after the step is durable, and a restore never sees it before.
+
+        One save is in flight at a time: this call (and :meth:`save`) first waits for the
+        previous background save. The buffer is reused by the next snapshot of the same
+        layout, so memory stays flat over any number of saves (one extra copy of the
+        state at most); :meth:`close` frees it.
+
+        A failure of the background save is never lost: :meth:`SaveFuture.result` raises
+        it; if nobody asked, the next :meth:`save`/:meth:`save_async` and :meth:`close`
+        (or leaving the ``with`` block) raise :class:`~tdckpt.errors.AsyncSaveError` for
+        it, with the original error as ``__cause__``.
+
+        Args:
+            step: the step number (an int >= 0); it names the folder.
+            state: what to save (what :meth:`save` accepts).
+            metadata: plain JSON data stored in the manifest (copied now).
+
+        Returns:
+            A :class:`~tdckpt.manager.SaveFuture`; ``result()`` gives the committed path.
+
+        Raises:
+            AsyncSaveError: the previous background save failed and nobody retrieved it;
+                nothing of this save was started.
+            CheckpointExistsError: the step exists already (checked now, and again
+                before the commit).
+            LockError: another writer holds the root.
+            tdckpt.errors.UnsupportedContentError: ``state`` holds what the format cannot
+                store (every such key is listed); nothing was staged or written.
+            MetadataError: ``metadata`` is not plain JSON data.
+
+        Example:
+            >>> import tempfile, torch
+            >>> from tensordict import TensorDict
+            >>> td = TensorDict(w=torch.zeros(3))
+            >>> with tempfile.TemporaryDirectory() as root:
+            ...     with CheckpointManager(root) as mgr:
+            ...         future = mgr.save_async(1, td, metadata={"loss": 0.5})
+            ...         td["w"] += 1  # training goes on: step 1 keeps the zeros
+            ...         _ = future.result()  # wait (optional: the next save waits too)
+            ...         mgr.restore(1)["w"].tolist(), mgr.metadata(1)
+            ([0.0, 0.0, 0.0], {'loss': 0.5})
+        """
+        step = _atomic.check_step(step)
+        if metadata is not None:
+            check_json_data(metadata)  # before taking the lock or creating anything
+            metadata = copy.deepcopy(metadata)  # plain JSON: later edits must not reach it
+        obj = self._saveable(state)  # on the caller's thread, before the snapshot
+        with self._staging_lock:  # one snapshot at a time uses the staging buffer
+            self._background.drain(before=f"this save of step {step} started", stacklevel=2)
+            with self._writing:
+                self._ensure_lock()
+                self._refuse_existing(step, self._index.entries().get(step, {}))
+            prepared = prepare_checkpoint(obj, self.root / _atomic.step_name(step))
+            snapshot = self._staging.stage(prepared)
+            return self._background.submit(
+                step, lambda: self._save_in_background(step, snapshot, metadata)
+            )
+
+    def _save_in_background(
+        self, step: int, snapshot: Any, metadata: dict[str, Any] | None
+    ) -> Path:
+        with self._writing:
+            return self._save_locked(step, snapshot, metadata, overwrite=False)
+
+    def _saveable(self, obj: Any) -> Any:
+        """What ``save``/``save_async`` write for ``obj`` (runs on the caller's thread)."""
+        return obj
+
+    def _refuse_existing(self, step: int, forms: dict[str, Any]) -> None:
+        if forms:
+            raise CheckpointExistsError(
+                f"{self._preferred(forms)}: step {step} already exists; a committed step "
+                "is never overwritten unless asked. Pass overwrite=True to replace it, "
+                "or save under another step.",
+                path=str(self._preferred(forms)),
+                step=step,
+            )
+
+    def _save_locked(
+        self,
+        step: int,
+        obj: Any,
+        metadata: dict[str, Any] | None,
+        *,
+        overwrite: bool,
+        progress: ProgressArg = None,
+    ) -> Path:
+        """The body of a save, under ``_writing``: write, commit, then retention.
+
+        ``obj`` is what to write: an object, or a staged snapshot of one (the background
+        thread of :meth:`save_async`).
+        """
+        self._ensure_lock()
+        forms = self._index.entries().get(step, {})
+        if not overwrite:
+            self._refuse_existing(step, forms)
+
+        if forms:
+            with self._state:
+                if self._in_use.get(step):
+                    raise CheckpointExistsError(
+                        f"{self.root}: step {step} is being restored or verified right "
+                        "now; it cannot be overwritten until that finishes. Save under "
+                        "another step, or retry.",
+                        path=str(self.root),
+                        step=step,
+                    )
+                self._overwriting.add(step)
+        try:
+            with progress_bar(progress, "save") as report:
+                path = self._commit(step, obj, metadata, overwrite=overwrite, progress=report)
+            # An overwrite in the other form (folder vs archive) leaves the old one.
+            other = "dir" if self.archive else "archive"
+            if other in forms:
+                # _warn_not_removed <- _remove <- _save_locked <- save <- caller
+                self._remove(self._retire([(step, forms[other])]), stacklevel=5)
+        finally:
             if forms:
                 with self._state:
-                    if self._in_use.get(step):
-                        raise CheckpointExistsError(
-                            f"{self.root}: step {step} is being restored or verified right "
-                            "now; it cannot be overwritten until that finishes. Save under "
-                            "another step, or retry.",
-                            path=str(self.root),
-                            step=step,
-                        )
-                    self._overwriting.add(step)
-            try:
-                with progress_bar(progress, "save") as report:
-                    path = self._commit(step, obj, metadata, overwrite=overwrite, progress=report)
-                # An overwrite in the other form (folder vs archive) leaves the old one.
-                other = "dir" if self.archive else "archive"
-                if other in forms:
-                    self._delete([(step, forms[other])])
-            finally:
-                if forms:
-                    with self._state:
-                        self._overwriting.discard(step)
-                        self._swapped.notify_all()
-            self._apply_retention(just_saved=step)
+                    self._overwriting.discard(step)
+                    self._swapped.notify_all()
+        # _warn_not_removed <- _remove <- _apply_retention <- _save_locked <- save <- caller
+        self._apply_retention(just_saved=step, stacklevel=6)
         return path
 
     def _commit(
@@ -457,7 +610,7 @@ class CheckpointManager:
         return retired
 
     @staticmethod
-    def _remove(retired: list[tuple[Path, Path]]) -> list[Path]:
+    def _remove(retired: list[tuple[Path, Path]], *, stacklevel: int) -> list[Path]:
         # Runs after a save committed: a tree this process cannot delete (a read-only
         # sub-folder, another user's file) is left for gc with a warning, not an error that
         # would make the committed save look failed. The step is no longer listed either way.
@@ -465,14 +618,11 @@ class CheckpointManager:
             try:
                 _atomic.remove_retired(aside)
             except OSError as exc:
-                # _warn_not_removed <- _remove <- _apply_retention/_delete <- save/prune <- caller
-                _warn_not_removed(aside, exc, stacklevel=5)
+                # stacklevel: of the warning, counted from _warn_not_removed (1).
+                _warn_not_removed(aside, exc, stacklevel=stacklevel)
         return [path for path, _ in retired]
 
-    def _delete(self, doomed: list[tuple[int, Path]]) -> list[Path]:
-        return self._remove(self._retire(doomed))
-
-    def _apply_retention(self, *, just_saved: int | None) -> list[Path]:
+    def _apply_retention(self, *, just_saved: int | None, stacklevel: int = 5) -> list[Path]:
         with self._state:
             infos = self.step_infos()
             if not infos:
@@ -490,7 +640,8 @@ class CheckpointManager:
                     doomed += [(info.step, p) for p in entries.get(info.step, {}).values()]
             retired = self._retire(doomed)
         # The (slow) removal runs without _state: restores of other steps need not wait.
-        return self._remove(retired)
+        # _warn_not_removed <- _remove <- _apply_retention <- prune <- caller: 5
+        return self._remove(retired, stacklevel=stacklevel)
 
     def prune(self) -> list[Path]:
         """Apply the retention policy now (it also runs after every save); return what went."""
@@ -730,7 +881,9 @@ class CheckpointManager:
 
 def _warn_not_removed(path: Path, exc: OSError, *, stacklevel: int) -> None:
     where = f": {exc.filename}" if exc.filename and str(exc.filename) != str(path) else ""
-    warnings.warn(
+    # On save_async's background thread the warning is kept, and issued on the caller's
+    # thread when the save's outcome is delivered.
+    _background.warn(
         f"{path}: could not be removed ({exc.strerror}{where}); it is left behind and no "
         "longer listed as a step. Make it writable (e.g. chmod -R u+w) and run gc() or "
         "`tdckpt gc` again.",

@@ -417,7 +417,7 @@ def _lead(
             raise
         _fault("after_commit")
         group.broadcast({"error": None}, "broadcast the outcome")
-        mgr._apply_retention(just_saved=step)
+        mgr._apply_retention(just_saved=step, stacklevel=6)  # <- collective_save <- save <- caller
     return path
 
 

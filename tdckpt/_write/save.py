@@ -26,6 +26,7 @@ import os
 import platform
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 
 from tdckpt._version import __version__
 from tdckpt._write.checksum import CHECKSUM_ALGORITHMS, CHUNK_BYTES, DEFAULT_CHECKSUM, new_hasher
-from tdckpt._write.save_plan import Op, class_id, plan_checkpoint
+from tdckpt._write.save_plan import Op, Plan, class_id, plan_checkpoint
 from tdckpt.errors import CheckpointExistsError, MetadataError, UnsupportedContentError
 from tdckpt.schema import (
     FORMAT_VERSION,
@@ -48,10 +49,12 @@ from tdckpt.schema import (
 __all__ = [
     "CHECKSUM_ALGORITHMS",
     "DEFAULT_CHECKSUM",
+    "PreparedCheckpoint",
     "UnsupportedContentError",
     "check_json_data",
     "class_id",
     "new_hasher",
+    "prepare_checkpoint",
     "write_checkpoint",
 ]
 
@@ -305,6 +308,53 @@ def _writer_versions() -> WriterVersions:
     )
 
 
+@dataclass(frozen=True)
+class PreparedCheckpoint:
+    """An object checked and planned for :func:`write_checkpoint`, nothing written yet.
+
+    ``plan`` holds every directory, small file (``meta.json`` and pickles, already
+    serialized) and leaf tensor to write; ``root_type`` is the saved object's class id.
+    :mod:`tdckpt._write.snapshot` swaps the leaves for staged copies, so that a background
+    thread writes the values of the moment the snapshot was taken.
+    """
+
+    plan: Plan
+    root_type: str
+
+
+def prepare_checkpoint(obj: Any, where: str | os.PathLike[str]) -> PreparedCheckpoint:
+    """Check ``obj`` and plan its files; nothing is written (``where`` names it in errors).
+
+    Raises:
+        UnsupportedContentError: ``obj`` is not a tensor collection, or holds what the
+            format cannot store (every such key is listed).
+    """
+    from tensordict import is_tensor_collection
+
+    dest = Path(where)
+    if not is_tensor_collection(obj):
+        raise UnsupportedContentError(
+            f"{dest}: cannot save a {type(obj).__name__}; expected a TensorDict, "
+            "LazyStackedTensorDict, tensorclass instance, NonTensorData or NonTensorStack. "
+            "Wrap plain data first, e.g. TensorDict(obj).",
+            path=str(dest),
+            problems=[f"the root is a {type(obj).__name__}"],
+            keys=[()],
+        )
+    plan = plan_checkpoint(obj)
+    if plan.problems:
+        listing = "\n  ".join(plan.problems)
+        raise UnsupportedContentError(
+            f"{dest}: nothing was written; {len(plan.problems)} "
+            f"entr{'y' if len(plan.problems) == 1 else 'ies'} cannot be stored faithfully:\n  "
+            f"{listing}",
+            path=str(dest),
+            problems=list(plan.problems),
+            keys=list(plan.problem_keys),
+        )
+    return PreparedCheckpoint(plan=plan, root_type=class_id(type(obj)))
+
+
 def write_checkpoint(
     obj: Any,
     dest_dir: str | os.PathLike[str],
@@ -323,7 +373,8 @@ def write_checkpoint(
 
     Args:
         obj: a TensorDict (any nesting), a LazyStackedTensorDict, a tensorclass instance,
-            a NonTensorData or a NonTensorStack.
+            a NonTensorData or a NonTensorStack - or what :func:`prepare_checkpoint`
+            returned for one (then it is not checked or planned again).
         dest_dir: an empty or missing directory.
         step: recorded in the manifest.
         user_metadata: plain JSON data, recorded in the manifest.
@@ -350,8 +401,6 @@ def write_checkpoint(
         ...     sorted(f.path for f in m.files)
         ['a.memmap', 'meta.json']
     """
-    from tensordict import is_tensor_collection
-
     new_hasher(checksum)  # refuse an unknown algorithm before anything else
     metadata = {} if user_metadata is None else user_metadata
     if type(metadata) is not dict:
@@ -361,26 +410,8 @@ def write_checkpoint(
         )
     check_json_data(metadata)
     dest = Path(dest_dir)
-    if not is_tensor_collection(obj):
-        raise UnsupportedContentError(
-            f"{dest}: cannot save a {type(obj).__name__}; expected a TensorDict, "
-            "LazyStackedTensorDict, tensorclass instance, NonTensorData or NonTensorStack. "
-            "Wrap plain data first, e.g. TensorDict(obj).",
-            path=str(dest),
-            problems=[f"the root is a {type(obj).__name__}"],
-            keys=[()],
-        )
-    plan = plan_checkpoint(obj)
-    if plan.problems:
-        listing = "\n  ".join(plan.problems)
-        raise UnsupportedContentError(
-            f"{dest}: nothing was written; {len(plan.problems)} "
-            f"entr{'y' if len(plan.problems) == 1 else 'ies'} cannot be stored faithfully:\n  "
-            f"{listing}",
-            path=str(dest),
-            problems=list(plan.problems),
-            keys=list(plan.problem_keys),
-        )
+    prepared = obj if isinstance(obj, PreparedCheckpoint) else prepare_checkpoint(obj, dest)
+    plan = prepared.plan
 
     created = not dest.exists()
     if created:
@@ -411,7 +442,7 @@ def write_checkpoint(
             writer=_writer_versions(),
             key_encoding="robust",
             step=step,
-            root_type=class_id(type(obj)),
+            root_type=prepared.root_type,
             pickles=plan.pickles,
             files=sorted(writer.records, key=lambda r: r.path),
             user_metadata=metadata,
