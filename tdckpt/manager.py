@@ -46,6 +46,7 @@ from tdckpt._manage.verify import (
     manifest_problem,
     verify_files,
 )
+from tdckpt._state import is_state_mapping, restore_state, to_tensordict
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.lock import RootLock
@@ -58,7 +59,7 @@ from tdckpt.errors import (
     RestoreError,
 )
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
-from tdckpt.schema import MANIFEST_NAME, Manifest
+from tdckpt.schema import MANIFEST_NAME, Manifest, StateRecord
 from tdckpt.warnings import TdckptWarning
 
 if TYPE_CHECKING:
@@ -302,10 +303,12 @@ class CheckpointManager:
     ) -> Path:
         """Save ``obj`` as ``step``: all or nothing on disk, then apply the retention policy.
 
-        ``obj`` (a TensorDict, lazy stack, tensorclass or non-tensor data) is written in
-        tensordict 0.15.3's format into a staging folder beside the root's steps, made
-        durable, and committed by one rename; it is never modified. Retention runs only
-        after the commit.
+        ``obj`` (a TensorDict, lazy stack, tensorclass or non-tensor data, or a training
+        state: a mapping of names to TensorDict-likes, modules, optimizers, LR schedulers,
+        :class:`tdckpt.RandomState` and any object with ``state_dict()`` and
+        ``load_state_dict()``) is written in tensordict 0.15.3's format into a staging
+        folder beside the root's steps, made durable, and committed by one rename; it is
+        never modified. Retention runs only after the commit.
 
         Args:
             step: the step number (an int >= 0); it names the folder.
@@ -328,6 +331,9 @@ class CheckpointManager:
         step = _atomic.check_step(step)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
+        state = None
+        if is_state_mapping(obj):  # a training state: one TensorDict of every entry's state
+            obj, state = to_tensordict(obj)
         with self._writing:
             self._ensure_lock()
             forms = self._index.entries().get(step, {})
@@ -352,7 +358,7 @@ class CheckpointManager:
                         )
                     self._overwriting.add(step)
             try:
-                path = self._commit(step, obj, metadata, overwrite=overwrite)
+                path = self._commit(step, obj, metadata, overwrite=overwrite, state=state)
                 # An overwrite in the other form (folder vs archive) leaves the old one.
                 other = "dir" if self.archive else "archive"
                 if other in forms:
@@ -366,7 +372,13 @@ class CheckpointManager:
         return path
 
     def _commit(
-        self, step: int, obj: Any, metadata: dict[str, Any] | None, *, overwrite: bool
+        self,
+        step: int,
+        obj: Any,
+        metadata: dict[str, Any] | None,
+        *,
+        overwrite: bool,
+        state: StateRecord | None = None,
     ) -> Path:
         def write(staging: Path) -> Manifest:
             return write_checkpoint(
@@ -376,6 +388,7 @@ class CheckpointManager:
                 user_metadata=metadata,
                 fsync=self.fsync,
                 checksum=self.checksum,
+                state=state,
             )
 
         if self.archive:
@@ -541,8 +554,14 @@ class CheckpointManager:
         mode: Literal["r", "r+"] | None = "r",
         verify: bool = False,
         strict: bool = True,
+        device: str | Any | None = None,
     ) -> Any:
         """Load a committed step into ``td`` in place, all or nothing, and return ``td``.
+
+        ``td`` may also be a training state - the mapping of names to modules, optimizers,
+        schedulers, ... that was saved: every entry is checked against the step before
+        the first is restored, each is restored in place, and if one fails the others are
+        put back (see docs/training-state.rst).
 
         The target and its nested tensordicts are reused, each leaf is replaced by the
         loaded one, and on any error ``td`` is left exactly as it was
@@ -572,7 +591,10 @@ class CheckpointManager:
                 restored once either way; with False, ``td`` takes the checkpoint's
                 structure (keys the checkpoint lacks are removed). Keys are compared at
                 every level (lazy stacks member by member); tensors and non-tensor data,
-                a tensorclass's non-tensor fields included, are leaves.
+                a tensorclass's non-tensor fields included, are leaves. For a training
+                state, False lets the step hold entries the target lacks.
+            device: for a training state, where tensors that have no device of their own
+                go (a module's parameters on ``meta``); parameters elsewhere keep theirs.
 
         Raises:
             CheckpointNotFoundError: no such step.
@@ -583,6 +605,27 @@ class CheckpointManager:
         from tdckpt._restore.keys import key_difference, saved_structure, target_structure
 
         _check_args(True, allow_pickle, mode)
+        if is_state_mapping(td):
+            from tdckpt._restore.engine import load_memmap
+
+            with self._using(step) as (resolved, path, manifest):
+                if verify:
+                    self._verified(resolved, path, manifest)
+                loaded = load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
+                restore_state(
+                    td,
+                    loaded,
+                    manifest.state,
+                    where=f"{path}: step {resolved}",
+                    strict=strict,
+                    device=device,
+                )
+            return td
+        if device is not None:
+            raise ValueError(
+                "device= applies to a training state (a mapping of names to modules, ...); "
+                "a TensorDict is restored memory-mapped on the CPU: move it afterwards."
+            )
         with self._using(step) as (resolved, path, manifest):
             if verify:
                 self._verified(resolved, path, manifest)

@@ -43,6 +43,7 @@ from tdckpt.schema import (
     MANIFEST_SCHEMA_VERSION,
     FileRecord,
     Manifest,
+    StateRecord,
     WriterVersions,
 )
 
@@ -280,6 +281,7 @@ def write_checkpoint(
     user_metadata: dict[str, Any] | None = None,
     fsync: bool = True,
     checksum: str = DEFAULT_CHECKSUM,
+    state: StateRecord | None = None,
 ) -> Manifest:
     """Write ``obj`` into ``dest_dir`` in tensordict 0.15.3's format, then the manifest.
 
@@ -296,6 +298,8 @@ def write_checkpoint(
         fsync: fsync every file, the directories bottom-up, and the manifest, which is
             written last. Off only for throw-away data.
         checksum: ``"crc32"`` (default) or a hashlib algorithm such as ``"sha256"``.
+        state: what each entry was, when ``obj`` was built from a training state
+            (:func:`tdckpt._state.to_tensordict`); recorded in the manifest.
 
     Returns:
         The manifest written to ``dest_dir/tdckpt.manifest.json``.
@@ -378,6 +382,7 @@ def write_checkpoint(
             pickles=plan.pickles,
             files=sorted(writer.records, key=lambda r: r.path),
             user_metadata=metadata,
+            state=state,
         )
         text = json.dumps(manifest.model_dump(mode="json"), indent=1, allow_nan=False) + "\n"
         # The manifest is the last file: its presence means every other file is complete.
