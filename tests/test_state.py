@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tensordict import NonTensorData, TensorDict
+from tensordict import TensorDict
 
 import tdckpt
 from tdckpt import CheckpointManager, RandomState
@@ -147,7 +147,8 @@ def test_step_is_plain_tensordict_and_manifest_records_kinds(tmp_path: Path) -> 
     loaded = TensorDict.load_memmap(path)
     assert set(loaded.keys()) == {"model", "optim", "sched", "rng", "extra"}
     # Tied weights are saved once.
-    assert "emb.weight" in loaded["model"].keys() and "head.weight" not in loaded["model"].keys()
+    model_keys = set(loaded["model"].keys())
+    assert "emb.weight" in model_keys and "head.weight" not in model_keys
     assert torch.equal(loaded["model", "emb.weight"], state["model"].emb.weight.detach())
     assert torch.equal(
         loaded["optim", "state.0.exp_avg"],
@@ -343,7 +344,7 @@ def test_kind_and_entry_mismatches(tmp_path: Path) -> None:
     state = trained()
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(3, state)
-        with pytest.raises(RestoreError, match="the target is a tensordict .* holds a module"):
+        with pytest.raises(RestoreError, match=r"the target is a tensordict .* holds a module"):
             mgr.restore_into({"model": TensorDict(), "optim": fresh()["optim"]}, strict=False)
         with pytest.raises(RestoreError, match="'missing': not in the step"):
             mgr.restore_into({"missing": fresh()["model"]}, strict=False)
@@ -398,7 +399,7 @@ def test_failure_while_restoring_puts_earlier_entries_back(tmp_path: Path) -> No
         torch.manual_seed(42)
         rng_before = torch.get_rng_state()
         with pytest.raises(
-            RestoreError, match="restoring entry 'explode' failed .*boom.* put back"
+            RestoreError, match=r"restoring entry 'explode' failed .*boom.* put back"
         ):
             mgr.restore_into(target)
     assert_same(snapshot(target), before)
@@ -473,3 +474,67 @@ def test_exact_resume_in_a_fresh_process(tmp_path: Path) -> None:
     assert_same(resumed, full)
     with warnings.catch_warnings():
         assert CheckpointManager(root).verify(10).ok
+
+
+# -- SIGKILL during a training-state save ----------------------------------------------------
+
+
+STAGES = ("partial", "manifest", "commit", "committed")
+
+
+def test_sigkill_during_state_save_keeps_the_previous_step(
+    tmp_path: Path, fault_trials: int
+) -> None:
+    if not hasattr(os, "fork"):
+        pytest.skip("the crash helper forks savers")
+    import signal
+
+    from _state_crash_child import make_state, value_of
+
+    from tdckpt._write.atomic import is_tmp_name
+
+    stderr = (tmp_path / "child.stderr").open("w")
+    child = subprocess.Popen(
+        [sys.executable, str(TESTS / "_state_crash_child.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=child_env(),
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        for trial in range(fault_trials):
+            for stage in STAGES:
+                root = tmp_path / f"root-{trial}-{stage}"
+                with CheckpointManager(root) as mgr:
+                    mgr.save(1, make_state(1))
+                child.stdin.write(f"run {root} 2 {stage} 2\n")
+                child.stdin.flush()
+                line = child.stdout.readline()
+                status = int(line.split()[1])
+                assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
+                    stage,
+                    (tmp_path / "child.stderr").read_text()[-2000:],
+                )
+                mgr = CheckpointManager(root)
+                committed = stage == "committed"
+                assert mgr.steps() == ([1, 2] if committed else [1]), stage
+                for step in mgr.steps():
+                    assert mgr.verify(step).ok, (stage, step)
+                target = make_state(0)
+                mgr.restore_into(target)  # the latest committed step
+                assert value_of(target) == (2 if committed else 1), stage
+                leftovers = [n for n in os.listdir(root) if is_tmp_name(n)]
+                assert bool(leftovers) == (not committed), (stage, leftovers)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the killed saver's lock is taken over
+                    with CheckpointManager(root) as writer:
+                        assert sorted(p.name for p in writer.gc()) == sorted(leftovers)
+                assert CheckpointManager(root).steps() == ([1, 2] if committed else [1])
+    finally:
+        child.stdin.write("quit\n")
+        child.stdin.close()
+        child.wait(timeout=60)
+        child.stdout.close()
+        stderr.close()

@@ -23,6 +23,7 @@ dicts, non-finite floats, the same tensor twice (tied weights, saved once):
 ``{"tuple": [...]}``   tuple
 ``{"dict": [[k, v]]}`` dict (keys encoded too; order kept)
 ``{"odict": ...}``     OrderedDict
+``{"counter": ...}``   collections.Counter (MultiStepLR's milestones)
 ``{"float": "nan"}``   nan, inf, -inf
 ``{"tensor": leaf}``   a tensor leaf
 ``{"alias": leaf}``    the same tensor object as an earlier leaf
@@ -35,7 +36,7 @@ dicts, non-finite floats, the same tensor twice (tied weights, saved once):
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,6 +58,8 @@ __all__ = [
 KINDS = STATE_KINDS
 #: The key, inside an entry, of its JSON structure.
 STRUCTURE_KEY = "__state__"
+#: The dict classes stored as JSON, each under its tag.
+_DICT_TAGS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter"}
 #: How deep a state_dict may nest.
 _MAX_DEPTH = 100
 
@@ -145,12 +148,12 @@ class _Encoder:
             return {
                 "tuple": [self.encode(v, _join(path, i), depth + 1) for i, v in enumerate(value)]
             }
-        if kind is dict or kind is OrderedDict:
+        if kind in _DICT_TAGS:
             items = [
                 [self.encode(k, path, depth + 1), self.encode(v, _join(path, k), depth + 1)]
                 for k, v in value.items()
             ]
-            return {"dict" if kind is dict else "odict": items}
+            return {_DICT_TAGS[kind]: items}
         if isinstance(value, torch.Tensor):
             seen = self._seen.get(id(value))
             if seen is not None:

@@ -26,7 +26,7 @@ restore, or restore it in the same call.
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +44,12 @@ _UNINITIALIZED: type = torch.nn.parameter.UninitializedTensorMixin  # type: igno
 
 
 # -- decoding ---------------------------------------------------------------------------------
+
+_DICT_CLASSES: dict[str, type[dict[Any, Any]]] = {
+    "dict": dict,
+    "odict": OrderedDict,
+    "counter": Counter,
+}
 
 
 def _plain(tensor: Any) -> Any:
@@ -88,8 +94,8 @@ class _Decoder:
             ((tag, body),) = node.items()
             if tag == "tuple" and type(body) is list:
                 return tuple(self.decode(v) for v in body)
-            if tag in ("dict", "odict") and type(body) is list:
-                out: dict[Any, Any] = {} if tag == "dict" else OrderedDict()
+            if tag in _DICT_CLASSES and type(body) is list:
+                out: dict[Any, Any] = _DICT_CLASSES[tag]()
                 for pair in body:
                     if type(pair) is not list or len(pair) != 2:
                         break
