@@ -353,6 +353,7 @@ BENCHES = {
     "save": bench_save,
     "verify": bench_verify,
     "upgrade": bench_upgrade,
+    "state": lambda work, quick: __import__("bench_state").bench(work, quick),  # bench_state.py
 }
 
 

@@ -538,3 +538,18 @@ def test_sigkill_during_state_save_keeps_the_previous_step(
         child.wait(timeout=60)
         child.stdout.close()
         stderr.close()
+
+
+def test_docs_examples_run() -> None:
+    import doctest
+    import importlib
+
+    for name in ("tdckpt._state.rng", "tdckpt._state.restore"):
+        failures, tried = doctest.testmod(importlib.import_module(name))
+        assert tried > 0 and failures == 0, name
+    failures, tried = doctest.testfile(
+        str(REPO / "docs" / "training-state.rst"),
+        module_relative=False,
+        optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+    )
+    assert tried > 10 and failures == 0
