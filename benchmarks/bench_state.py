@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import tdckpt  # noqa: E402
+import tdckpt
 
 
 def _best(func: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None) -> float:
@@ -45,6 +45,22 @@ def _best(func: Callable[[], Any], reps: int, before: Callable[[], Any] | None =
         start = time.perf_counter()
         func()
         best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _best_interleaved(
+    funcs: list[Callable[[], Any]], reps: int, before: Callable[[], Any] | None = None
+) -> list[float]:
+    """Best time of each function, their runs interleaved (a loaded machine drifts)."""
+    best = [float("inf")] * len(funcs)
+    for _ in range(reps):
+        for i, func in enumerate(funcs):
+            if before is not None:
+                before()
+            gc.collect()
+            start = time.perf_counter()
+            func()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
@@ -131,14 +147,15 @@ def bench(work: Path, quick: bool) -> None:
         shutil.rmtree(dcp_dir, ignore_errors=True)
 
     with tdckpt.CheckpointManager(root, retention=tdckpt.KeepLast(1)) as mgr:
-        t_torch_save = _best(torch_save, reps, clear_root)
-        t_ours_save = _best(ours_save, reps, clear_root)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP warns that no process group is initialized
-            t_dcp_save = _best(dcp_save, reps, clear_dcp)
+            t_torch_save, t_ours_save, t_dcp_save = _best_interleaved(
+                [torch_save, ours_save, dcp_save], reps, lambda: (clear_root(), clear_dcp())
+            )
         _row("save (checksums + fsync)", "torch.save + fsync", t_torch_save, t_ours_save)
-        _row("save (checksums + fsync)", "torch.distributed.checkpoint.save", t_dcp_save,
-             t_ours_save)
+        _row(
+            "save (checksums + fsync)", "torch.distributed.checkpoint.save", t_dcp_save, t_ours_save
+        )
 
         # -- restore ----------------------------------------------------------------------
         torch_save()
@@ -168,17 +185,18 @@ def bench(work: Path, quick: bool) -> None:
             state = {"model": model_sd, "optim": optim_sd}
             dcp.load(state, checkpoint_id=str(dcp_dir))
             set_state_dict(
-                target_model, target_opt, model_state_dict=state["model"],
+                target_model,
+                target_opt,
+                model_state_dict=state["model"],
                 optim_state_dict=state["optim"],
             )
 
         torch_load()  # page cache hot for every baseline and for tdckpt alike
-        t_load = _best(torch_load, reps)
-        t_load_into = _best(torch_load_into, reps)
-        t_ours = _best(ours_restore, reps)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t_dcp_load = _best(dcp_load, reps)
+            t_load, t_load_into, t_ours, t_dcp_load = _best_interleaved(
+                [torch_load, torch_load_into, ours_restore, dcp_load], reps
+            )
         _row("restore_into (checked)", "torch.load (page cache hot)", t_load, t_ours)
         _row("restore_into (checked)", "torch.load + load_state_dict", t_load_into, t_ours)
         _row("restore_into (checked)", "dcp.load + set_state_dict", t_dcp_load, t_ours)
@@ -191,8 +209,13 @@ def bench(work: Path, quick: bool) -> None:
             ours_restore()
             _touch(target_model, target_opt)
 
-        _row("restore_into + read every byte", "torch.load + load_state_dict + read",
-             _best(torch_then_read, reps), _best(ours_then_read, reps))
+        t_torch_read, t_ours_read = _best_interleaved([torch_then_read, ours_then_read], reps)
+        _row(
+            "restore_into + read every byte",
+            "torch.load + load_state_dict + read",
+            t_torch_read,
+            t_ours_read,
+        )
         # Sanity: what was restored is what was saved.
         for a, b in zip(model.parameters(), target_model.parameters(), strict=True):
             assert torch.equal(a, b)
