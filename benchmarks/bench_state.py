@@ -87,11 +87,11 @@ def _state(width: int, depth: int, seed: int) -> tuple[torch.nn.Module, torch.op
 
 def _touch(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
     total = 0.0
-    for p in model.parameters():
-        p = p.detach()
-        total += float(p.sum())
-        for v in opt.state[p].values():
-            total += float(v.sum())
+    with torch.no_grad():
+        for p in model.parameters():
+            total += float(p.sum())
+            for v in opt.state[p].values():
+                total += float(v.sum())
     return total
 
 
@@ -105,13 +105,13 @@ def _fsync_file(path: Path) -> None:
 
 def bench(work: Path, quick: bool) -> None:
     width, depth = (1024, 5) if quick else (2048, 12)  # ~5M or ~50M parameters
-    reps = 2 if quick else 3
+    reps = 2 if quick else 5
     model, opt = _state(width, depth, seed=0)
     n_params = sum(p.numel() for p in model.parameters())
     nbytes = 3 * 4 * n_params
     print(
         f"state: {n_params / 1e6:.1f}M-parameter model + Adam state "
-        f"({nbytes / 2**20:.0f} MiB), best of {reps}"
+        f"({nbytes / 2**20:.0f} MiB), best of {reps} (runs interleaved)"
     )
     print("  (a shared machine: other processes run too; compare ratios, not absolutes)")
 
