@@ -553,3 +553,44 @@ def test_docs_examples_run() -> None:
         optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
     )
     assert tried > 10 and failures == 0
+
+
+def test_every_file_is_fsynced_before_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files are fsynced on helper threads; all of them before the directories and manifest."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd to name an fsynced descriptor")
+    from tdckpt._write import atomic as _atomic
+    from tdckpt._write import save as _save
+
+    events: list[str] = []
+    real_fsync, real_small, real_dir = os.fsync, _save._write_small, _atomic.fsync_dir
+
+    def fsync(fd: int) -> None:
+        events.append("file " + os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def write_small(path: Path, data: bytes, *, fsync: bool) -> None:
+        events.append(f"manifest {path}")
+        real_small(path, data, fsync=fsync)
+
+    def fsync_dir(path: Any) -> None:
+        events.append(f"dir {path}")
+        real_dir(path)
+
+    monkeypatch.setattr(_save.os, "fsync", fsync)
+    monkeypatch.setattr(_save, "_write_small", write_small)
+    monkeypatch.setattr(_atomic, "fsync_dir", fsync_dir)
+    with CheckpointManager(tmp_path / "run") as mgr:
+        path = mgr.save(1, trained())
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    names = {Path(f["path"]).name for f in manifest["files"]}
+    leaf_syncs = [
+        i for i, e in enumerate(events) if e.startswith("file ") and Path(e[5:]).name in names
+    ]
+    staging_dirs = [i for i, e in enumerate(events) if e.startswith("dir ") and ".tmp-" in e]
+    at_manifest = next(i for i, e in enumerate(events) if e.startswith("manifest "))
+    # Every listed file was fsynced, all before the staging directories and the manifest.
+    assert {Path(events[i][5:]).name for i in leaf_syncs} == names
+    assert staging_dirs and max(leaf_syncs) < min(staging_dirs) < at_manifest
