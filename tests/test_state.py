@@ -235,6 +235,8 @@ def test_non_json_values_are_pickled_and_inventoried(tmp_path: Path) -> None:
     }
     t = torch.ones(2)
     value["t1"], value["t2"] = t, t
+    value["shape"] = torch.zeros(1)  # tensordict's own meta.json fields are no problem
+    value["__state__"] = "a key like the structure's"
     with CheckpointManager(tmp_path) as mgr:
         path = mgr.save(1, {"holder": Holder(value)})
         manifest = json.loads((path / MANIFEST_NAME).read_text())
@@ -251,6 +253,8 @@ def test_non_json_values_are_pickled_and_inventoried(tmp_path: Path) -> None:
     assert isinstance(got["arr"], np.ndarray) and got["arr"].dtype == np.int32
     assert type(got["od"]) is OrderedDict and list(got["od"]) == ["b", "a"]
     assert got["t1"] is got["t2"]  # the same tensor twice: saved once, restored as one
+    assert torch.equal(got["shape"], torch.zeros(1))
+    assert got["__state__"] == "a key like the structure's"
 
 
 def test_random_state_round_trip(tmp_path: Path) -> None:

@@ -58,6 +58,8 @@ __all__ = [
 KINDS = STATE_KINDS
 #: The key, inside an entry, of its JSON structure.
 STRUCTURE_KEY = "__state__"
+#: Leaf names an entry cannot use: its structure's, and the fields of tensordict's meta.json.
+_TAKEN = frozenset({STRUCTURE_KEY, "shape", "device", "_type"})
 #: The dict classes stored as JSON, each under its tag.
 _DICT_TAGS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter"}
 #: How deep a state_dict may nest.
@@ -119,10 +121,12 @@ class _Encoder:
         self._keep: list[Any] = []  # what _seen's ids refer to stays alive meanwhile
 
     def _leaf_name(self, path: str) -> str:
+        # The structure records the leaf's name, so any unique name restores: a path that
+        # is taken, or that tensordict keeps for its own meta.json fields, gets a suffix.
         name = path or "value"
-        if name == STRUCTURE_KEY or name in self.leaves:
+        if name in _TAKEN or name in self.leaves:
             n = 1
-            while f"{name}#{n}" in self.leaves or f"{name}#{n}" == STRUCTURE_KEY:
+            while f"{name}#{n}" in self.leaves:
                 n += 1
             name = f"{name}#{n}"
         return name
