@@ -46,7 +46,7 @@ from tdckpt._manage.verify import (
     manifest_problem,
     verify_files,
 )
-from tdckpt._state import is_state_mapping, restore_state, to_tensordict
+from tdckpt._state import holds_live_objects, is_state_mapping, restore_state, to_tensordict
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.lock import RootLock
@@ -559,9 +559,10 @@ class CheckpointManager:
         """Load a committed step into ``td`` in place, all or nothing, and return ``td``.
 
         ``td`` may also be a training state - the mapping of names to modules, optimizers,
-        schedulers, ... that was saved: every entry is checked against the step before
-        the first is restored, each is restored in place, and if one fails the others are
-        put back (see docs/training-state.rst).
+        schedulers, ... that was saved (a mapping holding at least one such object; one of
+        tensors, dicts and TensorDicts only is restored as a nested dict): every entry is
+        checked against the step before the first is restored, each is restored in place,
+        and if one fails the others are put back (see docs/training-state.rst).
 
         The target and its nested tensordicts are reused, each leaf is replaced by the
         loaded one, and on any error ``td`` is left exactly as it was
@@ -605,7 +606,7 @@ class CheckpointManager:
         from tdckpt._restore.keys import key_difference, saved_structure, target_structure
 
         _check_args(True, allow_pickle, mode)
-        if is_state_mapping(td):
+        if holds_live_objects(td):  # a training state (a dict of tensors is a nested-dict target)
             from tdckpt._restore.engine import load_memmap
 
             with self._using(step) as (resolved, path, manifest):

@@ -413,14 +413,29 @@ def test_failure_while_restoring_puts_earlier_entries_back(tmp_path: Path) -> No
 
 def test_tensordict_entry_restored_in_place(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as mgr:
-        mgr.save(1, {"buf": TensorDict(a=torch.arange(3.0), n=TensorDict(b=torch.ones(2)))})
+        saved = TensorDict(a=torch.arange(3.0), n=TensorDict(b=torch.ones(2)))
+        mgr.save(1, {"buf": saved, "rng": RandomState()})
         target = TensorDict(a=torch.zeros(3), n=TensorDict(b=torch.zeros(2)))
         inner = target["n"]
-        mgr.restore_into({"buf": target})
+        mgr.restore_into({"buf": target, "rng": RandomState()})
         assert target["a"].tolist() == [0.0, 1.0, 2.0] and target["n"] is inner
         assert inner["b"].tolist() == [1.0, 1.0]
         with pytest.raises(RestoreError, match="keys the target lacks"):
-            mgr.restore_into({"buf": TensorDict(a=torch.zeros(3))})
+            mgr.restore_into({"buf": TensorDict(a=torch.zeros(3)), "rng": RandomState()})
+        with pytest.raises(RestoreError, match=r"batch size \[2\] in the target"):
+            mgr.restore_into(
+                {
+                    "buf": TensorDict(
+                        a=torch.zeros(3), n=TensorDict(b=torch.zeros(2)), batch_size=[]
+                    ).expand(2),
+                    "rng": RandomState(),
+                }
+            )
+        # Without any live object, a mapping is a nested-dict target, restored as before.
+        mgr.save(2, TensorDict(buf=saved.clone()))
+        plain: dict[str, Any] = {"buf": {"a": torch.zeros(3), "n": {"b": torch.zeros(2)}}}
+        mgr.restore_into(plain, step=2)
+        assert plain["buf"]["a"].tolist() == [0.0, 1.0, 2.0]
 
 
 def test_bad_entries_refused_before_anything_is_written(tmp_path: Path) -> None:

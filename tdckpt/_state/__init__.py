@@ -9,8 +9,15 @@
 * :mod:`~tdckpt._state.rng`: :class:`RandomState`, the state of every random generator.
 """
 
-from tdckpt._state.encode import is_state_mapping, to_tensordict
+from tdckpt._state.encode import holds_live_objects, is_state_mapping, to_tensordict
 from tdckpt._state.restore import restore_state, to_state_dicts
 from tdckpt._state.rng import RandomState
 
-__all__ = ["RandomState", "is_state_mapping", "restore_state", "to_state_dicts", "to_tensordict"]
+__all__ = [
+    "RandomState",
+    "holds_live_objects",
+    "is_state_mapping",
+    "restore_state",
+    "to_state_dicts",
+    "to_tensordict",
+]

@@ -49,6 +49,7 @@ __all__ = [
     "KINDS",
     "STRUCTURE_KEY",
     "entry_kind",
+    "holds_live_objects",
     "is_state_mapping",
     "param_signature",
     "to_tensordict",
@@ -66,20 +67,40 @@ _DICT_TAGS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "cou
 _MAX_DEPTH = 100
 
 
-def is_state_mapping(obj: Any) -> bool:
-    """Whether ``obj`` is a training state: a mapping that is not itself a TensorDict."""
-    from tensordict import is_tensor_collection
+def _is_tensor_collection(obj: Any) -> bool:
+    try:
+        from tensordict import is_tensor_collection
+    except ImportError:  # restoring into plain dicts works without tensordict
+        return False
+    return bool(is_tensor_collection(obj))
 
-    return isinstance(obj, Mapping) and not is_tensor_collection(obj)
+
+def is_state_mapping(obj: Any) -> bool:
+    """Whether ``save`` got a training state: a mapping that is not itself a TensorDict."""
+    return isinstance(obj, Mapping) and not _is_tensor_collection(obj)
+
+
+def holds_live_objects(obj: Any) -> bool:
+    """Whether a ``restore_into`` target is a training state rather than a nested dict.
+
+    A mapping holding at least one module, optimizer, scheduler, RandomState or other
+    ``state_dict()`` / ``load_state_dict()`` object. A mapping of tensors, dicts and
+    TensorDicts only is a nested-dict target, restored as before.
+    """
+    return is_state_mapping(obj) and any(_is_live(value) for value in obj.values())
+
+
+def _is_live(value: Any) -> bool:
+    if isinstance(value, (torch.Tensor, Mapping)) or _is_tensor_collection(value):
+        return False
+    return entry_kind(value) is not None
 
 
 def entry_kind(value: Any) -> str | None:
     """What a state entry is (one of :data:`KINDS`), or None when it cannot be saved."""
-    from tensordict import is_tensor_collection
-
     from tdckpt._state.rng import RandomState
 
-    if is_tensor_collection(value):
+    if _is_tensor_collection(value):
         return "tensordict"
     if isinstance(value, torch.nn.Module):
         return "module"
