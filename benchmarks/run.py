@@ -355,6 +355,7 @@ BENCHES = {
     "upgrade": bench_upgrade,
     "distributed": lambda work, quick: __import__("bench_distributed").bench(work, quick),
     "async": lambda work, quick: __import__("bench_async").bench(work, quick),
+    "state": lambda work, quick: __import__("bench_state").bench(work, quick),
 }
 
 

@@ -16,6 +16,7 @@ Manage a run's checkpoints::
 from tdckpt._read.inspect import inspect, validate
 from tdckpt._report import Inspection, NodeInfo, Problem, ValidationReport
 from tdckpt._restore.engine import load_memmap, load_memmap_
+from tdckpt._state.rng import RandomState
 from tdckpt._upgrade.upgrade import UpgradeReport, upgrade
 from tdckpt._version import __version__
 from tdckpt._write.export import save
@@ -40,6 +41,7 @@ __all__ = [
     "KeepLast",
     "NodeInfo",
     "Problem",
+    "RandomState",
     "RetentionPolicy",
     "StepInfo",
     "StepStatus",

@@ -398,6 +398,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         _out(f"pickles      {', '.join('.'.join(map(_clean, k)) for k in result.pickles)}")
     for lost in result.lost:
         _out(f"lost         {lost}")
+    if (result.manifest or {}).get("state"):  # a training state: what each entry was
+        from tdckpt._state.describe import describe_state
+
+        for line in describe_state(result.manifest["state"], result.root):  # type: ignore[index]
+            _out(line)
     _out("tree")
     _print_tree(result.root, "  ")
     for p in result.problems:

@@ -53,6 +53,7 @@ from tdckpt._manage.verify import (
 from tdckpt._progress import ProgressArg, progress_bar
 from tdckpt._shard.group import DEFAULT_TIMEOUT as _SHARD_TIMEOUT
 from tdckpt._shard.group import resolve_group
+from tdckpt._state import holds_live_objects, is_state_mapping, restore_state, to_tensordict
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.lock import RootLock
@@ -66,9 +67,10 @@ from tdckpt.errors import (
     MetadataError,
     RestoreError,
     TdckptError,
+    UnsupportedContentError,
 )
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
-from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest
+from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest, StateRecord
 from tdckpt.warnings import TdckptWarning
 
 if TYPE_CHECKING:
@@ -363,10 +365,12 @@ class CheckpointManager:
     ) -> Path:
         """Save ``obj`` as ``step``: all or nothing on disk, then apply the retention policy.
 
-        ``obj`` (a TensorDict, lazy stack, tensorclass or non-tensor data) is written in
-        tensordict 0.15.3's format into a staging folder beside the root's steps, made
-        durable, and committed by one rename; it is never modified. Retention runs only
-        after the commit.
+        ``obj`` (a TensorDict, lazy stack, tensorclass or non-tensor data, or a training
+        state: a mapping of names to TensorDict-likes, modules, optimizers, LR schedulers,
+        :class:`tdckpt.RandomState` and any object with ``state_dict()`` and
+        ``load_state_dict()``) is written in tensordict 0.15.3's format into a staging
+        folder beside the root's steps, made durable, and committed by one rename; it is
+        never modified. Retention runs only after the commit.
 
         In a collective manager ``obj`` is this rank's shard: the global TensorDict is the
         ranks' shards concatenated along dim 0 in rank order, saved as one step by every
@@ -403,10 +407,19 @@ class CheckpointManager:
         if self._shard is not None:
             from tdckpt._shard.save import collective_save
 
+            if is_state_mapping(obj):  # refused on every rank alike, before any collective
+                raise UnsupportedContentError(
+                    f"{self.root}: a collective manager saves one TensorDict shard per rank; "
+                    "a training state (modules, optimizers, ...) is not sharded. Save it from "
+                    "one rank with CheckpointManager(..., group=False), or save the shard.",
+                    path=str(self.root),
+                    problems=["a training state given to a collective save"],
+                    keys=[()],
+                )
             return collective_save(
                 self,
                 step,
-                self._saveable(obj),
+                obj,
                 metadata=metadata,
                 overwrite=overwrite,
                 replicated=replicated,
@@ -414,11 +427,13 @@ class CheckpointManager:
         step = _atomic.check_step(step)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
-        obj = self._saveable(obj)
+        obj, state = self._saveable(obj)
         self._background.drain(before=f"this save of step {step} started", stacklevel=2)
         with self._writing:
             self._ensure_lock()
-            return self._save_locked(step, obj, metadata, overwrite=overwrite, progress=progress)
+            return self._save_locked(
+                step, obj, metadata, overwrite=overwrite, progress=progress, state=state
+            )
 
     def save_async(
         self,
@@ -481,7 +496,7 @@ class CheckpointManager:
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
             metadata = copy.deepcopy(metadata)  # plain JSON: later edits must not reach it
-        obj = self._saveable(state)  # on the caller's thread, before the snapshot
+        obj, record = self._saveable(state)  # on the caller's thread, before the snapshot
         with self._staging_lock:  # one snapshot at a time uses the staging buffer
             self._background.drain(before=f"this save of step {step} started", stacklevel=2)
             with self._writing:
@@ -490,18 +505,30 @@ class CheckpointManager:
             prepared = prepare_checkpoint(obj, self.root / _atomic.step_name(step))
             snapshot = self._staging.stage(prepared)
             return self._background.submit(
-                step, lambda: self._save_in_background(step, snapshot, metadata)
+                step, lambda: self._save_in_background(step, snapshot, metadata, record)
             )
 
     def _save_in_background(
-        self, step: int, snapshot: Any, metadata: dict[str, Any] | None
+        self,
+        step: int,
+        snapshot: Any,
+        metadata: dict[str, Any] | None,
+        state: StateRecord | None,
     ) -> Path:
         with self._writing:
-            return self._save_locked(step, snapshot, metadata, overwrite=False)
+            return self._save_locked(step, snapshot, metadata, overwrite=False, state=state)
 
-    def _saveable(self, obj: Any) -> Any:
-        """What ``save``/``save_async`` write for ``obj`` (runs on the caller's thread)."""
-        return obj
+    @staticmethod
+    def _saveable(obj: Any) -> tuple[Any, StateRecord | None]:
+        """What ``save``/``save_async`` write for ``obj``, and the training-state record.
+
+        A training state (a mapping holding modules, optimizers, ...) becomes one
+        TensorDict of every entry's state (:func:`tdckpt._state.to_tensordict`); anything
+        else is written as it is. Runs on the caller's thread, before any snapshot.
+        """
+        if is_state_mapping(obj):
+            return to_tensordict(obj)
+        return obj, None
 
     def _refuse_existing(self, step: int, forms: dict[str, Any]) -> None:
         if forms:
@@ -521,6 +548,7 @@ class CheckpointManager:
         *,
         overwrite: bool,
         progress: ProgressArg = None,
+        state: StateRecord | None = None,
     ) -> Path:
         """The body of a save, under ``_writing``: write, commit, then retention.
 
@@ -545,7 +573,9 @@ class CheckpointManager:
                 self._overwriting.add(step)
         try:
             with progress_bar(progress, "save") as report:
-                path = self._commit(step, obj, metadata, overwrite=overwrite, progress=report)
+                path = self._commit(
+                    step, obj, metadata, overwrite=overwrite, progress=report, state=state
+                )
             # An overwrite in the other form (folder vs archive) leaves the old one.
             other = "dir" if self.archive else "archive"
             if other in forms:
@@ -568,6 +598,7 @@ class CheckpointManager:
         *,
         overwrite: bool,
         progress: Progress | None = None,
+        state: StateRecord | None = None,
     ) -> Path:
         def write(staging: Path) -> Manifest:
             return write_checkpoint(
@@ -578,6 +609,7 @@ class CheckpointManager:
                 fsync=self.fsync,
                 checksum=self.checksum,
                 progress=progress,
+                state=state,
             )
 
         if self.archive:
@@ -752,8 +784,15 @@ class CheckpointManager:
         mode: Literal["r", "r+"] | None = "r",
         verify: bool = False,
         strict: bool = True,
+        device: str | Any | None = None,
     ) -> Any:
         """Load a committed step into ``td`` in place, all or nothing, and return ``td``.
+
+        ``td`` may also be a training state - the mapping of names to modules, optimizers,
+        schedulers, ... that was saved (a mapping holding at least one such object; one of
+        tensors, dicts and TensorDicts only is restored as a nested dict): every entry is
+        checked against the step before the first is restored, each is restored in place,
+        and if one fails the others are put back (see docs/training-state.rst).
 
         The target and its nested tensordicts are reused, each leaf is replaced by the
         loaded one, and on any error ``td`` is left exactly as it was
@@ -783,7 +822,10 @@ class CheckpointManager:
                 restored once either way; with False, ``td`` takes the checkpoint's
                 structure (keys the checkpoint lacks are removed). Keys are compared at
                 every level (lazy stacks member by member); tensors and non-tensor data,
-                a tensorclass's non-tensor fields included, are leaves.
+                a tensorclass's non-tensor fields included, are leaves. For a training
+                state, False lets the step hold entries the target lacks.
+            device: for a training state, where tensors that have no device of their own
+                go (a module's parameters on ``meta``); parameters elsewhere keep theirs.
 
         Raises:
             CheckpointNotFoundError: no such step.
@@ -794,6 +836,27 @@ class CheckpointManager:
         from tdckpt._restore.keys import key_difference, saved_structure, target_structure
 
         _check_args(True, allow_pickle, mode)
+        if holds_live_objects(td):  # a training state (a dict of tensors is a nested-dict target)
+            from tdckpt._restore.engine import load_memmap
+
+            with self._using(step) as (resolved, path, manifest):
+                if verify:
+                    self._verified(resolved, path, manifest)
+                loaded = load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
+                restore_state(
+                    td,
+                    loaded,
+                    manifest.state,
+                    where=f"{path}: step {resolved}",
+                    strict=strict,
+                    device=device,
+                )
+            return td
+        if device is not None:
+            raise ValueError(
+                "device= applies to a training state (a mapping of names to modules, ...); "
+                "a TensorDict is restored memory-mapped on the CPU: move it afterwards."
+            )
         if self._sharded_path(step, None):
             from tdckpt._shard.restore import restore_into_rows
 

@@ -35,6 +35,7 @@ __all__ = [
     "MANIFEST_SCHEMA_VERSION",
     "SCHEMA_MODELS",
     "SHARDED_SCHEMA_VERSION",
+    "STATE_KINDS",
     "ChildEntry",
     "FileRecord",
     "LazyStackMeta",
@@ -46,6 +47,8 @@ __all__ = [
     "ReplicatedRecord",
     "ShardRecord",
     "ShardedManifest",
+    "StateEntryRecord",
+    "StateRecord",
     "TensorClassMeta",
     "TensorDictMeta",
     "WriterVersions",
@@ -242,6 +245,25 @@ class PickleRecord(_Model):
     kind: Literal["other.pickle", "pickle.pkl"]
 
 
+#: What an entry of a saved training state was (see :mod:`tdckpt._state`).
+STATE_KINDS = ("tensordict", "module", "optimizer", "scheduler", "rng", "stateful")
+
+
+class StateEntryRecord(_Model):
+    """One entry of a saved training state: what it was, so a restore can check its target."""
+
+    kind: Literal["tensordict", "module", "optimizer", "scheduler", "rng", "stateful"]
+    type: str = Field(description="the saved object's class, 'module:qualname'")
+
+
+class StateRecord(_Model):
+    """A step saved from a training state (a mapping of names to live objects)."""
+
+    entries: dict[str, StateEntryRecord] = Field(
+        description="entry name -> what it was, in the order they were given"
+    )
+
+
 class WriterVersions(_Model):
     """Versions of the software that wrote the checkpoint."""
 
@@ -268,6 +290,11 @@ class Manifest(_Model):
         default=None, description="the generation the checkpoint had before an upgrade"
     )
     migrations: list[str] = Field(default_factory=list, description="upgrade steps applied")
+    state: StateRecord | None = Field(
+        default=None,
+        description="present when the step was saved from a training state: one record per "
+        "entry (each a sub-TensorDict of the step)",
+    )
 
     @field_validator("files")
     @classmethod

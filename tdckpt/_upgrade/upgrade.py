@@ -549,6 +549,7 @@ def _layout(
         user_metadata=(old_manifest or {}).get("user_metadata") or {},
         migrated_from=(old_manifest or {}).get("migrated_from") or from_gen,
         migrations=[*((old_manifest or {}).get("migrations") or []), *report.steps],
+        state=(old_manifest or {}).get("state"),
     )
     plan.manifest = manifest  # leaf checksums are filled in as the staging reads the leaves
     ops.append(FileOp("write", schema.MANIFEST_NAME, "tdckpt manifest"))

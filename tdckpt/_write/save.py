@@ -25,7 +25,7 @@ import json
 import os
 import platform
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,6 +43,7 @@ from tdckpt.schema import (
     MANIFEST_SCHEMA_VERSION,
     FileRecord,
     Manifest,
+    StateRecord,
     WriterVersions,
 )
 
@@ -194,8 +195,19 @@ _OPEN_FLAGS = (
 )
 
 
+#: Threads that fsync written files while the next ones are written.
+_FSYNC_THREADS = 4
+
+
 class _Writer:
-    """Creates the planned files under ``root``; hashes while writing; fsyncs."""
+    """Creates the planned files under ``root``; hashes while writing; fsyncs.
+
+    A written file is fsynced (and closed) on a helper thread while the next file is
+    written, so the disk flushes one file as the next is copied into the page cache
+    (fsyncing each file before writing the next serialises the two: measured 1.3-2x
+    slower for 72 files of 8 MiB). :meth:`sync_dirs` waits for every file's fsync before
+    the directories', and the manifest is written only after that.
+    """
 
     def __init__(
         self,
@@ -215,11 +227,35 @@ class _Writer:
         self.records: list[FileRecord] = []
         self.dirs: list[Path] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._syncer: ThreadPoolExecutor | None = None
+        self._syncing: list[Future[None]] = []
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)  # every pending fsync closes its file
+            self._syncer = None
+
+    def _finish(self, fd: int) -> None:
+        """fsync (on a helper thread) and close a written file."""
+        if not self.fsync:
+            os.close(fd)
+            return
+        if self._syncer is None:
+            self._syncer = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="tdckpt-fsync")
+        try:
+            self._syncing.append(self._syncer.submit(_fsync_close, fd))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def wait_files(self) -> None:
+        """Wait until every written file is fsynced; raise the first fsync error."""
+        pending, self._syncing = self._syncing, []
+        for future in pending:
+            future.result()
 
     def _advance(self, n: int) -> None:
         self.done += n
@@ -250,10 +286,10 @@ class _Writer:
         fd = os.open(self._path(rel), _OPEN_FLAGS, 0o666)
         try:
             _write_all(fd, memoryview(data))
-            if self.fsync:
-                os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._finish(fd)
         self._record(rel, len(data), hasher.hexdigest(), key)
         self._advance(len(data))
 
@@ -281,20 +317,28 @@ class _Writer:
                         pending.result()
                 size += len(buf)
                 self._advance(len(buf))
-            if self.fsync:
-                os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._finish(fd)
         self._record(rel, size, hasher.hexdigest(), key)
 
     def sync_dirs(self) -> None:
-        """fsync the directories bottom-up (children were created after their parents)."""
+        """fsync every file, then the directories bottom-up (children after their parents)."""
+        self.wait_files()
         if not self.fsync:
             return
         from tdckpt._write.atomic import fsync_dir
 
         for path in reversed(self.dirs):
             fsync_dir(path)
+
+
+def _fsync_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _writer_versions() -> WriterVersions:
@@ -364,6 +408,7 @@ def write_checkpoint(
     fsync: bool = True,
     checksum: str = DEFAULT_CHECKSUM,
     progress: Callable[[int, int], None] | None = None,
+    state: StateRecord | None = None,
 ) -> Manifest:
     """Write ``obj`` into ``dest_dir`` in tensordict 0.15.3's format, then the manifest.
 
@@ -383,6 +428,8 @@ def write_checkpoint(
         checksum: ``"crc32"`` (default) or a hashlib algorithm such as ``"sha256"``.
         progress: called as ``progress(bytes_done, bytes_total)`` after each file (each
             piece of a large leaf) is written.
+        state: what each entry was, when ``obj`` was built from a training state
+            (:func:`tdckpt._state.to_tensordict`); recorded in the manifest.
 
     Returns:
         The manifest written to ``dest_dir/tdckpt.manifest.json``.
@@ -446,6 +493,7 @@ def write_checkpoint(
             pickles=plan.pickles,
             files=sorted(writer.records, key=lambda r: r.path),
             user_metadata=metadata,
+            state=state,
         )
         text = json.dumps(manifest.model_dump(mode="json"), indent=1, allow_nan=False) + "\n"
         # The manifest is the last file: its presence means every other file is complete.
