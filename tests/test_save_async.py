@@ -343,7 +343,7 @@ def test_refusals_happen_on_the_callers_thread(tmp_path: Path) -> None:
             mgr.save_async(2, TensorDict(a=torch.ones(2)), metadata={"x": (1, 2)})
         with pytest.raises(UnsupportedContentError, match="'shape'"):
             mgr.save_async(2, TensorDict(shape=torch.ones(2)))
-        with pytest.raises(UnsupportedContentError, match="cannot save a dict"):
+        with pytest.raises(UnsupportedContentError, match="cannot save this training state"):
             mgr.save_async(2, {"a": torch.ones(2)})
         assert mgr._staging.allocations == 0  # refused before staging
         assert sorted(os.listdir(tmp_path / "run")) == [".tdckpt.lock", "1"]
