@@ -5,6 +5,7 @@
     TdckptError(Exception)                       the CLI catches only this
     ├─ CheckpointNotFoundError(.., FileNotFoundError)
     ├─ CheckpointExistsError(.., FileExistsError)
+    │  └─ CommitConflictError                    another writer committed the step first
     ├─ IncompleteCheckpointError                 no commit / leftover tmp folder
     ├─ UnsafePathError(.., ValueError)           a name that would leave the prefix
     ├─ MetadataError(.., ValueError)             unreadable or invalid metadata; .path .field
@@ -17,7 +18,8 @@
     │  └─ MigrationChainError                    gap / duplicate / does not reach the end
     ├─ RestoreError                              target cannot take the checkpoint
     │  └─ IntegrityError                         checksum or size differs from the manifest
-    └─ LockError                                 another writer holds the root
+    ├─ LockError                                 another writer holds the root
+    └─ RemoteError                               an object store kept failing
 
 Every message states what was found, what was expected and what to do, and names the
 prefix, the key and the file involved. The same facts are kept as attributes.
@@ -31,6 +33,7 @@ __all__ = [
     "AmbiguousKeyEncodingError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CommitConflictError",
     "IncompleteCheckpointError",
     "IntegrityError",
     "LockError",
@@ -38,6 +41,7 @@ __all__ = [
     "MigrationChainError",
     "MigrationError",
     "PickleNotAllowedError",
+    "RemoteError",
     "RestoreError",
     "TdckptError",
     "UnsafePathError",
@@ -136,3 +140,12 @@ class IntegrityError(RestoreError):
 
 class LockError(TdckptError):
     """Another live writer holds the checkpoint root."""
+
+
+class RemoteError(TdckptError):
+    """An object store kept failing (after retries), or cannot be opened."""
+
+
+class CommitConflictError(CheckpointExistsError):
+    """Another writer committed the same step first (object stores: the conditional create
+    of the step's commit record failed); this save's data is not listed and gc removes it."""

@@ -46,6 +46,7 @@ from tdckpt._manage.verify import (
     manifest_problem,
     verify_files,
 )
+from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.lock import RootLock
@@ -88,6 +89,10 @@ class CheckpointManager:
         checksum: the checksum algorithm of new saves: ``"crc32"`` (default, fast) or a
             hashlib algorithm such as ``"sha256"`` (slower; resists deliberate tampering).
         compression: for archives, ``"stored"`` (mappable without copies) or ``"deflate"``.
+        storage_options: for an fsspec URL root (``s3://bucket/run``, ``memory://x``), the
+            filesystem's options (credentials, ``client_kwargs``...). A URL root is kept in
+            object storage (``pip install 'tdckpt[remote]'``; see the remote guide and
+            :class:`tdckpt._remote.manager.RemoteCheckpointManager`).
 
     Example:
         >>> import tempfile, torch
@@ -101,6 +106,14 @@ class CheckpointManager:
         ([0.0, 1.0, 2.0], {'loss': 0.5})
     """
 
+    def __new__(cls, root: str | os.PathLike[str], *args: Any, **kwargs: Any) -> CheckpointManager:
+        # An fsspec URL (s3://, memory://, file://, ...) gets the object-storage manager.
+        if cls is CheckpointManager and is_url(root):
+            from tdckpt._remote.manager import RemoteCheckpointManager
+
+            return super().__new__(RemoteCheckpointManager)
+        return super().__new__(cls)
+
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -110,7 +123,9 @@ class CheckpointManager:
         fsync: bool = True,
         checksum: str = DEFAULT_CHECKSUM,
         compression: str = "stored",
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
+        require_local_options(root, storage_options)
         self.root = Path(root)
         self.retention: RetentionPolicy = KeepAll() if retention is None else retention
         if not callable(getattr(self.retention, "select_to_keep", None)):

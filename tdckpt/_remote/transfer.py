@@ -1,0 +1,249 @@
+"""Moving a step's files between a local folder and an attempt prefix.
+
+Upload: the files a local save wrote (:func:`tdckpt._write.save.write_checkpoint`) go up
+concurrently, large ones as objects of their own, small ones packed back to back
+(:data:`~tdckpt._remote.layout.PACK_FILE_MAX`). Download: ranged reads of exactly each
+file's bytes, issued together (``cat_ranges``: concurrent on s3fs), in bounded batches;
+each file's checksum is computed over the bytes as they arrive and compared with the
+manifest before the file counts as read. A mismatch is read once more (a transfer
+glitch), then reported as an :class:`~tdckpt.errors.IntegrityError` naming the file and
+its key; nothing is restored from a step that fails.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tdckpt._manage.verify import VerifyProblem, VerifyReport
+from tdckpt._remote.layout import (
+    PACK_FILE_MAX,
+    PACK_TARGET,
+    CommitRecord,
+    Location,
+    ObjectRecord,
+)
+from tdckpt._remote.store import Store
+from tdckpt._write.checksum import new_hasher
+from tdckpt.errors import IntegrityError
+from tdckpt.schema import MANIFEST_NAME, FileRecord, Manifest
+
+__all__ = ["download_step", "plan_objects", "upload_files"]
+
+#: Bytes per ranged read, and bytes in flight per batch of ranged reads.
+RANGE_BYTES = 8 << 20
+BATCH_BYTES = 128 << 20
+#: Concurrent uploads.
+UPLOAD_THREADS = 16
+
+
+def plan_objects(
+    files: list[FileRecord],
+) -> tuple[list[ObjectRecord], dict[str, Location], list[list[str]]]:
+    """Objects (name, size), each file's location, and each object's files in order."""
+    groups: list[list[FileRecord]] = []  # large files alone, small ones in packs
+    pack: list[FileRecord] = []
+    pack_size = 0
+    for record in sorted(files, key=lambda f: f.path):
+        if record.size > PACK_FILE_MAX:
+            groups.append([record])
+            continue
+        if pack and pack_size + record.size > PACK_TARGET:
+            groups.append(pack)
+            pack, pack_size = [], 0
+        pack.append(record)
+        pack_size += record.size
+    if pack:
+        groups.append(pack)
+    objects: list[ObjectRecord] = []
+    locations: dict[str, Location] = {}
+    for index, group in enumerate(groups):
+        offset = 0
+        for record in group:
+            locations[record.path] = Location(object=index, offset=offset)
+            offset += record.size
+        objects.append(ObjectRecord(name=f"data-{index}", size=offset))
+    return objects, locations, [[r.path for r in g] for g in groups]
+
+
+def upload_files(
+    store: Store,
+    prefix: str,
+    local: Path,
+    objects: list[ObjectRecord],
+    members: list[list[str]],
+    *,
+    before_object: Callable[[int], None] | None = None,
+) -> None:
+    """Upload each object (concurrently); any failure raises after the others stop."""
+
+    def one(index: int) -> None:
+        if before_object is not None:
+            before_object(index)
+        obj = objects[index]
+        rel = f"{prefix}/{obj.name}"
+        names = members[index]
+        if len(names) == 1 and obj.size > PACK_FILE_MAX:  # a large file: its own object
+            store.put_file(str(local / names[0]), rel)
+            return
+        data = bytearray()
+        for name in names:
+            data += (local / name).read_bytes()
+        store.put_bytes(rel, bytes(data))
+
+    if len(objects) <= 1:
+        for i in range(len(objects)):
+            one(i)
+        return
+    with ThreadPoolExecutor(min(UPLOAD_THREADS, len(objects)), "tdckpt-upload") as pool:
+        futures = [pool.submit(one, i) for i in range(len(objects))]
+        errors = []
+        for f in futures:
+            exc = f.exception()
+            if exc is not None:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+def check_uploaded(store: Store, prefix: str, objects: list[ObjectRecord]) -> None:
+    """One listing: every object is there with its size (a store that acknowledged a
+    short write is caught here, before the commit)."""
+    found = store.find(prefix)
+    for obj in objects:
+        info = found.get(obj.name)
+        size = None if info is None else info.get("size")
+        if size != obj.size:
+            raise IntegrityError(
+                f"{store.show(prefix + '/' + obj.name)}: uploaded {obj.size} bytes but the store "
+                f"holds {'nothing' if info is None else f'{size} bytes'}; the step was not "
+                "committed. Retry the save.",
+                path=store.show(prefix + "/" + obj.name),
+            )
+
+
+def _key(record: FileRecord) -> tuple[str, ...] | None:
+    return tuple(record.key) if record.key is not None else None
+
+
+def download_step(
+    store: Store,
+    prefix: str,
+    record: CommitRecord,
+    dest: Path,
+    *,
+    step: int,
+    progress: Callable[[int, int], None] | None = None,
+    report: VerifyReport | None = None,
+) -> int:
+    """Read every file of the step into ``dest`` (a new folder), verifying checksums.
+
+    With ``report`` given, problems are appended to it instead of raised (``verify``);
+    otherwise the first bad file raises :class:`IntegrityError`. Returns bytes read.
+    """
+    manifest: Manifest = record.manifest
+    files = sorted(manifest.files, key=lambda f: (record.locations[f.path].object, f.path))
+    total = sum(f.size for f in files)
+    done = 0
+    dest.mkdir(parents=True, exist_ok=False)
+    dirs = {str(Path(f.path).parent) for f in files} - {"."}
+    for d in sorted(dirs):
+        (dest / d).mkdir(parents=True, exist_ok=True)
+
+    def ranges(f: FileRecord) -> list[tuple[str, int, int]]:
+        loc = record.locations[f.path]
+        rel = f"{prefix}/{record.objects[loc.object].name}"
+        start, end = loc.offset, loc.offset + f.size
+        return [(rel, s, min(s + RANGE_BYTES, end)) for s in range(start, end, RANGE_BYTES)]
+
+    # batches of whole files, each batch at most BATCH_BYTES (a bigger file is its own batch)
+    batches: list[list[FileRecord]] = []
+    size = 0
+    for f in files:
+        if not batches or (size + f.size > BATCH_BYTES and batches[-1]):
+            batches.append([])
+            size = 0
+        batches[-1].append(f)
+        size += f.size
+
+    def fetch(batch: list[FileRecord]) -> list[list[bytes]]:
+        spans = [ranges(f) for f in batch]
+        flat = [r for s in spans for r in s]
+        data = store.cat_ranges([r[0] for r in flat], [r[1] for r in flat], [r[2] for r in flat])
+        out, i = [], 0
+        for s in spans:
+            out.append(data[i : i + len(s)])
+            i += len(s)
+        return out
+
+    def digest(chunks: list[bytes], algorithm: str) -> str:
+        h = new_hasher(algorithm)
+        for c in chunks:
+            h.update(c)
+        return f"{algorithm}:{h.hexdigest()}"
+
+    def problem(f: FileRecord, kind: str, expected: str, found: str) -> None:
+        p = VerifyProblem(f.path, _key(f), kind, expected, found)  # type: ignore[arg-type]
+        if report is not None:
+            report.problems.append(p)
+            return
+        raise IntegrityError(
+            f"{store.show(prefix)}: step {step} is damaged in the store: {p}; nothing was "
+            "restored and the target is unchanged. Restore another step (see steps()), or "
+            "re-save this one.",
+            path=store.show(prefix),
+            step=step,
+            problems=[p],
+        )
+
+    with ThreadPoolExecutor(1, "tdckpt-prefetch") as pool:
+        pending = pool.submit(fetch, batches[0]) if batches else None
+        for index, batch in enumerate(batches):
+            assert pending is not None
+            try:
+                got = pending.result()
+            except FileNotFoundError as exc:
+                missing = FileRecord(path=batch[0].path, size=batch[0].size)
+                problem(missing, "missing", "an object in the store", f"not found ({exc})")
+                got = None
+            # read ahead: the next batch downloads while this one is hashed and written
+            pending = pool.submit(fetch, batches[index + 1]) if index + 1 < len(batches) else None
+            if got is None:
+                continue
+            for f, chunks in zip(batch, got, strict=True):
+                n = sum(len(c) for c in chunks)
+                if n != f.size:
+                    problem(f, "short" if n < f.size else "long", f"{f.size} bytes", f"{n} bytes")
+                    continue
+                if f.checksum is not None:
+                    algorithm = f.checksum.split(":", 1)[0]
+                    found = digest(chunks, algorithm)
+                    if found != f.checksum:
+                        # read once more: a glitch in transit is not damage at rest
+                        chunks = fetch([f])[0]
+                        found = digest(chunks, algorithm)
+                        if found != f.checksum:
+                            problem(f, "changed", f.checksum, found)
+                            continue
+                _write_new(dest / f.path, chunks)
+                done += f.size
+                if report is not None:
+                    report.files_checked += 1
+                if progress is not None:
+                    progress(done, total)
+    text = manifest.model_dump_json(indent=1) + "\n"
+    _write_new(dest / MANIFEST_NAME, [text.encode()])
+    return done
+
+
+def _write_new(path: Path, chunks: list[bytes]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        for c in chunks:
+            view = memoryview(c)
+            while view:
+                view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
