@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (pytest fixtures imported from _remote_fixtures are parameters here)
 """Object storage (issue 15): save / ls / restore / restore_into / verify / retention / gc
 through fsspec, against memory:// and a local moto S3 server (no network)."""
 
@@ -53,7 +54,9 @@ def _mgr(r: Remote, **kw: object) -> CheckpointManager:
     return CheckpointManager(r.url, storage_options=r.storage_options, **kw)  # type: ignore[arg-type]
 
 
-def test_url_dispatches_to_the_remote_manager_and_paths_do_not(remote: Remote, tmp_path: Path) -> None:
+def test_url_dispatches_to_the_remote_manager_and_paths_do_not(
+    remote: Remote, tmp_path: Path
+) -> None:
     with _mgr(remote) as mgr:
         assert isinstance(mgr, RemoteCheckpointManager)
         assert isinstance(mgr, CheckpointManager)
@@ -123,7 +126,7 @@ def test_verify_reports_ok_then_every_changed_object(remote: Remote) -> None:
         name = [p for p in fs.find(remote.path()) if "/5.attempt-" in p]
         record = json.loads(fs.cat_file(remote.path("5.tdckpt.json")))
         loc = record["locations"]["w.memmap"]
-        obj = [p for p in name if p.endswith("/" + record["objects"][loc["object"]]["name"])][0]
+        obj = next(p for p in name if p.endswith("/" + record["objects"][loc["object"]]["name"]))
         data = bytearray(fs.cat_file(obj))
         data[loc["offset"] + 7] ^= 0x40
         fs.pipe_file(obj, bytes(data))
@@ -141,7 +144,10 @@ def test_retention_deletes_record_then_data(remote: Remote) -> None:
         assert mgr.steps() == [3, 4]
         fs = remote.fs()
         names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(remote.path(), detail=False))
-        assert [n for n in names if n.endswith(".tdckpt.json")] == ["3.tdckpt.json", "4.tdckpt.json"]
+        assert [n for n in names if n.endswith(".tdckpt.json")] == [
+            "3.tdckpt.json",
+            "4.tdckpt.json",
+        ]
         assert sorted(n.split(".")[0] for n in names if ".attempt-" in n) == ["3", "4"]
         assert _equal(mgr.restore(3), _td(3))
 

@@ -84,7 +84,7 @@ class Lease:
 
     def _create(self, gen: int) -> bool:
         now = time.time()
-        record = {
+        record: dict[str, Any] = {
             "owner": self.owner,
             "host": socket.gethostname(),
             "pid": os.getpid(),

@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -131,7 +132,7 @@ class RemoteCheckpointManager(CheckpointManager):
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._state = threading.RLock()
         self._writing = threading.Lock()
-        self._in_use: dict[int, int] = {}
+        self._in_use: Counter[int] = Counter()
         self._records: dict[str, tuple[tuple[Any, ...], layout.CommitRecord | MetadataError]] = {}
 
     def __repr__(self) -> str:
@@ -304,7 +305,7 @@ class RemoteCheckpointManager(CheckpointManager):
     def _pinned(self, step: int | None) -> Iterator[tuple[int, layout.CommitRecord]]:
         with self._state:
             resolved = self._resolve_record(step)
-            self._in_use[resolved[0]] = self._in_use.get(resolved[0], 0) + 1
+            self._in_use[resolved[0]] += 1
         try:
             yield resolved
         finally:
@@ -394,7 +395,7 @@ class RemoteCheckpointManager(CheckpointManager):
             self._apply_retention(just_saved=step)
         return self._store.show(prefix)
 
-    def _apply_retention(self, *, just_saved: int | None) -> list[Path]:  # type: ignore[override]
+    def _apply_retention(self, *, just_saved: int | None) -> list[Path]:
         with self._state:
             infos = self.step_infos()
             if not infos:
@@ -411,21 +412,19 @@ class RemoteCheckpointManager(CheckpointManager):
                 self._store.rm_files([layout.commit_name(info.step)])
                 gone.append(info)
         for info in gone:
-            try:
+            with contextlib.suppress(OSError, RemoteError):  # else left for gc: no record
                 self._store.rm_tree(self._rel_of(str(info.path)))
-            except (OSError, RemoteError):
-                pass  # left for gc (no record names it any more)
         return [info.path for info in gone]  # type: ignore[misc]
 
     def _rel_of(self, url: str) -> str:
         return url[len(self._store.url) + 1 :]
 
-    def prune(self) -> list[Path]:  # type: ignore[override]
+    def prune(self) -> list[Path]:
         with self._writing:
             self._ensure_lock()
             return self._apply_retention(just_saved=None)
 
-    def gc(self, *, grace_period: float = DEFAULT_GRACE_S) -> list[Path]:  # type: ignore[override]
+    def gc(self, *, grace_period: float = DEFAULT_GRACE_S) -> list[Path]:
         """Delete attempt prefixes that no commit record names and that nothing has written
         to for ``grace_period`` seconds (default an hour: a save may still be uploading);
         return their URLs. Committed steps are never touched. Takes the lease."""
@@ -465,7 +464,7 @@ class RemoteCheckpointManager(CheckpointManager):
                 where = self._store.show(layout.commit_name(step))
                 return VerifyReport(
                     step=step,
-                    path=where,  # type: ignore[arg-type]
+                    path=where,
                     problems=[
                         VerifyProblem(
                             layout.commit_name(step),
@@ -478,7 +477,7 @@ class RemoteCheckpointManager(CheckpointManager):
                 )
         with self._pinned(step) as (resolved, record):
             url = self._url(resolved, record)
-            report = VerifyReport(step=resolved, path=url)  # type: ignore[arg-type]
+            report = VerifyReport(step=resolved, path=url)
             with tempfile.TemporaryDirectory(prefix="tdckpt-verify-", dir=_memory_tmp()) as tmp:
                 report.bytes_checked = download_step(
                     self._store,

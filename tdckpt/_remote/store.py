@@ -247,8 +247,13 @@ class Store:
 
     def rm_files(self, rels: Iterable[str]) -> None:
         for rel in rels:
+            full = self.full(rel)
+
+            def delete(full: str = full) -> None:
+                self.fs.rm_file(full)
+
             with contextlib.suppress(FileNotFoundError):
-                self._call("delete", rel, lambda rel=rel: self.fs.rm_file(self.full(rel)))
+                self._call("delete", rel, delete)
 
     def rm_tree(self, rel: str) -> None:
         """Delete every object under ``rel`` (already gone is fine)."""
