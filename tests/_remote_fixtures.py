@@ -24,15 +24,27 @@ import pytest
 TEST_TIMEOUT_S = 120
 
 
+def remote_timeout(seconds: Callable[[int], float]) -> Callable[[Any], Any]:
+    """Give one test ``seconds(fault_trials)`` instead of TEST_TIMEOUT_S."""
+
+    def mark(fn: Any) -> Any:
+        fn.remote_timeout_s = seconds
+        return fn
+
+    return mark
+
+
 @pytest.fixture(autouse=True)
-def _timeout() -> Iterator[None]:
+def _timeout(request: pytest.FixtureRequest, fault_trials: int) -> Iterator[None]:
     """Every test in a module importing this fails after TEST_TIMEOUT_S (SIGALRM)."""
+    custom = getattr(request.function, "remote_timeout_s", None)
+    limit = int(custom(fault_trials)) if custom is not None else TEST_TIMEOUT_S
 
     def hung(signum: int, frame: object) -> None:
-        raise AssertionError(f"remote test ran past {TEST_TIMEOUT_S} s (hung?)")
+        raise AssertionError(f"remote test ran past {limit} s (hung?)")
 
     previous = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(TEST_TIMEOUT_S)
+    signal.alarm(limit)
     try:
         yield
     finally:

@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -61,9 +61,6 @@ __all__ = ["DEFAULT_GRACE_S", "RemoteCheckpointManager"]
 
 #: gc leaves an uncommitted attempt alone until it is this old (a save may be uploading).
 DEFAULT_GRACE_S = 3600.0
-
-#: Test hook: called with the object index before each upload (fault injection).
-_before_upload: Callable[[int], None] | None = None
 
 
 def _memory_tmp() -> str | None:
@@ -373,9 +370,7 @@ class RemoteCheckpointManager(CheckpointManager):
                     locations=locations,
                     manifest=manifest,
                 )
-                upload_files(
-                    self._store, prefix, local, objects, members, before_object=_before_upload
-                )
+                upload_files(self._store, prefix, local, objects, members)
             finally:
                 shutil.rmtree(staging_parent, ignore_errors=True)
             check_uploaded(self._store, prefix, objects)

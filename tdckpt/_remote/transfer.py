@@ -74,14 +74,10 @@ def upload_files(
     local: Path,
     objects: list[ObjectRecord],
     members: list[list[str]],
-    *,
-    before_object: Callable[[int], None] | None = None,
 ) -> None:
     """Upload each object (concurrently); any failure raises after the others stop."""
 
     def one(index: int) -> None:
-        if before_object is not None:
-            before_object(index)
         obj = objects[index]
         rel = f"{prefix}/{obj.name}"
         names = members[index]
