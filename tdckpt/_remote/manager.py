@@ -391,6 +391,8 @@ class RemoteCheckpointManager(CheckpointManager):
         return self._store.show(prefix)
 
     def _apply_retention(self, *, just_saved: int | None) -> list[Path]:
+        if type(self.retention) is KeepAll:
+            return []  # keeps everything: no listing needed
         with self._state:
             infos = self.step_infos()
             if not infos:

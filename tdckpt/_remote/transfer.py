@@ -136,48 +136,72 @@ def download_step(
 ) -> int:
     """Read every file of the step into ``dest`` (a new folder), verifying checksums.
 
-    With ``report`` given, problems are appended to it instead of raised (``verify``);
-    otherwise the first bad file raises :class:`IntegrityError`. Returns bytes read.
+    Each object is read whole, in ranges of RANGE_BYTES issued together (a pack of small
+    files costs one request, not one per file); batches of objects stay under
+    BATCH_BYTES in flight, the next batch downloading while this one is hashed and
+    written. With ``report`` given, problems are appended to it instead of raised
+    (``verify``); otherwise the first bad file raises :class:`IntegrityError`. Returns
+    the bytes read.
     """
     manifest: Manifest = record.manifest
-    files = sorted(manifest.files, key=lambda f: (record.locations[f.path].object, f.path))
-    total = sum(f.size for f in files)
+    by_object: dict[int, list[FileRecord]] = {}
+    for f in manifest.files:
+        by_object.setdefault(record.locations[f.path].object, []).append(f)
+    for files in by_object.values():
+        files.sort(key=lambda f: record.locations[f.path].offset)
+    total = sum(f.size for f in manifest.files)
     done = 0
     dest.mkdir(parents=True, exist_ok=False)
-    dirs = {str(Path(f.path).parent) for f in files} - {"."}
-    for d in sorted(dirs):
+    for d in sorted({str(Path(f.path).parent) for f in manifest.files} - {"."}):
         (dest / d).mkdir(parents=True, exist_ok=True)
 
-    def ranges(f: FileRecord) -> list[tuple[str, int, int]]:
-        loc = record.locations[f.path]
-        rel = f"{prefix}/{record.objects[loc.object].name}"
-        start, end = loc.offset, loc.offset + f.size
+    def spans(index: int) -> list[tuple[str, int, int]]:
+        files = by_object[index]
+        rel = f"{prefix}/{record.objects[index].name}"
+        start = record.locations[files[0].path].offset
+        end = max(record.locations[f.path].offset + f.size for f in files)
         return [(rel, s, min(s + RANGE_BYTES, end)) for s in range(start, end, RANGE_BYTES)]
 
-    # batches of whole files, each batch at most BATCH_BYTES (a bigger file is its own batch)
-    batches: list[list[FileRecord]] = []
+    batches: list[list[int]] = []
     size = 0
-    for f in files:
-        if not batches or (size + f.size > BATCH_BYTES and batches[-1]):
+    for index in sorted(by_object):
+        nbytes = sum(f.size for f in by_object[index])
+        if not batches or (size + nbytes > BATCH_BYTES and batches[-1]):
             batches.append([])
             size = 0
-        batches[-1].append(f)
-        size += f.size
+        batches[-1].append(index)
+        size += nbytes
 
-    def fetch(batch: list[FileRecord]) -> list[list[bytes]]:
-        spans = [ranges(f) for f in batch]
-        flat = [r for s in spans for r in s]
+    def fetch(batch: list[int]) -> list[tuple[int, list[bytes]]]:
+        per = [spans(i) for i in batch]
+        flat = [r for s in per for r in s]
+        if not flat:
+            return [(per_start, []) for per_start in batch]
         data = store.cat_ranges([r[0] for r in flat], [r[1] for r in flat], [r[2] for r in flat])
         out, i = [], 0
-        for s in spans:
-            out.append(data[i : i + len(s)])
+        for index, s in zip(batch, per, strict=True):
+            out.append((index, data[i : i + len(s)]))
             i += len(s)
         return out
 
-    def digest(chunks: list[bytes], algorithm: str) -> str:
-        h = new_hasher(algorithm)
+    def pieces(index: int, chunks: list[bytes], f: FileRecord) -> list[memoryview] | int:
+        """The file's bytes as views into the object's chunks (or how many arrived)."""
+        base = record.locations[by_object[index][0].path].offset
+        lo = record.locations[f.path].offset - base
+        hi = lo + f.size
+        out, pos = [], 0
         for c in chunks:
-            h.update(c)
+            a, b = max(lo, pos), min(hi, pos + len(c))
+            if a < b:
+                out.append(memoryview(c)[a - pos : b - pos])
+            pos += len(c)
+        got = sum(len(p) for p in out)
+        return out if got == f.size else got
+
+    def digest(parts: list[memoryview], algorithm: str) -> str:
+        h = new_hasher(algorithm)
+        for part in parts:
+            h.update(part)
         return f"{algorithm}:{h.hexdigest()}"
 
     def problem(f: FileRecord, kind: str, expected: str, found: str) -> None:
@@ -196,45 +220,55 @@ def download_step(
 
     with ThreadPoolExecutor(1, "tdckpt-prefetch") as pool:
         pending = pool.submit(fetch, batches[0]) if batches else None
-        for index, batch in enumerate(batches):
+        for number, batch in enumerate(batches):
             assert pending is not None
             try:
                 got = pending.result()
-            except FileNotFoundError as exc:
-                missing = FileRecord(path=batch[0].path, size=batch[0].size)
-                problem(missing, "missing", "an object in the store", f"not found ({exc})")
-                got = None
+            except FileNotFoundError:
+                got = []  # which objects are gone: read them one by one
+                for index in batch:
+                    try:
+                        got += fetch([index])
+                    except FileNotFoundError as exc:
+                        for f in by_object[index]:
+                            problem(f, "missing", f"{f.size} bytes", f"no object ({exc})")
             # read ahead: the next batch downloads while this one is hashed and written
-            pending = pool.submit(fetch, batches[index + 1]) if index + 1 < len(batches) else None
-            if got is None:
-                continue
-            for f, chunks in zip(batch, got, strict=True):
-                n = sum(len(c) for c in chunks)
-                if n != f.size:
-                    problem(f, "short" if n < f.size else "long", f"{f.size} bytes", f"{n} bytes")
-                    continue
-                if f.checksum is not None:
-                    algorithm = f.checksum.split(":", 1)[0]
-                    found = digest(chunks, algorithm)
-                    if found != f.checksum:
-                        # read once more: a glitch in transit is not damage at rest
-                        chunks = fetch([f])[0]
-                        found = digest(chunks, algorithm)
+            pending = pool.submit(fetch, batches[number + 1]) if number + 1 < len(batches) else None
+            for index, chunks in got:
+                for f in by_object[index]:
+                    parts = pieces(index, chunks, f)
+                    if isinstance(parts, int):
+                        kind = "short" if parts < f.size else "long"
+                        problem(f, kind, f"{f.size} bytes", f"{parts} bytes")
+                        continue
+                    if f.checksum is not None:
+                        algorithm = f.checksum.split(":", 1)[0]
+                        found = digest(parts, algorithm)
                         if found != f.checksum:
-                            problem(f, "changed", f.checksum, found)
-                            continue
-                _write_new(dest / f.path, chunks)
-                done += f.size
-                if report is not None:
-                    report.files_checked += 1
-                if progress is not None:
-                    progress(done, total)
+                            # read once more: a glitch in transit is not damage at rest
+                            loc = record.locations[f.path]
+                            again = store.cat_ranges(
+                                [f"{prefix}/{record.objects[loc.object].name}"],
+                                [loc.offset],
+                                [loc.offset + f.size],
+                            )
+                            parts = [memoryview(again[0])]
+                            found = digest(parts, algorithm)
+                            if found != f.checksum:
+                                problem(f, "changed", f.checksum, found)
+                                continue
+                    _write_new(dest / f.path, parts)
+                    done += f.size
+                    if report is not None:
+                        report.files_checked += 1
+                    if progress is not None:
+                        progress(done, total)
     text = manifest.model_dump_json(indent=1) + "\n"
-    _write_new(dest / MANIFEST_NAME, [text.encode()])
+    _write_new(dest / MANIFEST_NAME, [memoryview(text.encode())])
     return done
 
 
-def _write_new(path: Path, chunks: list[bytes]) -> None:
+def _write_new(path: Path, chunks: list[memoryview]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         for c in chunks:
