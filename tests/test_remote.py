@@ -22,6 +22,7 @@ from tdckpt.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     LockError,
+    PickleNotAllowedError,
     RestoreError,
 )
 
@@ -280,3 +281,41 @@ def test_importing_tdckpt_does_not_import_fsspec() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_file_url_commits_with_an_exclusive_create(tmp_path: Path) -> None:
+    """file:// goes through the object-store path too (O_EXCL commit, no rename)."""
+    url = (tmp_path / "store").as_uri()
+    td = _td(6)
+    with CheckpointManager(url) as mgr:
+        assert isinstance(mgr, RemoteCheckpointManager)
+        mgr.save(1, td)
+        assert mgr.steps() == [1]
+        assert (tmp_path / "store" / "1.tdckpt.json").is_file()
+        assert _equal(mgr.restore(), td)
+        assert mgr.verify().ok
+        # the commit record exists: a second create of it fails, whoever tries
+        with pytest.raises(FileExistsError):
+            mgr.store.create("1.tdckpt.json", b"{}")
+
+
+def test_pickle_warning_names_the_url_and_the_callers_line(remote: Remote) -> None:
+    from tdckpt.warnings import TdckptDeprecationWarning
+
+    td = TensorDict(a=torch.zeros(2), obj=tensordict.NonTensorData(data={1, 2}))
+    with _mgr(remote) as mgr:
+        mgr.save(1, td)
+        with pytest.warns(TdckptDeprecationWarning, match="loading pickled non-tensor") as caught:
+            out = mgr.restore()
+        assert out["obj"] == {1, 2}
+        (w,) = caught
+        assert w.filename == __file__
+        assert remote.url + "/1.attempt-" in str(w.message)
+        assert "tdckpt-restore-" not in str(w.message)
+        target = td.clone()
+        with pytest.warns(TdckptDeprecationWarning) as caught:
+            mgr.restore_into(target)
+        assert caught[0].filename == __file__ and remote.url in str(caught[0].message)
+        # allow_pickle=False refuses before touching the target
+        with pytest.raises(PickleNotAllowedError):
+            mgr.restore_into(target, allow_pickle=False)

@@ -40,6 +40,7 @@ from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
 from tdckpt._remote import layout
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
+from tdckpt._remote.prefix import relabel_warnings
 from tdckpt._remote.store import Store, mtime, open_store
 from tdckpt._remote.transfer import check_uploaded, download_step, plan_objects, upload_files
 from tdckpt._write import atomic as _atomic
@@ -569,14 +570,15 @@ class RemoteCheckpointManager(CheckpointManager):
                         unexpected=unexpected,
                     )
 
-            restore_in_place(
-                td,
-                local,
-                True,
-                allow_pickle=allow_pickle,
-                mode=local_mode,
-                check=same_keys if strict else None,
-            )
+            with relabel_warnings(local, url):
+                restore_in_place(
+                    td,
+                    local,
+                    True,
+                    allow_pickle=allow_pickle,
+                    mode=local_mode,
+                    check=same_keys if strict else None,
+                )
         return td
 
     def restore(
@@ -591,5 +593,5 @@ class RemoteCheckpointManager(CheckpointManager):
         from tdckpt._restore.engine import load_memmap
 
         local_mode = self._mode(mode)
-        with self._local_copy(step) as (_, local, _url):
+        with self._local_copy(step) as (_, local, url), relabel_warnings(local, url):
             return load_memmap(local, robust_key=True, allow_pickle=allow_pickle, mode=local_mode)

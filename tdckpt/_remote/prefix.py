@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,7 +27,7 @@ from tdckpt._write.checksum import new_hasher
 from tdckpt.errors import CheckpointNotFoundError, IntegrityError, MetadataError, UnsafePathError
 from tdckpt.schema import MANIFEST_NAME, Manifest
 
-__all__ = ["local_prefix", "relabel"]
+__all__ = ["local_prefix", "relabel", "relabel_warnings"]
 
 T = TypeVar("T")
 
@@ -146,3 +147,27 @@ def refuse_write(url: str, what: str) -> MetadataError:
         "--dry-run to see the plan.",
         path=url,
     )
+
+
+@contextlib.contextmanager
+def relabel_warnings(local: Path, url: str) -> Iterator[None]:
+    """Warnings raised in the block name ``url`` instead of the private local copy, and
+    point at the caller's line (the first frame outside tdckpt)."""
+    from tdckpt._restore.policy import user_stacklevel
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    here = os.fspath(local)
+    for w in caught:
+        text = str(w.message).replace(here, url)
+        message: Warning
+        if isinstance(w.message, Warning):
+            # the instance was made for this warning: relabel it (keeps its attributes)
+            message = w.message
+            message.args = (text,)
+            if isinstance(getattr(message, "message", None), str):  # tdckpt's own warnings
+                message.message = text  # type: ignore[attr-defined]
+        else:
+            message = w.category(text)
+        warnings.warn(message, stacklevel=user_stacklevel())

@@ -184,10 +184,17 @@ class Store:
         return [bytes(d) for d in out]
 
     # -- writing -------------------------------------------------------------------------
+    def _parents(self, rel: str) -> None:
+        # A filesystem with real directories (file://) needs the parent to exist.
+        if self.protocol in ("file", "local"):
+            self.fs.makedirs(self.fs._parent(self.full(rel)), exist_ok=True)
+
     def put_bytes(self, rel: str, data: bytes) -> None:
+        self._parents(rel)
         self._call("upload", rel, lambda: self.fs.pipe_file(self.full(rel), data))
 
     def put_file(self, local: str, rel: str) -> None:
+        self._parents(rel)
         self._call("upload", rel, lambda: self.fs.put_file(local, self.full(rel)))
 
     def create(self, rel: str, data: bytes) -> None:

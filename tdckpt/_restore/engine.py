@@ -461,9 +461,12 @@ def load_memmap(
     """
     _check_args(robust_key, allow_pickle, mode)
     if is_url(prefix):
-        from tdckpt._remote.prefix import local_prefix
+        from tdckpt._remote.prefix import local_prefix, relabel_warnings
 
-        with local_prefix(prefix, storage_options, data=True) as local:  # type: ignore[arg-type]
+        with (
+            local_prefix(prefix, storage_options, data=True) as local,  # type: ignore[arg-type]
+            relabel_warnings(local, str(prefix)),
+        ):
             return load_memmap(
                 local, robust_key=robust_key, allow_pickle=allow_pickle, mode=_url_mode(mode),
                 device=device,
@@ -525,9 +528,12 @@ def load_memmap_(
     """
     _check_args(robust_key, allow_pickle, mode)
     if is_url(prefix):  # an fsspec URL: a verified private local copy, then the same engine
-        from tdckpt._remote.prefix import local_prefix
+        from tdckpt._remote.prefix import local_prefix, relabel_warnings
 
-        with local_prefix(prefix, storage_options, data=True) as local:  # type: ignore[arg-type]
+        with (
+            local_prefix(prefix, storage_options, data=True) as local,  # type: ignore[arg-type]
+            relabel_warnings(local, str(prefix)),
+        ):
             return restore_in_place(
                 target, local, robust_key, allow_pickle=allow_pickle, mode=_url_mode(mode)
             )
