@@ -87,6 +87,16 @@ class RemoteCheckpointManager(CheckpointManager):
         cache_dir: a local folder for downloaded steps: restores then keep their files
             there (``<cache_dir>/<step>.attempt-<id>/``, re-verified on reuse) instead of
             in a temporary folder removed after each restore.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tdckpt import CheckpointManager, KeepLast
+        >>> with CheckpointManager("memory://doctest/run", retention=KeepLast(1)) as mgr:
+        ...     for step in (1, 2):
+        ...         _ = mgr.save(step, TensorDict(w=torch.full((2,), float(step))))
+        ...     mgr.steps(), mgr.restore()["w"].tolist(), type(mgr).__name__
+        ([2], [2.0, 2.0], 'RemoteCheckpointManager')
     """
 
     root: Path | str  # type: ignore[assignment]
