@@ -5,22 +5,21 @@ manager dispatches on the URL); a plain local path keeps the local manager and i
 staging folder + fsync + rename commit. The API is the same; what differs is how a step is
 committed and read (see :mod:`tdckpt._remote.layout`):
 
-* save: write the step into a local staging folder with the same writer (checksums
-  computed while writing), upload it under a fresh attempt prefix, check the upload with
-  one listing, renew the lease, then create the commit record with a conditional create.
-  The step exists iff the record does: a save killed at any instant leaves no listed step;
-  of two writers racing one step exactly one create succeeds and the other gets a
+* save: plan the step as a local save plans it (the same files and bytes), upload it from
+  memory under a fresh attempt prefix (checksums computed while uploading), check the upload
+  with one listing, renew the lease, then create the commit record with a conditional
+  create. The step exists iff the record does: a save killed at any instant leaves no listed
+  step; of two writers racing one step exactly one create succeeds and the other gets a
   :class:`~tdckpt.errors.CommitConflictError`. ``overwrite=True`` is refused: replacing a
   committed step needs an atomic swap object stores do not have.
 * restore / restore_into: read the record, fetch exactly each file's bytes with ranged,
-  concurrent reads into a private local folder (``cache_dir``, or a temporary one in
-  memory-backed ``/dev/shm`` when there is one), verify every checksum while reading, then
-  run the same in-place engine on that folder: all or nothing, target untouched on any
-  error. Leaves are mapped copy-on-write (``mode="r"``); the temporary folder is removed
-  right after (the mapped pages stay with the tensors).
-* retention: delete the record first (the step is gone), then its data; gc: delete
-  attempt prefixes no record names once older than a grace period.
-"""
+  concurrent reads into a private local folder (``cache_dir``, or a temporary one in memory-
+  backed ``/dev/shm`` when there is one), verify every checksum while reading, then run the
+  same in-place engine on that folder: all or nothing, target untouched on any error. Leaves
+  are mapped copy-on-write (``mode="r"``); the temporary folder is removed right after (the
+  mapped pages stay with the tensors).
+* retention: delete the record first (the step is gone), then its data; gc: delete attempt
+  prefixes no record names once older than a grace period."""
 
 from __future__ import annotations
 
@@ -39,13 +38,14 @@ from typing import Any, Literal
 from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
 from tdckpt._remote import layout
+from tdckpt._remote.encode import encode_checkpoint
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
 from tdckpt._remote.prefix import relabel_warnings
 from tdckpt._remote.store import Store, mtime, open_store
-from tdckpt._remote.transfer import check_uploaded, download_step, plan_objects, upload_files
+from tdckpt._remote.transfer import check_uploaded, download_step, plan_objects, upload_encoded
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
-from tdckpt._write.save import check_json_data, write_checkpoint
+from tdckpt._write.save import check_json_data
 from tdckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -57,6 +57,7 @@ from tdckpt.errors import (
 )
 from tdckpt.manager import CheckpointManager, _show_keys
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
+from tdckpt.schema import FileRecord
 
 __all__ = ["DEFAULT_GRACE_S", "RemoteCheckpointManager"]
 
@@ -360,30 +361,29 @@ class RemoteCheckpointManager(CheckpointManager):
                 )
             attempt = uuid.uuid4().hex
             prefix = layout.attempt_name(step, attempt)
-            staging_parent = tempfile.mkdtemp(prefix="tdckpt-upload-", dir=_memory_tmp())
-            try:
-                local = Path(staging_parent) / "step"
-                manifest = write_checkpoint(
-                    obj,
-                    local,
-                    step=step,
-                    user_metadata=metadata,
-                    fsync=False,  # a local copy only: durability is the store's
-                    checksum=self.checksum,
-                )
-                objects, locations, members = plan_objects(manifest.files)
-                record = layout.CommitRecord(
-                    commit_version=layout.COMMIT_VERSION,
-                    step=step,
-                    attempt=attempt,
-                    writer=self.id,
-                    objects=objects,
-                    locations=locations,
-                    manifest=manifest,
-                )
-                upload_files(self._store, prefix, local, objects, members)
-            finally:
-                shutil.rmtree(staging_parent, ignore_errors=True)
+            encoded = encode_checkpoint(
+                obj,
+                self._store.show(prefix),
+                step=step,
+                user_metadata=metadata,
+                checksum=self.checksum,
+            )
+            objects, locations, members = plan_objects(
+                [FileRecord(path=f.rel, size=f.size) for f in encoded.files]
+            )
+            sums = upload_encoded(
+                self._store, prefix, encoded.files, objects, members, self.checksum
+            )
+            record = layout.CommitRecord(
+                commit_version=layout.COMMIT_VERSION,
+                step=step,
+                attempt=attempt,
+                writer=self.id,
+                objects=objects,
+                locations=locations,
+                manifest=encoded.manifest(sums),
+            )
+            del encoded  # the staged copies of non-contiguous leaves, if any
             check_uploaded(self._store, prefix, objects)
             self._ensure_lock()  # LockError if another writer took the root meanwhile
             try:

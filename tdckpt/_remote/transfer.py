@@ -1,14 +1,16 @@
 """Moving a step's files between a local folder and an attempt prefix.
 
-Upload: the files a local save wrote (:func:`tdckpt._write.save.write_checkpoint`) go up
-concurrently, large ones as objects of their own, small ones packed back to back
-(:data:`~tdckpt._remote.layout.PACK_FILE_MAX`). Download: ranged reads of exactly each
-file's bytes, issued together (``cat_ranges``: concurrent on s3fs), in bounded batches;
-each file's checksum is computed over the bytes as they arrive and compared with the
-manifest before the file counts as read. A mismatch is read once more (a transfer
-glitch), then reported as an :class:`~tdckpt.errors.IntegrityError` naming the file and
-its key; nothing is restored from a step that fails.
-"""
+Upload: the files of the step, planned as a local save plans them
+(:mod:`tdckpt._remote.encode`), go up concurrently from memory - large ones as objects of
+their own, small ones packed back to back (:data:`~tdckpt._remote.layout.PACK_FILE_MAX`) -
+each file's checksum computed over the bytes as they are sent.
+
+Download: ranged reads of exactly each file's bytes, issued together (``cat_ranges``:
+concurrent on s3fs), in bounded batches; each file's checksum is computed over the bytes as
+they arrive and compared with the manifest before the file counts as read. A mismatch is
+read once more (a transfer glitch), then reported as an
+:class:`~tdckpt.errors.IntegrityError` naming the file and its key; nothing is restored from
+a step that fails."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tdckpt._manage.verify import VerifyProblem, VerifyReport
+from tdckpt._remote.encode import EncodedFile
 from tdckpt._remote.layout import (
     PACK_FILE_MAX,
     PACK_TARGET,
@@ -30,10 +33,10 @@ from tdckpt._write.checksum import new_hasher
 from tdckpt.errors import IntegrityError
 from tdckpt.schema import MANIFEST_NAME, FileRecord, Manifest
 
-__all__ = ["download_step", "plan_objects", "upload_files"]
+__all__ = ["check_uploaded", "download_step", "plan_objects", "upload_encoded"]
 
 #: Bytes per ranged read, and bytes in flight per batch of ranged reads.
-RANGE_BYTES = 8 << 20
+RANGE_BYTES = 16 << 20
 BATCH_BYTES = 128 << 20
 #: Concurrent uploads.
 UPLOAD_THREADS = 16
@@ -68,40 +71,44 @@ def plan_objects(
     return objects, locations, [[r.path for r in g] for g in groups]
 
 
-def upload_files(
+def upload_encoded(
     store: Store,
     prefix: str,
-    local: Path,
+    files: list[EncodedFile],
     objects: list[ObjectRecord],
     members: list[list[str]],
-) -> None:
-    """Upload each object (concurrently); any failure raises after the others stop."""
+    algorithm: str,
+) -> dict[str, str]:
+    """Upload each object (concurrently) from memory, hashing each file's bytes on the way;
+    return path -> checksum. Any failure raises after the other uploads stop."""
+    by_rel = {f.rel: f for f in files}
+    sums: dict[str, str] = {}
 
     def one(index: int) -> None:
-        obj = objects[index]
-        rel = f"{prefix}/{obj.name}"
-        names = members[index]
-        if len(names) == 1 and obj.size > PACK_FILE_MAX:  # a large file: its own object
-            store.put_file(str(local / names[0]), rel)
-            return
-        data = bytearray()
-        for name in names:
-            data += (local / name).read_bytes()
-        store.put_bytes(rel, bytes(data))
+        parts: list[memoryview] = []
+        for rel in members[index]:
+            h = new_hasher(algorithm)
+            for part in by_rel[rel].parts:
+                h.update(part)  # zlib / hashlib release the GIL: uploads hash in parallel
+            sums[rel] = f"{algorithm}:{h.hexdigest()}"
+            parts += by_rel[rel].parts
+        body = parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
+        store.put_bytes(f"{prefix}/{objects[index].name}", body)
 
-    if len(objects) <= 1:
-        for i in range(len(objects)):
-            one(i)
+    _run_all(one, len(objects))
+    return sums
+
+
+def _run_all(fn: Callable[[int], None], n: int) -> None:
+    if n <= 1:
+        for i in range(n):
+            fn(i)
         return
-    with ThreadPoolExecutor(min(UPLOAD_THREADS, len(objects)), "tdckpt-upload") as pool:
-        futures = [pool.submit(one, i) for i in range(len(objects))]
-        errors = []
-        for f in futures:
-            exc = f.exception()
-            if exc is not None:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+    with ThreadPoolExecutor(min(UPLOAD_THREADS, n), "tdckpt-upload") as pool:
+        futures = [pool.submit(fn, i) for i in range(n)]
+        errors = [exc for f in futures if (exc := f.exception()) is not None]
+    if errors:
+        raise errors[0]
 
 
 def check_uploaded(store: Store, prefix: str, objects: list[ObjectRecord]) -> None:
