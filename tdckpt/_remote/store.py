@@ -29,6 +29,10 @@ T = TypeVar("T")
 #: Tries of one store call before it fails (the first try included), and the first wait.
 ATTEMPTS = 5
 BACKOFF_S = 0.05
+#: Objects larger than this are streamed (multipart) rather than joined in memory; the
+#: block size of such streams.
+STREAM_ABOVE = 64 << 20
+STREAM_BLOCK = 32 << 20
 
 #: Answers that are facts about the store, not failures of the request: never retried.
 _DEFINITE: tuple[type[BaseException], ...] = (
@@ -192,6 +196,19 @@ class Store:
     def put_bytes(self, rel: str, data: bytes) -> None:
         self._parents(rel)
         self._call("upload", rel, lambda: self.fs.pipe_file(self.full(rel), data))
+
+    def put_parts(self, rel: str, parts: list[memoryview]) -> None:
+        """Upload the concatenation of ``parts`` without joining them in memory first (a
+        streamed, multipart upload on s3fs: memory stays about one block)."""
+        self._parents(rel)
+
+        def stream() -> None:
+            with self.fs.open(self.full(rel), "wb", block_size=STREAM_BLOCK) as fh:
+                for part in parts:
+                    for start in range(0, len(part), STREAM_BLOCK):
+                        fh.write(part[start : start + STREAM_BLOCK])
+
+        self._call("upload", rel, stream)
 
     def put_file(self, local: str, rel: str) -> None:
         self._parents(rel)

@@ -28,7 +28,7 @@ from tdckpt._remote.layout import (
     Location,
     ObjectRecord,
 )
-from tdckpt._remote.store import Store
+from tdckpt._remote.store import STREAM_ABOVE, Store
 from tdckpt._write.checksum import new_hasher
 from tdckpt.errors import IntegrityError
 from tdckpt.schema import MANIFEST_NAME, FileRecord, Manifest
@@ -92,8 +92,11 @@ def upload_encoded(
                 h.update(part)  # zlib / hashlib release the GIL: uploads hash in parallel
             sums[rel] = f"{algorithm}:{h.hexdigest()}"
             parts += by_rel[rel].parts
-        body = parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
-        store.put_bytes(f"{prefix}/{objects[index].name}", body)
+        rel = f"{prefix}/{objects[index].name}"
+        if objects[index].size > STREAM_ABOVE:
+            store.put_parts(rel, parts)  # a large leaf: streamed, never copied whole
+            return
+        store.put_bytes(rel, parts[0].tobytes() if len(parts) == 1 else b"".join(parts))
 
     _run_all(one, len(objects))
     return sums
