@@ -9,6 +9,9 @@
   on the same committed step of 10,000 leaves, ``tdckpt.load_memmap_`` of it beside them.
 * save: ``CheckpointManager.save`` (checksums + fsync) vs ``td.memmap(prefix)``.
 * verify: ``CheckpointManager.verify`` vs ``sha256sum`` over the same files.
+* remote: object storage, ``CheckpointManager("s3://...")`` save / restore_into vs DCP's
+  FsspecWriter / FsspecReader on one local moto server, requests counted
+  (benchmarks/bench_remote.py).
 * upgrade: ``tdckpt upgrade`` of a legacy (tensordict 0.12-layout) checkpoint with a 1 GiB
   leaf vs one with a 1 KiB leaf, without a backup (leaves hard-linked, read once for their
   checksum) and with one (leaves copied - or reflinked where the file system can - so that
@@ -356,6 +359,7 @@ BENCHES = {
     "distributed": lambda work, quick: __import__("bench_distributed").bench(work, quick),
     "async": lambda work, quick: __import__("bench_async").bench(work, quick),
     "state": lambda work, quick: __import__("bench_state").bench(work, quick),
+    "remote": lambda work, quick: __import__("bench_remote").bench(work, quick),
 }
 
 

@@ -298,6 +298,53 @@ def _path_arg(text: str) -> str:
     return text
 
 
+def _storage_option_arg(text: str) -> tuple[list[str], Any]:
+    """``KEY=VALUE`` (``a.b=v`` nests; the value is JSON when it parses, else a string)."""
+    key, sep, value = text.partition("=")
+    parts = key.split(".")
+    if not sep or not all(p.strip() for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"invalid storage option {text!r}: expected KEY=VALUE, e.g. anon=true or "
+            "client_kwargs.endpoint_url=http://127.0.0.1:9000"
+        )
+    try:
+        parsed: Any = json.loads(value)
+    except ValueError:
+        parsed = value
+    return parts, parsed
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    pairs = getattr(args, "storage_option", None)
+    if not pairs:
+        return None
+    options: dict[str, Any] = {}
+    for parts, value in pairs:
+        where = options
+        for part in parts[:-1]:
+            nested = where.setdefault(part, {})
+            if not isinstance(nested, dict):
+                nested = where[part] = {}
+            where = nested
+        where[parts[-1]] = value
+    return options
+
+
+def _check_storage_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--storage-option / --grace-period only with a URL (they mean nothing locally)."""
+    from tdckpt._remote.urls import is_url
+
+    target = getattr(args, "prefix", None) or getattr(args, "root", None)
+    if target is None or is_url(target):
+        return
+    for flag, value in (
+        ("--storage-option", getattr(args, "storage_option", None)),
+        ("--grace-period", getattr(args, "grace_period", None)),
+    ):
+        if value:
+            parser.error(f"{flag} is for fsspec URLs (s3://..., memory://...), not {target!r}")
+
+
 def _first_line(func: Callable[..., Any]) -> str:
     return (func.__doc__ or "").strip().splitlines()[0]
 
@@ -384,7 +431,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if sharded is not None:
         return _print_sharded(sharded, as_json=args.json)
     with _prefix_hints(args.prefix):
-        result = inspect(args.prefix, robust_key=_robust(args.robust_key))
+        result = inspect(
+            args.prefix, robust_key=_robust(args.robust_key), storage_options=_storage_options(args)
+        )
     if args.json:
         _print_json(result.to_json())
         return EXIT_OK
@@ -453,7 +502,9 @@ def _print_tree(info: Any, indent: str) -> None:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from tdckpt._read.inspect import validate
 
-    report = validate(args.prefix, robust_key=_robust(args.robust_key))
+    report = validate(
+        args.prefix, robust_key=_robust(args.robust_key), storage_options=_storage_options(args)
+    )
     if args.json:
         _print_json(report.to_json())
     else:
@@ -483,6 +534,7 @@ def _cmd_upgrade(args: argparse.Namespace) -> int:
             backup=not args.no_backup,
             convert_pickles=args.convert_pickles,
             progress=bar,
+            storage_options=_storage_options(args),
         )
     if args.json:
         _print_json(report.to_json())
@@ -492,15 +544,18 @@ def _cmd_upgrade(args: argparse.Namespace) -> int:
     return EXIT_PROBLEM if any(p.severity == "error" for p in report.problems) else EXIT_OK
 
 
-def _manager(root: str) -> Any:
+def _manager(root: str, args: argparse.Namespace) -> Any:
+    from tdckpt._remote.urls import is_url
     from tdckpt.manager import CheckpointManager
 
+    if is_url(root):
+        return CheckpointManager(root, storage_options=_storage_options(args))
     _check_root(root)
     return CheckpointManager(root)
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    rows = _manager(args.root).list_steps()
+    rows = _manager(args.root, args).list_steps()
     if args.json:
         _print_json([row.to_json() for row in rows])
         return EXIT_OK
@@ -520,7 +575,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     with _progress("verify", unit="B") as bar:
-        report = _manager(args.root).verify(args.step, progress=bar)
+        report = _manager(args.root, args).verify(args.step, progress=bar)
     if args.json:
         _print_json(report.to_json())
     else:
@@ -536,8 +591,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    with _manager(args.root) as mgr:
-        removed = mgr.gc()
+    with _manager(args.root, args) as mgr:
+        removed = mgr.gc() if args.grace_period is None else mgr.gc(grace_period=args.grace_period)
     if args.json:
         _print_json([str(p) for p in removed])
     else:
@@ -597,6 +652,14 @@ def _parser() -> argparse.ArgumentParser:
 
     def add_json(p: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print JSON (errors too)")
+        p.add_argument(
+            "--storage-option",
+            action="append",
+            type=_storage_option_arg,
+            metavar="KEY=VALUE",
+            help="for an fsspec URL (s3://...): a filesystem option, repeatable; a.b=v nests, "
+            "values parse as JSON when they can (anon=true)",
+        )
 
     p = add("inspect", _first_line(inspect), _cmd_inspect)
     p.add_argument("prefix", type=_path_arg)
@@ -631,6 +694,13 @@ def _parser() -> argparse.ArgumentParser:
     add_json(p)
     p = add("gc", "Remove stale temporary folders left by crashed saves.", _cmd_gc)
     p.add_argument("root", type=_path_arg)
+    p.add_argument(
+        "--grace-period",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="URLs only: keep uncommitted uploads younger than this (default 3600)",
+    )
     add_json(p)
     add(
         "demo",
@@ -661,7 +731,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = _show_warning
         try:
             try:
-                args = _parser().parse_args(arguments)
+                parser = _parser()
+                args = parser.parse_args(arguments)
+                _check_storage_args(parser, args)
             except _UsageError as exc:
                 _usage_error(exc, want_json)
             want_json = bool(getattr(args, "json", False))

@@ -5,6 +5,7 @@
     TdckptError(Exception)                       the CLI catches only this
     ├─ CheckpointNotFoundError(.., FileNotFoundError)
     ├─ CheckpointExistsError(.., FileExistsError)
+    │  └─ CommitConflictError                    another writer committed the step first
     ├─ IncompleteCheckpointError                 no commit / leftover tmp folder
     ├─ UnsafePathError(.., ValueError)           a name that would leave the prefix
     ├─ MetadataError(.., ValueError)             unreadable or invalid metadata; .path .field
@@ -19,7 +20,8 @@
     │  └─ IntegrityError                         checksum or size differs from the manifest
     ├─ LockError                                 another writer holds the root
     ├─ CollectiveError                           a rank of a sharded save died or failed
-    └─ AsyncSaveError                            a background save failed, unretrieved; .step
+    ├─ AsyncSaveError                            a background save failed, unretrieved; .step
+    └─ RemoteError                               an object store kept failing
 
 Every message states what was found, what was expected and what to do, and names the
 prefix, the key and the file involved. The same facts are kept as attributes.
@@ -35,6 +37,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CollectiveError",
+    "CommitConflictError",
     "IncompleteCheckpointError",
     "IntegrityError",
     "LockError",
@@ -42,6 +45,7 @@ __all__ = [
     "MigrationChainError",
     "MigrationError",
     "PickleNotAllowedError",
+    "RemoteError",
     "RestoreError",
     "TdckptError",
     "UnsafePathError",
@@ -157,3 +161,12 @@ class AsyncSaveError(TdckptError):
     Raised by the next save and by ``close()``; the original error is ``__cause__``, and
     ``step`` names the step that was not committed.
     """
+
+
+class RemoteError(TdckptError):
+    """An object store kept failing (after retries), or cannot be opened."""
+
+
+class CommitConflictError(CheckpointExistsError):
+    """Another writer committed the same step first (object stores: the conditional create
+    of the step's commit record failed); this save's data is not listed and gc removes it."""

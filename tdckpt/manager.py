@@ -54,6 +54,7 @@ from tdckpt._progress import ProgressArg, progress_bar
 from tdckpt._shard.group import DEFAULT_TIMEOUT as _SHARD_TIMEOUT
 from tdckpt._shard.group import resolve_group
 from tdckpt._state import holds_live_objects, is_state_mapping, restore_state, to_tensordict
+from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.lock import RootLock
@@ -109,6 +110,10 @@ class CheckpointManager:
         timeout: seconds a collective of a sharded save or restore waits for the other
             ranks before every surviving rank raises
             :class:`~tdckpt.errors.CollectiveError`.
+        storage_options: for an fsspec URL root (``s3://bucket/run``, ``memory://x``), the
+            filesystem's options (credentials, ``client_kwargs``...). A URL root is kept in
+            object storage (``pip install 'tdckpt[remote]'``; see the remote guide and
+            :class:`tdckpt._remote.manager.RemoteCheckpointManager`).
 
     Example:
         >>> import tempfile, torch
@@ -122,6 +127,14 @@ class CheckpointManager:
         ([0.0, 1.0, 2.0], {'loss': 0.5})
     """
 
+    def __new__(cls, root: str | os.PathLike[str], *args: Any, **kwargs: Any) -> CheckpointManager:
+        # An fsspec URL (s3://, memory://, file://, ...) gets the object-storage manager.
+        if cls is CheckpointManager and is_url(root):
+            from tdckpt._remote.manager import RemoteCheckpointManager
+
+            return super().__new__(RemoteCheckpointManager)
+        return super().__new__(cls)
+
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -133,7 +146,9 @@ class CheckpointManager:
         compression: str = "stored",
         group: Any = None,
         timeout: float = _SHARD_TIMEOUT,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
+        require_local_options(root, storage_options)
         self.root = Path(root)
         self.retention: RetentionPolicy = KeepAll() if retention is None else retention
         if not callable(getattr(self.retention, "select_to_keep", None)):

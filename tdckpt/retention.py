@@ -43,7 +43,7 @@ class StepInfo:
     """
 
     step: int
-    path: Path
+    path: Path | str  # a URL (str) for a root in object storage
     metadata: Mapping[str, Any] = field(default_factory=dict)
     created: str | None = None
 

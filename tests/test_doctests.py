@@ -17,6 +17,8 @@ MODULES = [
     "tdckpt._restore.engine",
     "tdckpt._write.save",
     "tdckpt.manager",
+    "tdckpt._remote.manager",
+    "tdckpt._remote.urls",
     "tdckpt.retention",
 ]
 

@@ -68,7 +68,7 @@ class StepStatus:
     """
 
     step: int | None
-    path: Path
+    path: Path | str  # a URL (str) for a root in object storage
     kind: str
     status: str
     size: int = 0

@@ -81,7 +81,7 @@ class VerifyReport:
     """
 
     step: int
-    path: Path
+    path: Path | str  # a URL (str) for a root in object storage
     problems: list[VerifyProblem] = field(default_factory=list)
     files_checked: int = 0
     bytes_checked: int = 0

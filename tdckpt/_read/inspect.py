@@ -7,6 +7,7 @@ a leaf byte or write anything.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from tdckpt._read.nodes import (
     LazyStackNode,
@@ -21,6 +22,7 @@ from tdckpt._read.nodes import (
     pickled_nodes,
 )
 from tdckpt._read.pipeline import open_checkpoint
+from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import Inspection, NodeInfo, Problem, ValidationReport
 from tdckpt.errors import TdckptError
 from tdckpt.schema import FORMAT_VERSION
@@ -28,7 +30,12 @@ from tdckpt.schema import FORMAT_VERSION
 __all__ = ["inspect", "validate"]
 
 
-def validate(prefix: str | os.PathLike[str], *, robust_key: bool | None = None) -> ValidationReport:
+def validate(
+    prefix: str | os.PathLike[str],
+    *,
+    robust_key: bool | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> ValidationReport:
     """Check a checkpoint and report every problem at once.
 
     Missing or short leaf files, unknown dtypes, impossible shapes, leaves that do not
@@ -39,6 +46,7 @@ def validate(prefix: str | os.PathLike[str], *, robust_key: bool | None = None) 
     Args:
         prefix: a checkpoint directory or ``.tdz`` archive.
         robust_key: the key encoding (None: decide per directory from what is on disk).
+        storage_options: for an fsspec URL prefix (``s3://...``), the filesystem's options.
 
     Returns:
         A :class:`ValidationReport`; ``report.ok`` is False when any problem is an error.
@@ -51,6 +59,17 @@ def validate(prefix: str | os.PathLike[str], *, robust_key: bool | None = None) 
         ...     tdckpt.validate(d).ok
         True
     """
+    if is_url(prefix):
+        from tdckpt._remote.prefix import local_prefix, relabel
+
+        try:
+            with local_prefix(prefix, storage_options, data=False) as local:  # type: ignore[arg-type]
+                return relabel(validate(local, robust_key=robust_key), local, str(prefix))
+        except TdckptError as exc:
+            return ValidationReport(
+                prefix=str(prefix), problems=[Problem(_code(exc), "error", "", (), str(exc))]
+            )
+    require_local_options(prefix, storage_options)
     try:
         opened = open_checkpoint(prefix, robust_key=robust_key)
     except TdckptError as exc:
@@ -105,7 +124,12 @@ def _code(exc: TdckptError) -> str:
     }.get(name, "unreadable")
 
 
-def inspect(prefix: str | os.PathLike[str], *, robust_key: bool | None = None) -> Inspection:
+def inspect(
+    prefix: str | os.PathLike[str],
+    *,
+    robust_key: bool | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> Inspection:
     """Describe a checkpoint from its metadata alone.
 
     Reports the format generation that wrote it, the key encoding, the migrations an
@@ -114,7 +138,16 @@ def inspect(prefix: str | os.PathLike[str], *, robust_key: bool | None = None) -
 
     Raises:
         tdckpt.errors.TdckptError: the prefix is not a readable checkpoint.
+
+    ``prefix`` may be an fsspec URL (with ``storage_options``): only its metadata objects
+    are fetched.
     """
+    if is_url(prefix):
+        from tdckpt._remote.prefix import local_prefix, relabel
+
+        with local_prefix(prefix, storage_options, data=False) as local:  # type: ignore[arg-type]
+            return relabel(inspect(local, robust_key=robust_key), local, str(prefix))
+    require_local_options(prefix, storage_options)
     opened = open_checkpoint(prefix, robust_key=robust_key)
     try:
         root = (

@@ -37,6 +37,7 @@ from tdckpt._read.nodes import (
 )
 from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
 from tdckpt._read.views import node_batch
+from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import ValidationReport
 from tdckpt._restore.apply import restore_into_target
 from tdckpt._restore.plan import (
@@ -426,6 +427,7 @@ def load_memmap(
     allow_pickle: bool | None = None,
     mode: str | None = None,
     device: torch.device | str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """Load a saved tensordict of any tensordict release into a new object.
 
@@ -439,6 +441,9 @@ def load_memmap(
         mode: ``"r"`` maps files copy-on-write, ``"r+"`` shared and writable, None as
             tensordict (shared when the file is writable).
         device: move leaves there (``"cpu"`` keeps them memory-mapped).
+        storage_options: for a ``prefix`` that is an fsspec URL (``s3://...``): the
+            filesystem's options. A URL prefix is read into a private local copy first
+            (``mode="r"``; see the remote guide).
 
     Returns:
         The saved object - TensorDict, LazyStackedTensorDict, tensorclass instance - with
@@ -457,6 +462,18 @@ def load_memmap(
         [0, 1, 2]
     """
     _check_args(robust_key, allow_pickle, mode)
+    if is_url(prefix):
+        from tdckpt._remote.prefix import local_prefix, relabel_warnings
+
+        with (
+            local_prefix(prefix, storage_options, data=True) as local,  # type: ignore[arg-type]
+            relabel_warnings(local, str(prefix)),
+        ):
+            return load_memmap(
+                local, robust_key=robust_key, allow_pickle=allow_pickle, mode=_url_mode(mode),
+                device=device,
+            )
+    require_local_options(prefix, storage_options)
     dev = torch.device(device) if device is not None else None
     with _gc_paused():
         for attempt in range(_SWAP_RETRIES + 1):  # inline: warnings keep their stack level
@@ -484,6 +501,7 @@ def load_memmap_(
     *,
     allow_pickle: bool | None = None,
     mode: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """Load a saved tensordict into ``target`` in place, all or nothing, and return it.
 
@@ -497,6 +515,7 @@ def load_memmap_(
 
     ``target`` is a TensorDict (any nesting), a tensorclass instance, a
     LazyStackedTensorDict with the saved member count, or a plain nested ``dict``.
+    ``prefix`` may be an fsspec URL (``s3://bucket/ckpt``, with ``storage_options``).
     Other arguments as :func:`load_memmap`.
 
     Example:
@@ -510,7 +529,27 @@ def load_memmap_(
         (True, ['a'], [1.0, 1.0, 1.0])
     """
     _check_args(robust_key, allow_pickle, mode)
+    if is_url(prefix):  # an fsspec URL: a verified private local copy, then the same engine
+        from tdckpt._remote.prefix import local_prefix, relabel_warnings
+
+        with (
+            local_prefix(prefix, storage_options, data=True) as local,  # type: ignore[arg-type]
+            relabel_warnings(local, str(prefix)),
+        ):
+            return restore_in_place(
+                target, local, robust_key, allow_pickle=allow_pickle, mode=_url_mode(mode)
+            )
+    require_local_options(prefix, storage_options)
     return restore_in_place(target, prefix, robust_key, allow_pickle=allow_pickle, mode=mode)
+
+
+def _url_mode(mode: str | None) -> str:
+    if mode == "r+":
+        raise ValueError(
+            "mode='r+' makes writes reach the checkpoint's files; a checkpoint at a URL is read "
+            "into a private copy, so they never could. Use mode='r' or None."
+        )
+    return "r"
 
 
 def restore_in_place(

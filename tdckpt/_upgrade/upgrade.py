@@ -36,6 +36,7 @@ from tdckpt._read.detect import class_id_for, level_kind
 from tdckpt._read.migrate import migrate_tree
 from tdckpt._read.storage import Storage, join, open_storage
 from tdckpt._read.tree import VDir, VFile, read_tree
+from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import Problem, ValidationReport
 from tdckpt._upgrade.convert import convert_tree_pickles
 from tdckpt._upgrade.journal import (
@@ -186,6 +187,7 @@ def upgrade(
     backup: bool = True,
     convert_pickles: bool = False,
     progress: Progress | bool | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> UpgradeReport:
     """Upgrade a checkpoint on disk to the current format (crash-safe, with a backup).
 
@@ -200,6 +202,8 @@ def upgrade(
         progress: ``True`` draws a progress bar (tqdm, on stderr, only when it is a
             terminal); a callable is called as ``progress(done, total, what)`` after each
             operation.
+        storage_options: for an fsspec URL prefix (``s3://...``; ``dry_run=True`` only: the
+            plan is computed on a private local copy), the filesystem's options.
 
     Returns:
         The report: steps applied, every file operation, the backup, what was lost.
@@ -216,6 +220,18 @@ def upgrade(
         >>> report = upgrade("runs/old_ckpt", dry_run=True)  # doctest: +SKIP
         >>> print(report)  # doctest: +SKIP
     """
+    if is_url(prefix):
+        from tdckpt._remote.prefix import local_prefix, refuse_write, relabel
+
+        if not dry_run:
+            raise refuse_write(str(prefix), "an upgrade")
+        with local_prefix(str(prefix), storage_options, data=True) as local:
+            return relabel(
+                upgrade(local, dry_run=True, backup=backup, convert_pickles=convert_pickles),
+                local,
+                str(prefix),
+            )
+    require_local_options(prefix, storage_options)
     path = _prefix_path(prefix)
     if path.is_symlink():
         raise UnsafePathError(

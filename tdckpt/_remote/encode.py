@@ -1,0 +1,125 @@
+"""A step's files in memory, for upload: the local writer's plan, without a local copy.
+
+:func:`encode_checkpoint` runs the same planner as :func:`tdckpt._write.save.write_checkpoint`
+(:func:`tdckpt._write.save_plan.plan_checkpoint`: the same files, names and ``meta.json``
+bytes, the same refusals) but, instead of writing files, returns each file as a list of
+byte views - of the tensors themselves where they are contiguous CPU tensors (no copy),
+of bounded copies otherwise. The checksums are computed while uploading
+(:func:`tdckpt._remote.transfer.upload_encoded`), so the bytes are read once, as the local
+writer reads them once while writing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from tdckpt._write.checksum import new_hasher
+from tdckpt._write.save import (
+    _as_bytes,
+    _pieces,
+    _writer_versions,
+    check_json_data,
+    prepare_checkpoint,
+)
+from tdckpt.errors import MetadataError
+from tdckpt.schema import (
+    FORMAT_VERSION,
+    MANIFEST_SCHEMA_VERSION,
+    FileRecord,
+    Manifest,
+    StateRecord,
+)
+
+__all__ = ["Encoded", "EncodedFile", "encode_checkpoint"]
+
+
+@dataclass
+class EncodedFile:
+    rel: str
+    key: tuple[str, ...] | None
+    parts: list[memoryview]
+    size: int
+
+
+@dataclass
+class Encoded:
+    """Everything a manifest needs but the checksums (known once uploaded)."""
+
+    files: list[EncodedFile]
+    step: int | None
+    root_type: str
+    pickles: list[Any]
+    user_metadata: dict[str, Any]
+    state: StateRecord | None = None
+    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
+
+    def manifest(self, checksums: dict[str, str]) -> Manifest:
+        return Manifest(
+            schema_version=MANIFEST_SCHEMA_VERSION,
+            format_version=FORMAT_VERSION,
+            created=self.created,
+            writer=_writer_versions(),
+            key_encoding="robust",
+            step=self.step,
+            root_type=self.root_type,
+            pickles=self.pickles,
+            files=sorted(
+                (
+                    FileRecord(
+                        path=f.rel,
+                        size=f.size,
+                        checksum=checksums[f.rel],
+                        key=list(f.key) if f.key is not None else None,
+                    )
+                    for f in self.files
+                ),
+                key=lambda r: r.path,
+            ),
+            user_metadata=self.user_metadata,
+            state=self.state,
+        )
+
+
+def encode_checkpoint(
+    obj: Any,
+    where: str,
+    *,
+    step: int | None,
+    user_metadata: dict[str, Any] | None,
+    checksum: str,
+    state: StateRecord | None = None,
+) -> Encoded:
+    """Plan ``obj`` as a step (the local writer's checks and refusals, naming ``where``)."""
+    new_hasher(checksum)
+    metadata = {} if user_metadata is None else user_metadata
+    if type(metadata) is not dict:
+        raise MetadataError(
+            f"user metadata must be a dict of plain JSON data, got a {type(metadata).__name__}.",
+            path="metadata",
+        )
+    check_json_data(metadata)
+    json.dumps(metadata, allow_nan=False)
+    prepared = prepare_checkpoint(obj, where)  # the local writer's checks and refusals
+    plan = prepared.plan
+    files = []
+    for op in plan.ops:
+        if op.kind == "dir":
+            continue  # an object store has no folders; every folder holds a meta.json
+        if op.kind == "bytes":
+            assert op.data is not None
+            files.append(EncodedFile(op.rel, op.key, [memoryview(op.data)], len(op.data)))
+        else:
+            assert op.tensor is not None
+            parts = [_as_bytes(piece) for piece in _pieces(op.tensor)]
+            files.append(EncodedFile(op.rel, op.key, parts, sum(len(p) for p in parts)))
+    return Encoded(
+        files=files,
+        step=step,
+        root_type=prepared.root_type,
+        pickles=plan.pickles,
+        user_metadata=metadata,
+        state=state,
+    )

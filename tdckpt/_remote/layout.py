@@ -1,0 +1,153 @@
+"""The layout of a checkpoint root in object storage, and the commit record.
+
+::
+
+    <root>/<step>.tdckpt.json              the commit record: the step exists iff this does
+    <root>/<step>.attempt-<32 hex>/data-N  the step's bytes, one prefix per save attempt
+    <root>/.tdckpt-lease/<generation>.json the writer lease (tdckpt._remote.lease)
+
+A save uploads the step's files into a fresh attempt prefix (never one that exists), then
+creates the commit record with a conditional create; retention deletes the record first
+and the attempt after; gc deletes attempts that no record names once they are older than
+a grace period. Nothing is ever renamed or overwritten.
+
+The files of a step are those a local save writes (tensordict 0.15.3's format, listed with
+sizes and checksums in the manifest, embedded in the record). Large files are objects of
+their own; small ones are packed back to back into shared objects, so 1,000 small leaves
+cost a handful of requests rather than 1,000. The record says where every file lies
+(object, offset); the manifest says what its bytes must hash to.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tdckpt.errors import MetadataError
+from tdckpt.schema import Manifest
+
+__all__ = [
+    "COMMIT_SUFFIX",
+    "LEASE_DIR",
+    "CommitRecord",
+    "attempt_name",
+    "commit_name",
+    "parse_attempt",
+    "parse_commit",
+    "parse_record",
+]
+
+COMMIT_VERSION = 1
+COMMIT_SUFFIX = ".tdckpt.json"
+LEASE_DIR = ".tdckpt-lease"
+#: Files up to this size are packed together; larger ones are objects of their own.
+PACK_FILE_MAX = 1 << 20
+#: A pack object is closed once it reaches this size.
+PACK_TARGET = 16 << 20
+#: Largest commit record read (it holds the manifest: ~200 bytes per file).
+MAX_RECORD_BYTES = 256 << 20
+
+_COMMIT = re.compile(r"^(0|[1-9][0-9]{0,3999})" + re.escape(COMMIT_SUFFIX) + r"$")
+_ATTEMPT = re.compile(r"^(0|[1-9][0-9]{0,3999})\.attempt-([0-9a-f]{32})$")
+_OBJECT = re.compile(r"^data-(0|[1-9][0-9]{0,8})$")
+
+
+def commit_name(step: int) -> str:
+    return f"{step}{COMMIT_SUFFIX}"
+
+
+def attempt_name(step: int, attempt: str) -> str:
+    return f"{step}.attempt-{attempt}"
+
+
+def parse_commit(name: str) -> int | None:
+    m = _COMMIT.match(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_attempt(name: str) -> tuple[int, str] | None:
+    m = _ATTEMPT.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ObjectRecord(_Model):
+    name: str = Field(description="data-N, under the attempt prefix")
+    size: int = Field(ge=0)
+
+
+class Location(_Model):
+    object: int = Field(ge=0, description="index into objects")
+    offset: int = Field(ge=0)
+
+
+class CommitRecord(_Model):
+    """``<step>.tdckpt.json``: which attempt holds the step, where each file lies in it,
+    and the step's manifest (what each file must be)."""
+
+    commit_version: int = Field(ge=1)
+    step: int = Field(ge=0)
+    attempt: str = Field(pattern=r"^[0-9a-f]{32}$")
+    writer: str = Field(description="the committing manager's id")
+    objects: list[ObjectRecord]
+    locations: dict[str, Location]
+    manifest: Manifest
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CommitRecord:
+        names = [o.name for o in self.objects]
+        bad = [n for n in names if not _OBJECT.match(n)]
+        if bad or len(set(names)) != len(names):
+            raise ValueError(f"object names must be distinct data-N names, got {names[:5]}")
+        files = {f.path: f for f in self.manifest.files}
+        if set(files) != set(self.locations):
+            missing = sorted(set(files) - set(self.locations))[:5]
+            extra = sorted(set(self.locations) - set(files))[:5]
+            raise ValueError(
+                f"locations do not match the manifest (missing {missing}, extra {extra})"
+            )
+        for path, loc in self.locations.items():
+            if loc.object >= len(self.objects):
+                raise ValueError(f"{path!r} lies in object {loc.object}, which is not listed")
+            if loc.offset + files[path].size > self.objects[loc.object].size:
+                raise ValueError(f"{path!r} runs past the end of {self.objects[loc.object].name}")
+        if self.manifest.step is not None and self.manifest.step != self.step:
+            raise ValueError(f"the manifest is step {self.manifest.step}, the record {self.step}")
+        return self
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(self.model_dump(mode="json"), allow_nan=False) + "\n").encode()
+
+
+def parse_record(data: bytes, where: str, step: int) -> CommitRecord:
+    """Parse and check a commit record; MetadataError naming what is wrong."""
+    try:
+        raw: Any = json.loads(data.decode("utf-8"))
+        if isinstance(raw, dict) and raw.get("commit_version", 0) > COMMIT_VERSION:
+            raise MetadataError(
+                f"{where}: commit record version {raw['commit_version']} is newer than this "
+                f"tdckpt reads ({COMMIT_VERSION}); upgrade tdckpt.",
+                path=where,
+            )
+        record = CommitRecord.model_validate(raw)
+    except MetadataError:
+        raise
+    except (UnicodeDecodeError, json.JSONDecodeError, ValidationError) as exc:
+        raise MetadataError(
+            f"{where}: not a valid tdckpt commit record ({str(exc).splitlines()[0]}); the step "
+            "cannot be restored. Restore another step; `tdckpt ls` lists it as damaged.",
+            path=where,
+        ) from exc
+    if record.step != step:
+        raise MetadataError(
+            f"{where}: the record is for step {record.step}, not {step} (copied or renamed); "
+            "it is not restored.",
+            path=where,
+        )
+    return record

@@ -1,0 +1,175 @@
+"""The writer lease of a root in object storage: generations of conditionally created objects.
+
+An object store has no ``flock``. The lease is a sequence of objects
+``<root>/.tdckpt-lease/<generation>.json`` (generation zero-padded), each created with a
+conditional create (it fails if the object exists). The holder is the writer of the
+highest generation, while that record is unexpired.
+
+* acquire: list the generations; if the highest is another writer's and unexpired,
+  refuse (:class:`~tdckpt.errors.LockError` naming its host, pid and expiry); else create
+  the next generation. Of writers racing for it exactly one create succeeds; the others
+  list again and are refused.
+* renew (at every save, before the commit, and at every prune / gc): the highest
+  generation must still be ours, else LockError ("lease lost"); if less than half the
+  time to live is left, create the next generation with a new expiry.
+* release (close): delete our record; the previous generations were already deleted.
+
+What it guarantees: two managers that both follow the protocol never hold the lease at
+the same time, provided every writer renews more often than the time to live (default
+600 s; every save renews) and the writers' clocks agree to well within it (expiry is
+judged by the reader's clock against the time the holder wrote). A crashed holder's
+lease is taken over once it expires.
+
+What it does not: it is no fence. A holder that stalls past its expiry (a frozen VM, a
+long GC pause) while another process takes over can still send writes it had begun; the
+conditional create of each step's commit record is the only hard guarantee, and it holds
+without the lease: two writers can never both commit one step. A clock that runs far
+ahead on a new writer can take over a live lease. Deleting the lease objects by hand
+breaks the guarantee.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from tdckpt._remote.layout import LEASE_DIR
+from tdckpt._remote.store import Store
+from tdckpt.errors import LockError
+
+__all__ = ["DEFAULT_TTL_S", "Lease"]
+
+DEFAULT_TTL_S = 600.0
+_DIGITS = 12
+
+
+class Lease:
+    def __init__(self, store: Store, owner: str, *, ttl: float = DEFAULT_TTL_S) -> None:
+        if not ttl > 0:
+            raise ValueError(f"lease_ttl must be a positive number of seconds, got {ttl!r}")
+        self.store = store
+        self.owner = owner
+        self.ttl = float(ttl)
+        self.generation: int | None = None
+        self.expires = 0.0
+
+    @property
+    def held(self) -> bool:
+        return self.generation is not None
+
+    def _name(self, gen: int) -> str:
+        return f"{LEASE_DIR}/{gen:0{_DIGITS}d}.json"
+
+    def _generations(self) -> list[int]:
+        gens = []
+        for entry in self.store.ls(LEASE_DIR):
+            base = self.store.rel(entry["name"]).rsplit("/", 1)[-1]
+            stem = base.removesuffix(".json")
+            if base.endswith(".json") and stem.isdigit() and len(stem) == _DIGITS:
+                gens.append(int(stem))
+        return sorted(gens)
+
+    def _read(self, gen: int) -> dict[str, Any] | None:
+        try:
+            raw = json.loads(self.store.cat(self._name(gen)))
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError):
+            return {}  # a damaged record: treated as expired
+        return raw if isinstance(raw, dict) else {}
+
+    def _create(self, gen: int) -> bool:
+        now = time.time()
+        record: dict[str, Any] = {
+            "owner": self.owner,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "written": now,
+            "expires": now + self.ttl,
+        }
+        try:
+            self.store.create(self._name(gen), json.dumps(record).encode())
+        except FileExistsError:
+            return False
+        self.generation = gen
+        self.expires = record["expires"]
+        return True
+
+    def acquire(self) -> None:
+        for _ in range(20):
+            gens = self._generations()
+            top = gens[-1] if gens else 0
+            if gens:
+                current = self._read(top)
+                if current is None:
+                    continue  # released meanwhile: list again
+                if (
+                    current.get("owner") != self.owner
+                    and isinstance(current.get("expires"), (int, float))
+                    and current["expires"] > time.time()
+                ):
+                    raise LockError(
+                        f"{self.store.show(LEASE_DIR)}: another writer holds this root's lease "
+                        f"(host {current.get('host')!r}, pid {current.get('pid')}, manager "
+                        f"{current.get('owner')}, expires in "
+                        f"{current['expires'] - time.time():.0f} s). Only one process saves to a "
+                        "root at a time: close the other manager, or wait for its lease to "
+                        "expire if it crashed.",
+                        root=self.store.url,
+                        path=self.store.show(self._name(top)),
+                        holder=current,
+                    )
+            if self._create(top + 1):
+                self._cleanup(gens)
+                return
+        raise LockError(  # pragma: no cover - 20 lost races in a row
+            f"{self.store.url}: could not take the lease (other writers keep taking it).",
+            root=self.store.url,
+            path=self.store.show(LEASE_DIR),
+        )
+
+    def _cleanup(self, gens: list[int]) -> None:
+        with contextlib.suppress(Exception):
+            self.store.rm_files(self._name(g) for g in gens)
+
+    def renew(self) -> None:
+        """Check the lease is still ours (LockError if not) and extend it when half used."""
+        if self.generation is None:
+            self.acquire()
+            return
+        # One listing: we created our generation with a conditional create, so while it is
+        # the highest it is ours (nobody else can have written that name).
+        gens = self._generations()
+        if not gens or gens[-1] != self.generation:
+            gen, self.generation = self.generation, None
+            raise LockError(
+                f"{self.store.show(LEASE_DIR)}: this manager's lease (generation {gen}) was "
+                "lost - it expired and another writer took the root, or it was deleted. "
+                "Nothing was committed by this call; stop this writer, or close and reopen "
+                "the manager once the other writer is done.",
+                root=self.store.url,
+                path=self.store.show(LEASE_DIR),
+            )
+        if self.expires - time.time() < self.ttl / 2:
+            old = self.generation
+            if not self._create(old + 1):
+                self.generation = None
+                raise LockError(
+                    f"{self.store.show(LEASE_DIR)}: another writer took the lease while it was "
+                    "being renewed; nothing was committed by this call.",
+                    root=self.store.url,
+                    path=self.store.show(LEASE_DIR),
+                )
+            self._cleanup([old])
+
+    def release(self) -> None:
+        if self.generation is None:
+            return
+        gen, self.generation = self.generation, None
+        with contextlib.suppress(Exception):
+            if (self._read(gen) or {}).get("owner") == self.owner:
+                self.store.rm_files([self._name(gen)])
