@@ -134,8 +134,10 @@ def open_for_restore(
             )
             raise ValidationError(_format_errors(opened), report=report, prefix=opened.prefix)
         pickled = [
-            (n.key, n.pickle.source or n.path) for n in pickled_nodes(opened.root) if n.pickle
-        ]  # type: ignore[union-attr]
+            (n.key, n.pickle.source or n.path)  # type: ignore[union-attr]
+            for n in pickled_nodes(opened.root)
+            if n.pickle  # type: ignore[union-attr]
+        ]
         resolve_pickle_policy(allow_pickle, pickled, prefix=opened.prefix)
         if opened.lost:
             warnings.warn(
@@ -539,9 +541,9 @@ def restore_in_place(
                     restore_into_target(
                         target,
                         opened,
-                        mode=mode,
+                        mode=mode,  # type: ignore[arg-type]
                         unpickle=unpickle,
-                        builder_factory=_Builder,  # type: ignore[arg-type]
+                        builder_factory=_Builder,
                     )
                 finally:
                     opened.close()
