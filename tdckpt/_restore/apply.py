@@ -330,6 +330,10 @@ class _Preparer:
             )
         types = _tensordict_types()
         assert types is not None
+        chain = [target]  # a sub-tensordict of a sub-tensordict writes through both
+        while kind == "sub" and _view_kind(parent) == "sub":
+            chain.append(parent)
+            parent = parent._source
         if type(parent) is not types[4]:
             raise self._view_refusal(
                 target,
@@ -339,7 +343,7 @@ class _Preparer:
             )
         self.claim(parent, node)
         if kind == "sub":
-            self._through_sub(target, parent, node)
+            self._through_sub(chain, parent, node)
         else:
             self._through_lazy(target, parent, node)
 
@@ -372,7 +376,8 @@ class _Preparer:
             self._batch_error(sub, shape, batch)
         return self.builder.build(sub, node.batch_size)
 
-    def _through_sub(self, target: Any, parent: Any, node: TensorDictNode) -> None:
+    def _through_sub(self, chain: list[Any], parent: Any, node: TensorDictNode) -> None:
+        target = chain[0]
         existing = sorted(k for k in node.entries if k in parent._tensordict)
         if existing:
             raise self._view_refusal(
@@ -389,7 +394,9 @@ class _Preparer:
         for key, sub in node.entries.items():
             value = self._view_value(target, node, key, sub)
             try:
-                new[key] = _expand_at(parent, target, value)
+                for view in chain:
+                    value = _expand_at(view._source, view, value)
+                new[key] = value
             except (IndexError, RuntimeError, TypeError, ValueError) as exc:
                 raise self._view_refusal(
                     target,
