@@ -81,7 +81,13 @@ def _failures(report: Path) -> dict[str, str]:
 
 
 def run(
-    test_dir: Path, *, routed: bool, keyword: str, out: Path, extra: Sequence[str]
+    test_dir: Path,
+    *,
+    routed: bool,
+    keyword: str,
+    out: Path,
+    extra: Sequence[str],
+    timeout: float = 3600.0,
 ) -> dict[str, str]:
     report = out / ("routed.jsonl" if routed else "plain.jsonl")
     report.unlink(missing_ok=True)
@@ -108,7 +114,10 @@ def run(
     env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
     print(f"== {'routed through tdckpt' if routed else 'plain tensordict'}: {' '.join(cmd[1:])}")
     sys.stdout.flush()
-    proc = subprocess.run(cmd, cwd=test_dir.parent, env=env, check=False)
+    try:
+        proc = subprocess.run(cmd, cwd=test_dir.parent, env=env, check=False, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise PeerError(f"the run took more than {timeout:g} s and was stopped.") from exc
     if proc.returncode not in (0, 1):  # 0 all passed, 1 some failed; else no usable run
         raise PeerError(f"pytest exited with status {proc.returncode}: the run did not complete.")
     return _failures(report)
@@ -122,7 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--runs",
         default="plain,routed",
-        help="which runs to do now (default both); a run not done is read from --out",
+        help="the runs to do now (default both); one not done is read from --out (empty: "
+        "compare the files already there)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds per run (default 3600)"
     )
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args(argv)
@@ -142,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     keyword=args.keyword,
                     out=out,
                     extra=args.pytest_args,
+                    timeout=args.timeout,
                 )
             else:
                 found[name] = _failures(out / f"{name}.jsonl")
@@ -149,20 +163,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PeerError as exc:
         print(f"run_peer: {exc}", file=sys.stderr)
         return 2
+    lines, undocumented = compare(plain, routed)
+    print(f"\nreports in {out}")
+    print("\n".join(lines))
+    return 1 if undocumented else 0
+
+
+def compare(
+    plain: dict[str, str], routed: dict[str, str], documented: dict[str, str] | None = None
+) -> tuple[list[str], list[str]]:
+    """The report's lines, and the failures only the routed run has that are not documented."""
+    documented = DOCUMENTED if documented is None else documented
     only_routed = sorted(set(routed) - set(plain))
     only_plain = sorted(set(plain) - set(routed))
-    print(f"\nplain failures: {len(plain)}; routed failures: {len(routed)}; reports in {out}")
-    print(f"failing only when routed through tdckpt: {len(only_routed)}")
+    lines = [
+        f"plain failures: {len(plain)}; routed failures: {len(routed)}",
+        f"failing only when routed through tdckpt: {len(only_routed)}",
+    ]
     undocumented = []
     for node in only_routed:
-        reason = DOCUMENTED.get(node)
-        print(f"  {'documented' if reason else 'NEW'}: {node}" + (f" - {reason}" if reason else ""))
-        if not reason:
+        reason = documented.get(node)
+        if reason:
+            lines.append(f"  documented: {node} - {reason}")
+        else:
+            lines.append(f"  NEW: {node} - {routed[node]}")
             undocumented.append(node)
-    print(f"failing only in the plain run: {len(only_plain)}")
-    for node in only_plain:
-        print(f"  {node}")
-    return 1 if undocumented else 0
+    lines.append(f"failing only in the plain run: {len(only_plain)}")
+    lines.extend(f"  {node}" for node in only_plain)
+    return lines, undocumented
 
 
 if __name__ == "__main__":
