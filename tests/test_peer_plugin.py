@@ -154,3 +154,32 @@ def test_the_runner_reports_a_failure_only_the_routed_run_has(
     }
     # comparing the files already there, without running again
     assert run_peer.main([str(fake), "--out", str(out), "--runs", ""]) == 1
+
+
+class _Marker:
+    ran = False
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (_Marker._load, ())
+
+    @staticmethod
+    def _load() -> str:
+        _Marker.ran = True
+        return "loaded"
+
+
+def test_a_refused_pickle_is_the_runtime_error_tensordict_raises(
+    tmp_path: Path, routed: object
+) -> None:
+    """The one difference the first routed peer run found
+    (test_nontensor.py::TestNonTensorData::test_memmap_pickle_rejected_before_execution):
+    tensordict refuses a pickle with a RuntimeError, and tdckpt's PickleNotAllowedError is one."""
+    from tensordict import NonTensorData
+
+    td = TensorDict(tensor=torch.zeros(1), value=NonTensorData(data=_Marker(), batch_size=[]))
+    td.memmap_(tmp_path)
+    _Marker.ran = False
+    with pytest.raises(RuntimeError, match="allow_pickle=True") as info:
+        td.memmap_refresh_(allow_pickle=False)
+    assert isinstance(info.value, tdckpt.errors.PickleNotAllowedError)
+    assert not _Marker.ran

@@ -496,8 +496,13 @@ def load_memmap_(
     is never written to.
 
     ``target`` is a TensorDict (any nesting), a tensorclass instance, a
-    LazyStackedTensorDict with the saved member count, or a plain nested ``dict``.
-    Other arguments as :func:`load_memmap`.
+    LazyStackedTensorDict with the saved member count, a plain nested ``dict``, or a view
+    of a TensorDict - a sub-tensordict (``td._get_sub_tensordict(idx)``) or a lazy view -
+    which is loaded through into its parent as tensordict 0.15.3 does: a saved
+    sub-tensordict's source replaces the parent's data, a saved TensorDict is set through
+    a lazy view's inverse operation, or written into the rows of a sub-tensordict (new keys
+    only, as tensordict). A saved lazy view loads its saved source into the target. On any
+    error the parent is unchanged too. Other arguments as :func:`load_memmap`.
 
     Example:
         >>> import tdckpt, tempfile, torch
