@@ -175,15 +175,29 @@ def _write_checkpoint(kind: str, name: str, prefix: Path) -> None:
 # -- comparison -----------------------------------------------------------------------------
 
 
+def _walk(td: Any, prefix: tuple[str, ...] = ()) -> tuple[list[str], dict[tuple[str, ...], Any]]:
+    """Every nested key and leaf, read through views as a user reads them."""
+    keys: list[str] = []
+    leaves: dict[tuple[str, ...], Any] = {}
+    for k in list(td.keys()):
+        value = td.get(k)
+        key = (*prefix, k)
+        keys.append(str(key))
+        if isinstance(value, torch.Tensor):
+            leaves[key] = value
+        else:
+            sub_keys, sub_leaves = _walk(value, key)
+            keys += sub_keys
+            leaves.update(sub_leaves)
+    return keys, leaves
+
+
 def _state(td: Any) -> dict[str, Any]:
     """Everything the oracle compares about a parent: keys, leaves, flags, prefix."""
-    leaves = {}
-    for key in td.keys(include_nested=True, leaves_only=True):
-        value = td.get(key)
-        leaves[key if isinstance(key, tuple) else (key,)] = value
+    keys, leaves = _walk(td)
     return {
         "batch": tuple(td.batch_size),
-        "keys": sorted(map(str, td.keys(include_nested=True))),
+        "keys": sorted(keys),
         "leaves": leaves,
         "locked": td.is_locked,
         "memmap": td.is_memmap(),
@@ -535,3 +549,94 @@ def test_property_any_index(
     parent = _parent()
     tdckpt.load_memmap_(parent._get_sub_tensordict(target), tmp / "ck")
     _same_state(_state(parent), _state(theirs))
+
+
+# -- a view nested in the checkpoint, and in the target ------------------------------------------
+
+NESTED_TARGETS: dict[str, Callable[[Any], Any]] = {
+    "sub": lambda p: p._get_sub_tensordict(slice(0, 2)),
+    "lazy": lambda p: _lazy(
+        _UnsqueezedTensorDict, p.exclude("n")[:2], "unsqueeze", {"dim": 1}, "squeeze", {"dim": 1}
+    ),
+    "dense": lambda p: p[:2].clone(),
+}
+
+
+def _nested_target(kind: str) -> tuple[Any, Any]:
+    parent = _parent()
+    view = NESTED_TARGETS[kind](parent)
+    outer = TensorDict(x=view, y=torch.zeros(2), batch_size=[2])
+    source = view._source if kind == "lazy" else parent
+    return outer, source
+
+
+def _write_nested(kind: str, prefix: Path) -> None:
+    src = _shifted(_parent(), 30)
+    if kind == "sub":
+        x = src._get_sub_tensordict(slice(1, 3))
+    elif kind == "lazy":
+        x = _lazy(
+            _UnsqueezedTensorDict,
+            src.exclude("n")[:2],
+            "unsqueeze",
+            {"dim": 1},
+            "squeeze",
+            {"dim": 1},
+        )
+    else:
+        x = src[:2]
+    TensorDict(x=x, y=torch.ones(2), batch_size=[2]).memmap(prefix)
+
+
+#: (saved, target) pairs whose shapes agree. Where tensordict raises on a saved sub-tensordict
+#: over a dense TensorDict or a lazy view (TypeError), tdckpt rebuilds the view and sets it.
+NESTED_PAIRS = [
+    ("sub", "sub"),  # loaded through the target's view into its source
+    ("lazy", "dense"),  # the saved source into the dense level, then a new view over it
+    ("dense", "sub"),  # both refuse: the view already holds the saved keys
+    ("dense", "dense"),
+    ("sub", "dense"),  # tensordict: TypeError; tdckpt: rebuilt and set
+]
+_REBUILT = {("sub", "dense")}
+
+
+@pytest.mark.parametrize(("saved", "target"), NESTED_PAIRS)
+def test_nested_views_against_tensordict(tmp_path: Path, saved: str, target: str) -> None:
+    prefix = tmp_path / "ck"
+    _write_nested(saved, prefix)
+    before = tree_digest(prefix)
+    assert tdckpt.validate(prefix).ok
+    theirs, their_source = _nested_target(target)
+    their_x = theirs.get("x")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            theirs.load_memmap_(prefix)
+        except Exception as exc:
+            their_error: Exception | None = exc
+        else:
+            their_error = None
+    ours, our_source = _nested_target(target)
+    x_before = ours.get("x")
+    old_outer, old_source = _state(ours), _state(our_source)
+    try:
+        tdckpt.load_memmap_(ours, prefix)
+    except TdckptError as exc:
+        assert their_error is not None, exc
+        assert (saved, target) not in _REBUILT
+        _same_state(_state(ours), old_outer)
+        _same_state(_state(our_source), old_source, identity=True)
+        assert ours.get("x") is x_before
+        return
+    finally:
+        assert tree_digest(prefix) == before
+    if (saved, target) in _REBUILT:
+        assert isinstance(their_error, TypeError)
+        assert isinstance(ours.get("x"), _SubTensorDict)
+        _same_state(_state(ours.get("x")), _state(TensorDict.load_memmap(prefix).get("x")))
+        return
+    assert their_error is None
+    _same_state(_state(ours), _state(theirs))
+    _same_state(_state(our_source), _state(their_source))
+    assert type(ours.get("x")) is type(theirs.get("x"))
+    assert (ours.get("x") is x_before) == (theirs.get("x") is their_x)

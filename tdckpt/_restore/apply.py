@@ -491,6 +491,21 @@ class _Preparer:
             if reuse:
                 self.into(existing, sub)
                 value = existing
+            elif isinstance(sub, SubTensorDictNode) and _view_kind(existing) == "sub":
+                # tensordict loads a saved sub-tensordict into the one the target holds:
+                # through it, into its source
+                self.into(existing, sub)
+                value = existing
+            elif (
+                isinstance(sub, LazyViewNode)
+                and existing is not None
+                and _is_td(existing)
+                and not _is_lazy_stack(existing)
+            ):
+                # tensordict loads the saved view's source into the target's collection at
+                # that key, then sets a new lazy view over it (_CustomOpTensorDict._load_memmap)
+                self.into(existing, sub.source)
+                value = _lazy_view_over(existing, sub)
             elif (
                 isinstance(sub, NonTensorNode)
                 and _is_non_tensor_data(existing)
@@ -525,6 +540,19 @@ def _node_what(node: Node) -> str:
         "TensorDictNode": "a TensorDict",
         "LeafNode": "a tensor",
     }.get(type(node).__name__, f"a {type(node).__name__.removesuffix('Node')}")
+
+
+def _lazy_view_over(source: Any, node: LazyViewNode) -> Any:
+    import tensordict._lazy as lazy
+
+    cls = getattr(lazy, node.class_id.rpartition(":")[2])
+    return cls(
+        source,
+        custom_op=node.op,
+        inv_op=node.inv_op,
+        custom_op_kwargs=dict(node.kwargs),
+        inv_op_kwargs=dict(node.inv_kwargs),
+    )
 
 
 def _expand_at(parent: Any, view: Any, value: Any) -> Any:
