@@ -231,9 +231,8 @@ class _Builder:
             from tensordict import LazyStackedTensorDict
 
             if not members:
-                raise RestoreError(
-                    f"{self.opened.storage.display(node.path)}: a lazy stack with no members cannot be rebuilt."
-                )
+                where = self.opened.storage.display(node.path)
+                raise RestoreError(f"{where}: a lazy stack with no members cannot be rebuilt.")
             result = LazyStackedTensorDict(*members, stack_dim=node.stack_dim)
             if node.stack_dim_name is not None:
                 result._td_dim_name = node.stack_dim_name
