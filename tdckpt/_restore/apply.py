@@ -501,9 +501,13 @@ class _Preparer:
                 and existing is not None
                 and _is_td(existing)
                 and not _is_lazy_stack(existing)
+                and _view_kind(existing) is None
             ):
                 # tensordict loads the saved view's source into the target's collection at
-                # that key, then sets a new lazy view over it (_CustomOpTensorDict._load_memmap)
+                # that key, then sets a new lazy view over it (_CustomOpTensorDict._load_memmap).
+                # Where the target holds a view there, tensordict loads through that view (with
+                # a lazy view, through its inverse op: leaves its source's batch size cannot
+                # hold); tdckpt rebuilds the saved view and sets it, below.
                 self.into(existing, sub.source)
                 value = _lazy_view_over(existing, sub)
             elif (
