@@ -13,7 +13,7 @@
     │  └─ AmbiguousKeyEncodingError              robust and legacy names both on disk
     ├─ ValidationError(.., ValueError)           a checkpoint with problems; .report
     ├─ UnsupportedContentError(.., ValueError)   a value the format cannot store (on save)
-    ├─ PickleNotAllowedError                     pickled data under allow_pickle=False
+    ├─ PickleNotAllowedError(.., RuntimeError)   pickled data under allow_pickle=False
     ├─ MigrationError                            .from_version .to_version .script
     │  └─ MigrationChainError                    gap / duplicate / does not reach the end
     ├─ RestoreError                              target cannot take the checkpoint
@@ -122,8 +122,12 @@ class UnsupportedContentError(TdckptError, ValueError):
     """
 
 
-class PickleNotAllowedError(TdckptError):
-    """The checkpoint holds pickled data and ``allow_pickle`` is False."""
+class PickleNotAllowedError(TdckptError, RuntimeError):
+    """The checkpoint holds pickled data and ``allow_pickle`` is False.
+
+    A ``RuntimeError`` too, as tensordict's own refusal is: code that catches tensordict's
+    error catches tdckpt's.
+    """
 
 
 class MigrationError(TdckptError):

@@ -51,10 +51,10 @@ from tdckpt._manage.verify import (
     verify_files,
 )
 from tdckpt._progress import ProgressArg, progress_bar
+from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._shard.group import DEFAULT_TIMEOUT as _SHARD_TIMEOUT
 from tdckpt._shard.group import resolve_group
 from tdckpt._state import holds_live_objects, is_state_mapping, restore_state, to_tensordict
-from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.lock import RootLock

@@ -21,9 +21,11 @@ import torch
 
 from tdckpt._read.nodes import (
     LazyStackNode,
+    LazyViewNode,
     LeafNode,
     Node,
     NonTensorNode,
+    SubTensorDictNode,
     TensorClassNode,
     TensorDictNode,
 )
@@ -69,6 +71,36 @@ def _tensordict_types() -> tuple[type, type, type, Callable[[Any], bool], type] 
     from tensordict.tensorclass import NonTensorDataBase
 
     return TensorDictBase, LazyStackedTensorDict, NonTensorDataBase, is_tensorclass, TensorDict
+
+
+@functools.cache
+def _view_types() -> tuple[type, type] | None:
+    """tensordict's view classes: ``_SubTensorDict`` and the lazy views' ``_CustomOpTensorDict``."""
+    if not has_tensordict():
+        return None
+    from tensordict._lazy import _CustomOpTensorDict
+    from tensordict._td import _SubTensorDict
+
+    return _SubTensorDict, _CustomOpTensorDict
+
+
+def _view_kind(obj: Any) -> str | None:
+    """``"sub"`` (a ``_SubTensorDict``), ``"lazy"`` (a lazy view) or None (not a view)."""
+    types = _view_types()
+    if types is None or type(obj) is _tensordict_types()[4]:  # type: ignore[index]
+        return None
+    if isinstance(obj, types[0]):
+        return "sub"
+    if isinstance(obj, types[1]):
+        return "lazy"
+    return None
+
+
+def view_storage(obj: Any) -> Any:
+    """The tensordict that holds a view's data (through views of views); ``obj`` if no view."""
+    while _view_kind(obj) is not None:
+        obj = obj._source
+    return obj
 
 
 def _is_td(obj: Any) -> bool:
@@ -146,6 +178,15 @@ class _Preparer:
             )
 
     def into(self, target: Any, node: Node) -> None:
+        if isinstance(node, LazyViewNode) and _tensordict_types() is not None:
+            # tensordict 0.15.3 loads a saved lazy view in place by loading the view's saved
+            # source into the target itself (_CustomOpTensorDict._load_memmap passes ``out`` on).
+            self.into(target, node.source)
+            return
+        view = _view_kind(target)
+        if view is not None:
+            self._into_view(target, node, view)
+            return
         self.claim(target, node)
         types = _tensordict_types()
         if type(node) is TensorDictNode and types is not None and type(target) is types[4]:
@@ -207,16 +248,185 @@ class _Preparer:
                 )
             self._into_td(target, node)
             return
-        what = {
-            "SubTensorDictNode": "a sub-tensordict (a view of another tensordict)",
-            "LazyViewNode": "a lazy view (unsqueeze/permute/... of another tensordict)",
-        }.get(type(node).__name__, f"a {type(node).__name__.removesuffix('Node')}")
+        fix = (
+            " (tensordict 0.15.3 refuses it too). A saved sub-tensordict loads in place into "
+            "a sub-tensordict target (`td._get_sub_tensordict(idx)`), which loads its saved "
+            "source into the target's parent;"
+            if isinstance(node, SubTensorDictNode)
+            else ";"
+        )
         raise RestoreError(
-            f"{self.where(node)}: the checkpoint holds {what}, which cannot be loaded in place "
-            f"into a {_kind(target)}; nothing was changed. Use tdckpt.load_memmap to get a new "
-            "object.",
+            f"{self.where(node)}: the checkpoint holds {_node_what(node)}, which cannot be "
+            f"loaded in place into a {_kind(target)}{fix} nothing was changed. Use "
+            "tdckpt.load_memmap to get a new object.",
             key=node.key,
         )
+
+    # -- view targets: a _SubTensorDict or a lazy view of a parent tensordict ---------------
+
+    def _view_refusal(self, target: Any, node: Node, why: str, fix: str) -> RestoreError:
+        return RestoreError(
+            f"{self.where(node)}: cannot load {_node_what(node)} in place into the "
+            f"{_kind(target)} target (a view of a {_kind(target._source)}): {why}; nothing was "
+            f"changed. {fix}",
+            key=node.key,
+        )
+
+    def _into_view(self, target: Any, node: Node, kind: str) -> None:
+        """Load ``node`` through the view ``target`` into its parent, as tensordict 0.15.3 does.
+
+        * a saved sub-tensordict into a sub-tensordict: its saved source is loaded in place
+          into the view's source (the parent); the saved index is not used;
+        * a saved TensorDict into a sub-tensordict: refused where tensordict raises (a saved
+          key the view already has); otherwise every new entry is written into the rows of
+          the view, zeros elsewhere, and the parent's other keys are removed;
+        * a saved TensorDict into a lazy view: each entry is set in the parent through the
+          view's inverse operation (``squeeze`` for an ``unsqueeze`` view ...), and the
+          parent's other keys are removed.
+
+        Everything is prepared here; the commit swaps the parent's items in one step.
+        """
+        parent = target._source
+        self.claim(target, node)
+        if target.is_locked:
+            if not _is_memmap(parent):
+                raise self._view_refusal(
+                    target,
+                    node,
+                    "its parent is locked (and not memory-mapped), so it cannot take new values",
+                    "Call `parent.unlock_()` first.",
+                )
+            if kind == "sub":
+                raise self._view_refusal(
+                    target,
+                    node,
+                    "its parent is memory-mapped and locked, and tensordict 0.15.3 refuses too "
+                    "('Cannot unlock a _SubTensorDict')",
+                    "Restore into the parent tensordict, or unlock it first (`parent.unlock_()`).",
+                )
+            if self.mapper.records_prefix:
+                raise self._view_refusal(
+                    target,
+                    node,
+                    "its parent is memory-mapped, and tensordict 0.15.3 memory-maps it again by "
+                    "copying the data into the checkpoint (<prefix>/_source, and a new "
+                    "meta.json); tdckpt never writes to a checkpoint",
+                    "Restore with mode='r', or into the unlocked parent.",
+                )
+        if kind == "sub" and isinstance(node, SubTensorDictNode):
+            if _view_kind(parent) is None:
+                self.into(parent, node.source)
+                return
+            self._into_view(parent, node.source, "sub")  # a view of a view: one level down
+            return
+        if not isinstance(node, TensorDictNode) or type(node) is not TensorDictNode:
+            raise self._view_refusal(
+                target,
+                node,
+                "tensordict 0.15.3 refuses it too"
+                if isinstance(node, SubTensorDictNode)
+                else "only a saved TensorDict (or a saved view of one) loads through a view",
+                "Use tdckpt.load_memmap to get a new object.",
+            )
+        types = _tensordict_types()
+        assert types is not None
+        chain = [target]  # a sub-tensordict of a sub-tensordict writes through both
+        while kind == "sub" and _view_kind(parent) == "sub":
+            chain.append(parent)
+            parent = parent._source
+        if type(parent) is not types[4]:
+            raise self._view_refusal(
+                target,
+                node,
+                "tdckpt writes through a view only into a plain TensorDict parent",
+                "Restore into the parent itself, or use tdckpt.load_memmap.",
+            )
+        self.claim(parent, node)
+        if kind == "sub":
+            self._through_sub(chain, parent, node)
+        else:
+            self._through_lazy(target, parent, node)
+
+    def _view_value(self, target: Any, node: TensorDictNode, key: str, sub: Node) -> Any:
+        """A saved entry built for a view target, checked against the view's batch size."""
+        if not isinstance(sub, (LeafNode, TensorDictNode)) or type(sub) not in (
+            LeafNode,
+            TensorDictNode,
+        ):
+            raise self._view_refusal(
+                target,
+                sub,
+                f"the saved entry {key!r} is {_node_what(sub)}; only tensors and TensorDicts "
+                "are written through a view",
+                "Use tdckpt.load_memmap to get a new object.",
+            )
+        batch = tuple(target.batch_size)
+        if isinstance(sub, LeafNode):
+            shape = sub.shape[:1] if sub.is_nested else sub.shape
+            if sub.is_nested:
+                raise self._view_refusal(
+                    target,
+                    sub,
+                    f"the saved entry {key!r} is a nested tensor",
+                    "Use tdckpt.load_memmap to get a new object.",
+                )
+        else:
+            shape = tuple(sub.batch_size)
+        if shape[: len(batch)] != batch:
+            self._batch_error(sub, shape, batch)
+        return self.builder.build(sub, node.batch_size)
+
+    def _through_sub(self, chain: list[Any], parent: Any, node: TensorDictNode) -> None:
+        target = chain[0]
+        existing = sorted(k for k in node.entries if k in parent._tensordict)
+        if existing:
+            raise self._view_refusal(
+                target,
+                node,
+                f"the view already holds the saved key(s) {existing[:10]}, and tensordict "
+                "0.15.3 refuses that ('_SubTensorDict.set(key, value, inplace=False) is "
+                "prohibited for existing tensors')",
+                "To write the saved values into the rows of the view, use "
+                "`view.update_(tdckpt.load_memmap(prefix))`; to replace the parent's data, "
+                "restore into the parent.",
+            )
+        new: dict[str, Any] = {}
+        for key, sub in node.entries.items():
+            value = self._view_value(target, node, key, sub)
+            try:
+                for view in chain:
+                    value = _expand_at(view._source, view, value)
+                new[key] = value
+            except (IndexError, RuntimeError, TypeError, ValueError) as exc:
+                raise self._view_refusal(
+                    target,
+                    sub,
+                    f"the saved entry {key!r} cannot be written at the view's index "
+                    f"({type(exc).__name__}: {exc})",
+                    "Use tdckpt.load_memmap to get a new object.",
+                ) from exc
+        self.plan.items.append((parent._tensordict, new))
+
+    def _through_lazy(self, target: Any, parent: Any, node: TensorDictNode) -> None:
+        pbatch = tuple(parent.batch_size)
+        new: dict[str, Any] = {}
+        for key, sub in node.entries.items():
+            value = self._view_value(target, node, key, sub)
+            try:
+                value = getattr(value, target.inv_op)(**target._update_inv_op_kwargs(value))
+            except (IndexError, RuntimeError, TypeError, ValueError) as exc:
+                raise self._view_refusal(
+                    target,
+                    sub,
+                    f"the view's inverse operation {target.inv_op}({target.inv_op_kwargs}) "
+                    f"cannot be applied to the saved entry {key!r} ({type(exc).__name__}: {exc})",
+                    "Use tdckpt.load_memmap to get a new object.",
+                ) from exc
+            shape = tuple(value.batch_size if _is_td(value) else value.shape)
+            if shape[: len(pbatch)] != pbatch:
+                self._batch_error(sub, shape, pbatch)
+            new[key] = value
+        self.plan.items.append((parent._tensordict, new))
 
     def _into_dict(
         self, target: dict[str, Any], node: TensorDictNode, claimed: bool = False
@@ -281,6 +491,25 @@ class _Preparer:
             if reuse:
                 self.into(existing, sub)
                 value = existing
+            elif isinstance(sub, SubTensorDictNode) and _view_kind(existing) == "sub":
+                # tensordict loads a saved sub-tensordict into the one the target holds:
+                # through it, into its source
+                self.into(existing, sub)
+                value = existing
+            elif (
+                isinstance(sub, LazyViewNode)
+                and existing is not None
+                and _is_td(existing)
+                and not _is_lazy_stack(existing)
+                and _view_kind(existing) is None
+            ):
+                # tensordict loads the saved view's source into the target's collection at
+                # that key, then sets a new lazy view over it (_CustomOpTensorDict._load_memmap).
+                # Where the target holds a view there, tensordict loads through that view (with
+                # a lazy view, through its inverse op: leaves its source's batch size cannot
+                # hold); tdckpt rebuilds the saved view and sets it, below.
+                self.into(existing, sub.source)
+                value = _lazy_view_over(existing, sub)
             elif (
                 isinstance(sub, NonTensorNode)
                 and _is_non_tensor_data(existing)
@@ -306,6 +535,45 @@ class _Preparer:
         self.plan.items.append((target._tensordict, new))
         self.plan.prefixes.append((target, self.mapper.dir_path(node.path)))
         self.plan.levels.append(target)
+
+
+def _node_what(node: Node) -> str:
+    return {
+        "SubTensorDictNode": "a sub-tensordict (a view of another tensordict)",
+        "LazyViewNode": "a lazy view (unsqueeze/permute/... of another tensordict)",
+        "TensorDictNode": "a TensorDict",
+        "LeafNode": "a tensor",
+    }.get(type(node).__name__, f"a {type(node).__name__.removesuffix('Node')}")
+
+
+def _lazy_view_over(source: Any, node: LazyViewNode) -> Any:
+    import tensordict._lazy as lazy
+
+    cls = getattr(lazy, node.class_id.rpartition(":")[2])
+    return cls(
+        source,
+        custom_op=node.op,
+        inv_op=node.inv_op,
+        custom_op_kwargs=dict(node.kwargs),
+        inv_op_kwargs=dict(node.inv_kwargs),
+    )
+
+
+def _expand_at(parent: Any, view: Any, value: Any) -> Any:
+    """``value`` (of the view's batch size) as the parent's entry: zeros, ``value`` at the
+    view's index - what tensordict's ``_SubTensorDict._set_str`` builds for a new key."""
+    dims = len(view.batch_size)
+    pbatch = tuple(parent.batch_size)
+    if isinstance(value, torch.Tensor):
+        out = torch.zeros((*pbatch, *value.shape[dims:]), dtype=value.dtype, device=parent.device)
+        out[view.idx] = value
+        return out
+    from tensordict import TensorDict
+
+    entries = {k: _expand_at(parent, view, v) for k, v in value._tensordict.items()}
+    result = TensorDict(batch_size=(*pbatch, *value.batch_size[dims:]), device=parent.device)
+    result._tensordict.update(entries)
+    return result
 
 
 def _batch_error_message(
@@ -394,13 +662,15 @@ def restore_into_target(
     prep.into(target, root)
     plan = prep.plan
 
-    # Snapshot of everything the commit touches, to put back on failure.
-    root_td = inner if _is_td(inner) else None
+    # Snapshot of everything the commit touches, to put back on failure. A view target's
+    # lock and memmap state are its parent's.
+    holder = view_storage(inner)
+    root_td = holder if _is_td(holder) else None
     was_memmap = bool(root_td is not None and _is_memmap(root_td))
     was_locked = bool(root_td is not None and root_td.is_locked)
     # The commit sets every planned level's prefix; a memory-mapped target also has the
     # memmap flags of all its levels changed.
-    levels = _all_td_levels(target) if was_memmap else [lvl for lvl, _ in plan.prefixes]
+    levels = _all_td_levels(holder) if was_memmap else [lvl for lvl, _ in plan.prefixes]
     levels += _non_tensor_levels(levels)
     snapshot_items = [(store, dict(store)) for store, _ in plan.items]
     snapshot_flags = [
@@ -425,7 +695,7 @@ def restore_into_target(
             for ntd, rel in plan.non_tensors:
                 path = mapper.dir_path(rel)
                 ntd._tensordict._memmap_prefix = path / "_tensordict" if path is not None else None
-            flagged = _all_td_levels(target) + [ntd._tensordict for ntd, _ in plan.non_tensors]
+            flagged = _all_td_levels(holder) + [ntd._tensordict for ntd, _ in plan.non_tensors]
             if mapper.records_prefix:
                 for lvl in flagged:
                     lvl._is_memmap = True

@@ -232,9 +232,8 @@ class _Builder:
             from tensordict import LazyStackedTensorDict
 
             if not members:
-                raise RestoreError(
-                    f"{self.opened.storage.display(node.path)}: a lazy stack with no members cannot be rebuilt."
-                )
+                where = self.opened.storage.display(node.path)
+                raise RestoreError(f"{where}: a lazy stack with no members cannot be rebuilt.")
             result = LazyStackedTensorDict(*members, stack_dim=node.stack_dim)
             if node.stack_dim_name is not None:
                 result._td_dim_name = node.stack_dim_name
@@ -514,9 +513,14 @@ def load_memmap_(
     is never written to.
 
     ``target`` is a TensorDict (any nesting), a tensorclass instance, a
-    LazyStackedTensorDict with the saved member count, or a plain nested ``dict``.
-    ``prefix`` may be an fsspec URL (``s3://bucket/ckpt``, with ``storage_options``).
-    Other arguments as :func:`load_memmap`.
+    LazyStackedTensorDict with the saved member count, a plain nested ``dict``, or a view
+    of a TensorDict - a sub-tensordict (``td._get_sub_tensordict(idx)``) or a lazy view -
+    which is loaded through into its parent as tensordict 0.15.3 does: a saved
+    sub-tensordict's source replaces the parent's data, a saved TensorDict is set through
+    a lazy view's inverse operation, or written into the rows of a sub-tensordict (new keys
+    only, as tensordict). A saved lazy view loads its saved source into the target. On any
+    error the parent is unchanged too. ``prefix`` may be an fsspec URL
+    (``s3://bucket/ckpt``, with ``storage_options``). Other arguments as :func:`load_memmap`.
 
     Example:
         >>> import tdckpt, tempfile, torch
