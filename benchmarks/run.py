@@ -122,7 +122,7 @@ def bench_restore(work: Path, quick: bool) -> None:
     for n in sizes:
         prefix = work / f"flat{n}"
         _flat_td(n).memmap(prefix)
-        reps = 41 if n <= 10 else 9 if n <= 1000 else 3
+        reps = 41 if n <= 10 else 9 if n <= 1000 else 5
 
         def target(n: int = n) -> Any:
             return TensorDict({f"k{i}": torch.zeros(4) for i in range(n)}, batch_size=[4])
@@ -136,6 +136,8 @@ def bench_restore(work: Path, quick: bool) -> None:
                 cold=cold,
             )
             row(f"{n} leaves ({'cold' if cold else 'warm'})", base, ours, "tensordict")
+        if n == sizes[-1]:
+            _stage_breakdown(prefix, target, base)
     bench_restore_into(work, quick)
     big = 64 * 1024**2 if quick else GiB
     results = {}
@@ -157,6 +159,66 @@ def bench_restore(work: Path, quick: bool) -> None:
     small, large = results.values()
     print(
         f"  big leaf / small leaf restore time (cold): {large / small:.2f} (metadata-only restore: ~1)"
+    )
+
+
+def _stage_breakdown(prefix: Path, target: Callable[[], Any], base: float) -> None:
+    """Where one ``tdckpt.load_memmap_`` spends its time, per stage, as fractions of
+    tensordict's best time ``base`` (best of 3; the stages' functions timed in place)."""
+    import tdckpt
+    from tdckpt._read import pipeline
+    from tdckpt._restore import engine
+
+    stages = {
+        "read": (pipeline, "read_tree"),
+        "names": (pipeline, "normalize_names"),
+        "validate": (pipeline, "build_nodes"),
+        "open": (engine, "open_for_restore"),
+        "map+commit": (engine, "restore_into_target"),
+    }
+    spent: dict[str, float] = {}
+    saved = {name: getattr(mod, attr) for name, (mod, attr) in stages.items()}
+
+    def timed(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+
+        return run
+
+    best: dict[str, float] = {}
+    try:
+        for name, (mod, attr) in stages.items():
+            setattr(mod, attr, timed(name, saved[name]))
+        for _ in range(3):
+            spent.clear()
+            t = target()
+            gc.collect()
+            start = time.perf_counter()
+            tdckpt.load_memmap_(t, prefix)
+            spent["total"] = time.perf_counter() - start
+            for name, value in spent.items():
+                best[name] = min(best.get(name, float("inf")), value)
+    finally:
+        for name, (mod, attr) in stages.items():
+            setattr(mod, attr, saved[name])
+    other_open = best["open"] - best["read"] - best["names"] - best["validate"]
+    rest = best["total"] - best["open"] - best["map+commit"]
+    parts = [
+        ("read metadata", best["read"]),
+        ("names", best["names"]),
+        ("validate", best["validate"]),
+        ("other checks", other_open),
+        ("map+assemble+commit", best["map+commit"]),
+        ("rest (frees)", rest),
+    ]
+    print(
+        "    stages, x tensordict's time: "
+        + ", ".join(f"{label} {value / base:.3f}" for label, value in parts)
+        + f" (total {best['total'] / base:.3f})"
     )
 
 
@@ -188,9 +250,9 @@ def bench_restore_into(work: Path, quick: bool) -> None:
 
     for cold in (True, False):
         when = "cold" if cold else "warm"
-        base, ours = head_to_head(theirs, managed, 3, target, cold=cold)
+        base, ours = head_to_head(theirs, managed, 5, target, cold=cold)
         row(f"restore_into ({when})", base, ours, "tensordict")
-        base, ours = head_to_head(theirs, plain, 3, target, cold=cold)
+        base, ours = head_to_head(theirs, plain, 5, target, cold=cold)
         row(f"tdckpt.load_memmap_ ({when})", base, ours, "tensordict")
     shutil.rmtree(work / "managed")
 

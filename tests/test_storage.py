@@ -157,6 +157,50 @@ def test_map_mode_r_is_copy_on_write(layout: tuple[Path, Path]) -> None:
     assert tree_digest(prefix) == before
 
 
+def _mapped_addresses() -> set[int]:
+    with open("/proc/self/maps") as fh:
+        return {int(line.split("-", 1)[0], 16) for line in fh}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+@pytest.mark.parametrize("mode", [None, "r", "r+"])
+def test_listed_leaf_maps_through_the_fast_path_and_unmaps_with_its_last_view(
+    layout: tuple[Path, Path], mode: str | None
+) -> None:
+    """A leaf ``listdir`` saw as a regular file takes map()'s inline path: same modes, and
+    the mapping lives exactly as long as some tensor views it (no leak, no early unmap)."""
+    prefix, _ = layout
+    storage = DirectoryStorage(prefix)
+    storage.listdir("")
+    assert "a.memmap" in storage._regular  # the fast path's precondition
+    t = storage.map("a.memmap", torch.float32, 4, mode=mode)  # type: ignore[arg-type]
+    addr = t.data_ptr()
+    assert addr in _mapped_addresses() and t.tolist() == [0.0, 1.0, 2.0, 3.0]
+    t[0] = 5.0
+    on_disk = torch.frombuffer(bytearray((prefix / "a.memmap").read_bytes()), dtype=torch.float32)
+    assert on_disk[0].item() == (0.0 if mode == "r" else 5.0)  # copy-on-write only with "r"
+    view = t[1:]
+    del t
+    assert addr in _mapped_addresses() and view.tolist() == [1.0, 2.0, 3.0]
+    del view
+    assert addr not in _mapped_addresses()
+    storage.close()
+
+
+def test_fast_path_refuses_a_listed_leaf_truncated_before_mapping(
+    layout: tuple[Path, Path],
+) -> None:
+    """The inline path checks the descriptor it maps, as the general path does."""
+    prefix, _ = layout
+    storage = DirectoryStorage(prefix)
+    storage.listdir("")
+    os.truncate(prefix / "a.memmap", 6)
+    with pytest.raises(MetadataError, match=r"6 bytes, but 4 elements of torch\.float32 need 16"):
+        storage.map("a.memmap", torch.float32, 4, mode=None)
+    assert (prefix / "a.memmap").stat().st_size == 6  # never regrown
+    storage.close()
+
+
 def test_map_prefix_of_a_longer_file(layout: tuple[Path, Path]) -> None:
     prefix, _ = layout
     # Files may be longer than needed (tensordict's own fixture has a trailing byte).

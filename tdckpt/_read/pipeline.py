@@ -39,7 +39,14 @@ class OpenedCheckpoint:
     migrations: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
-    manifest: dict[str, Any] | None = None
+    #: the validated manifest, when the prefix has one
+    manifest_model: schema.Manifest | None = None
+
+    @property
+    def manifest(self) -> dict[str, Any] | None:
+        """The manifest as JSON data (dumped on demand: a restore never needs it)."""
+        model = self.manifest_model
+        return None if model is None else model.model_dump(mode="json")
 
     @property
     def errors(self) -> list[Problem]:
@@ -51,6 +58,14 @@ class OpenedCheckpoint:
 
 def read_manifest(storage: Storage, tree: VDir) -> tuple[dict[str, Any] | None, list[Problem]]:
     """tdckpt's manifest at the prefix root, validated, when there is one."""
+    model, problems = _read_manifest_model(storage, tree)
+    return (None if model is None else model.model_dump(mode="json")), problems
+
+
+def _read_manifest_model(
+    storage: Storage, tree: VDir
+) -> tuple[schema.Manifest | None, list[Problem]]:
+    """:func:`read_manifest` without the dump back to JSON data."""
     vfile = tree.files.get(schema.MANIFEST_NAME)
     if vfile is None or vfile.source is None:
         return None, []
@@ -81,7 +96,7 @@ def read_manifest(storage: Storage, tree: VDir) -> tuple[dict[str, Any] | None, 
                 f"{schema.MANIFEST_SCHEMA_VERSION} this tdckpt reads: upgrade tdckpt.",
             )
         ]
-    return model.model_dump(mode="json"), []
+    return model, []
 
 
 def open_checkpoint(prefix: str | os.PathLike[str], *, robust_key: bool | None) -> OpenedCheckpoint:
@@ -89,7 +104,7 @@ def open_checkpoint(prefix: str | os.PathLike[str], *, robust_key: bool | None) 
     storage = open_storage(prefix)
     try:
         tree = read_tree(storage)
-        manifest, problems = read_manifest(storage, tree)
+        manifest, problems = _read_manifest_model(storage, tree)
         # Detection runs inside the migration runner (every directory gets its generation).
         migrated = migrate_tree(tree, storage=storage)
         generation = migrated.from_generation
@@ -113,7 +128,7 @@ def open_checkpoint(prefix: str | os.PathLike[str], *, robust_key: bool | None) 
         if problems
         else list(migrated.lost),
         problems=_dedupe(problems) if problems else problems,
-        manifest=manifest,
+        manifest_model=manifest,
     )
 
 
