@@ -34,14 +34,16 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "V02",
         VALIDATE,
-        'if not any(p.path.startswith(vdir.source) and p.severity == "error" for p in vdir.problems):',
+        "if not any(p.path.startswith(vdir.source) and "
+        'p.severity == "error" for p in vdir.problems):',
         "if True:",
         "missing-meta also beside a read error",
     ),
     (
         "V03",
         VALIDATE,
-        'if not any(p.path.startswith(vdir.source) and p.severity == "error" for p in vdir.problems):',
+        "if not any(p.path.startswith(vdir.source) and "
+        'p.severity == "error" for p in vdir.problems):',
         "if False:",
         "missing-meta never reported",
     ),
@@ -63,7 +65,8 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "V07",
         VALIDATE,
-        "    if not _check_device(ctx, vdir, key, model.device):\n        return None\n    batch = model.shape",
+        "    if not _check_device(ctx, vdir, key, model.device):\n"
+        "        return None\n    batch = model.shape",
         "    batch = model.shape",
         "TD level device check deleted",
     ),
@@ -199,7 +202,8 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "V29",
         VALIDATE,
-        "    elif isinstance(node, (SubTensorDictNode, LazyViewNode)):\n        child_batch = node.batch_size",
+        "    elif isinstance(node, (SubTensorDictNode, LazyViewNode)):\n"
+        "        child_batch = node.batch_size",
         "    elif False:\n        child_batch = node.batch_size",
         "view batch not prefix-checked",
     ),
@@ -284,7 +288,8 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "V42",
         VALIDATE,
-        "    if not _check_device(ctx, vdir, key, model.device):\n        return None\n    node = NonTensorStackNode",
+        "    if not _check_device(ctx, vdir, key, model.device):\n"
+        "        return None\n    node = NonTensorStackNode",
         "    node = NonTensorStackNode",
         "non-tensor stack device check deleted",
     ),
@@ -340,7 +345,8 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "A04",
         APPLY,
-        "            check_tensorclass_fields(type(target), fields, node.inner.entries, self.where(node))\n",
+        "            check_tensorclass_fields(type(target), fields, node.inner.entries, "
+        "self.where(node))\n",
         "",
         "tensorclass field check deleted",
     ),
@@ -656,7 +662,9 @@ def run_one(
         try:
             ast.parse(mutated)
         except SyntaxError as exc:
-            raise SystemExit(f"{mid}: the mutant is not valid Python ({exc}); fix its text")
+            raise SystemExit(
+                f"{mid}: the mutant is not valid Python ({exc}); fix its text"
+            ) from exc
         path.write_text(mutated, encoding="utf-8")
     try:
         proc = subprocess.run(

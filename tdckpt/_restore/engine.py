@@ -19,7 +19,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -36,6 +36,7 @@ from tdckpt._read.nodes import (
     pickled_nodes,
 )
 from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
+from tdckpt._read.storage import MapMode
 from tdckpt._read.views import node_batch
 from tdckpt._report import ValidationReport
 from tdckpt._restore.apply import restore_into_target
@@ -135,7 +136,7 @@ def open_for_restore(
             raise ValidationError(_format_errors(opened), report=report, prefix=opened.prefix)
         pickled = [
             (n.key, n.pickle.source or n.path) for n in pickled_nodes(opened.root) if n.pickle
-        ]  # type: ignore[union-attr]
+        ]
         resolve_pickle_policy(allow_pickle, pickled, prefix=opened.prefix)
         if opened.lost:
             warnings.warn(
@@ -230,7 +231,8 @@ class _Builder:
 
             if not members:
                 raise RestoreError(
-                    f"{self.opened.storage.display(node.path)}: a lazy stack with no members cannot be rebuilt."
+                    f"{self.opened.storage.display(node.path)}: "
+                    "a lazy stack with no members cannot be rebuilt."
                 )
             result = LazyStackedTensorDict(*members, stack_dim=node.stack_dim)
             if node.stack_dim_name is not None:
@@ -539,9 +541,9 @@ def restore_in_place(
                     restore_into_target(
                         target,
                         opened,
-                        mode=mode,
+                        mode=cast("MapMode", mode),  # _check_args allowed only these
                         unpickle=unpickle,
-                        builder_factory=_Builder,  # type: ignore[arg-type]
+                        builder_factory=_Builder,
                     )
                 finally:
                     opened.close()
