@@ -42,6 +42,7 @@ from _restore_helpers import (
     settle_non_tensor_differences,
     state,
 )
+from _tdversion import reference_load_kwargs
 from conftest import FixtureCase, case_id, copy_case, fixture_cases, tree_digest
 
 tensordict = pytest.importorskip("tensordict")
@@ -212,11 +213,24 @@ def _tdckpt_call(mode: str | None) -> Callable[[Any, Path], Any]:
 
 
 def _tensordict_call(mode: str | None) -> Callable[[Any, Path], Any]:
+    """tensordict's own ``load_memmap_`` mapping as tdckpt's ``mode`` does, where the
+    installed tensordict can (see :func:`_exact`); else with that tensordict's default."""
+
     def call(target: Any, prefix: Path) -> Any:
+        kwargs = reference_load_kwargs(mode, prefix, in_place=True) or {}
         with reference():
-            return target.load_memmap_(prefix, allow_pickle=True, mode=mode)
+            return target.load_memmap_(prefix, allow_pickle=True, **kwargs)
 
     return call
+
+
+def _exact(mode: str | None, prefix: Path, *, in_place: bool) -> bool:
+    """Whether tensordict's own loader maps as ``mode`` (so the lock / memmap state and the
+    files of the two results are compared too, not only their contents). tensordict 0.14
+    has no copy-on-write directory and no ``mode`` for ``load_memmap_``: there tdckpt's own
+    contract (:func:`_assert_tdckpt_contract`) checks the mode, and the contents are
+    compared with what 0.14 loads."""
+    return reference_load_kwargs(mode, prefix, in_place=in_place) is not None
 
 
 def _td_levels(obj: Any) -> list[Any]:
@@ -353,7 +367,8 @@ def test_load_memmap__matches_tensordict(
         return
     assert theirs.error is None, f"tensordict failed: {theirs.error!r}"
     _assert_tdckpt_contract(ours, fc, kind, mode)
-    ours_state, theirs_state = ours.state(), theirs.state()
+    exact = _exact(mode, theirs.prefix, in_place=True)
+    ours_state, theirs_state = ours.state(memmap=exact), theirs.state(memmap=exact)
     settle_non_tensor_differences(
         ours_state, theirs_state, kind, ours.prefix.is_dir() and mode != "r"
     )
@@ -377,7 +392,11 @@ def test_load_memmap_matches_tensordict(fc: FixtureCase, mode: str | None, tmp_p
         with pytest.raises(ValidationError, match=r"a%2Fb"):
             tdckpt.load_memmap(ours_prefix, allow_pickle=True, mode=mode)
         with reference():
-            theirs = TensorDict.load_memmap(theirs_prefix, allow_pickle=True, mode=mode)
+            theirs = TensorDict.load_memmap(
+                theirs_prefix,
+                allow_pickle=True,
+                **(reference_load_kwargs(mode, theirs_prefix, in_place=False) or {}),
+            )
         assert {"a/b", "..", "."}.isdisjoint(theirs.keys())
         assert tree_digest(ours_prefix) == digest
         return
@@ -387,11 +406,19 @@ def test_load_memmap_matches_tensordict(fc: FixtureCase, mode: str | None, tmp_p
     assert_matches_expected(ours, fc.expected, lost=_lost(fc))
     if why == TD_CANNOT_READ_FLOAT8:
         with reference(), pytest.raises(KeyError, match="float8"):
-            TensorDict.load_memmap(theirs_prefix, allow_pickle=True, mode=mode)
+            TensorDict.load_memmap(
+                theirs_prefix,
+                allow_pickle=True,
+                **(reference_load_kwargs(mode, theirs_prefix, in_place=False) or {}),
+            )
         return
+    kwargs = reference_load_kwargs(mode, theirs_prefix, in_place=False)
     with reference():
-        theirs = TensorDict.load_memmap(theirs_prefix, allow_pickle=True, mode=mode)
-    assert state(ours, (ours_prefix, "<ckpt>")) == state(theirs, (theirs_prefix, "<ckpt>"))
+        theirs = TensorDict.load_memmap(theirs_prefix, allow_pickle=True, **(kwargs or {}))
+    exact = kwargs is not None
+    assert state(ours, (ours_prefix, "<ckpt>"), memmap=exact) == state(
+        theirs, (theirs_prefix, "<ckpt>"), memmap=exact
+    )
 
 
 # ------------------------------------------------------------------------ read-only restores
@@ -648,7 +675,8 @@ def test_memmapped_lazy_stack_target_state(source: str, tmp_path: Path) -> None:
     members = list(ours.tensordicts)
     tdckpt.load_memmap_(ours, prefix, mode=mode)
     with reference():
-        theirs.load_memmap_(prefix, mode=mode)
+        theirs.load_memmap_(prefix, **(reference_load_kwargs(mode, prefix, in_place=True) or {}))
+    exact = _exact(mode, prefix, in_place=True)
     assert list(ours.tensordicts) == members and all(
         a is b for a, b in zip(ours.tensordicts, members, strict=True)
     )
@@ -659,7 +687,9 @@ def test_memmapped_lazy_stack_target_state(source: str, tmp_path: Path) -> None:
     else:
         assert not ours.is_locked and not ours.is_memmap()
         assert all(m._memmap_prefix is None for m in ours.tensordicts)
-        assert state(ours, (prefix, "<ckpt>")) == state(theirs, (prefix, "<ckpt>"))
+        assert state(ours, (prefix, "<ckpt>"), memmap=exact) == state(
+            theirs, (prefix, "<ckpt>"), memmap=exact
+        )
 
 
 @pytest.mark.parametrize("mode", [None, "r"], ids=["mode=None", "mode=r"])
@@ -680,10 +710,16 @@ def test_memmapped_target_gains_new_entries_in_the_same_state(
     theirs.memmap_(tmp_path / "own_theirs")
     tdckpt.load_memmap_(ours, ours_p, mode=mode)
     with reference():
-        theirs.load_memmap_(theirs_p, mode=mode)
+        theirs.load_memmap_(
+            theirs_p, **(reference_load_kwargs(mode, theirs_p, in_place=True) or {})
+        )
     keeps_dir = mode != "r"
-    ours_state = state(ours, (ours_p, "<ckpt>"), (tmp_path / "own_ours", "<own>"))
-    theirs_state = state(theirs, (theirs_p, "<ckpt>"), (tmp_path / "own_theirs", "<own>"))
+    exact = _exact(mode, theirs_p, in_place=True)
+    roots = ((ours_p, "<ckpt>"), (tmp_path / "own_ours", "<own>"))
+    ours_state = state(ours, *roots, memmap=exact)
+    theirs_state = state(
+        theirs, (theirs_p, "<ckpt>"), (tmp_path / "own_theirs", "<own>"), memmap=exact
+    )
     if keeps_dir:  # new entries: no old prefix for tensordict to leave behind
         settle_non_tensor_differences(ours_state, theirs_state, "memmapped", keeps_dir)
     differences = diff_states(ours_state, theirs_state)
