@@ -354,7 +354,7 @@ def settle_non_tensor_differences(ours: Any, theirs: Any, kind: str, keeps_dir: 
             )
             a.pop("metadata")
             b.pop("metadata")
-        else:  # TD_NTD_STALE_PREFIX
+        elif "prefix" in b:  # TD_NTD_STALE_PREFIX (absent from a state(memmap=False))
             assert b["prefix"] is not None and b["prefix"].startswith("<own>/")
             assert a["prefix"] is None
             a.pop("prefix")
