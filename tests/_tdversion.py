@@ -102,3 +102,18 @@ def reference_load_kwargs(
     if mode == "r":
         return {} if in_place else {"mode": "r"}
     return None
+
+
+#: The release that tensordict's own pickle FutureWarning names as the one where
+#: ``allow_pickle=False`` becomes the default: 0.14 says "TensorDict 0.15", 0.15 says 0.16.
+PICKLE_WARNING_FLIP: str = (
+    "0.15" if TD_VERSION is not None and Version("0.15") > TD_VERSION else "0.16"
+)
+
+
+def as_installed_warning(message: str) -> str:
+    """A warning text recorded with tensordict 0.15.3 (the corpus manifests), as the
+    installed tensordict words it (its pickle FutureWarning names another release)."""
+    return message.replace(
+        "Starting with TensorDict 0.16,", f"Starting with TensorDict {PICKLE_WARNING_FLIP},"
+    )
