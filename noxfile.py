@@ -49,6 +49,8 @@ def _tests(session: nox.Session, *extra: str) -> None:
         "-p",
         "no:cacheprovider",
         f"--junitxml={junit}",
+        # its own temporary root: sessions (or checkouts) running at once never share one
+        f"--basetemp={Path(session.create_tmp()) / 'pytest'}",
         *session.posargs,
         env={"PYTHONPATH": str(ROOT)},
     )
