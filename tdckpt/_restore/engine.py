@@ -328,9 +328,10 @@ class _Builder:
         entries = {k: self.build(v, node.batch_size, device) for k, v in node.entries.items()}
         td = TensorDict(batch_size=node.batch_size, device=device)
         if node.names is not None:
-            td._set_names(node.names)  # type: ignore[arg-type]
+            # Any: tensordict 0.14 and 0.15 annotate these private members differently
+            cast(Any, td)._set_names(node.names)
         td._tensordict.update(entries)
-        td._memmap_prefix = self.mapper.dir_path(node.path)  # type: ignore[assignment]
+        cast(Any, td)._memmap_prefix = self.mapper.dir_path(node.path)
         return td
 
 
