@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,8 @@ def best_of(func: Callable[[], Any], reps: int, setup: Callable[[], Any] | None 
 
 def row(label: str, base: float, ours: float, base_name: str) -> None:
     print(
-        f"  {label:<28} {base_name} {base * 1e3:10.3f} ms   tdckpt {ours * 1e3:10.3f} ms   ratio {ours / base:5.2f}"
+        f"  {label:<28} {base_name} {base * 1e3:10.3f} ms   "
+        f"tdckpt {ours * 1e3:10.3f} ms   ratio {ours / base:5.2f}"
     )
 
 
@@ -129,8 +130,8 @@ def bench_restore(work: Path, quick: bool) -> None:
 
         for cold in (True, False):
             base, ours = head_to_head(
-                lambda t: t.load_memmap_(prefix),
-                lambda t: tdckpt.load_memmap_(t, prefix),
+                lambda t, prefix=prefix: t.load_memmap_(prefix),
+                lambda t, prefix=prefix: tdckpt.load_memmap_(t, prefix),
                 reps,
                 target,
                 cold=cold,
@@ -146,8 +147,8 @@ def bench_restore(work: Path, quick: bool) -> None:
         TensorDict(x=torch.empty(nbytes, dtype=torch.uint8)).memmap(prefix)
         for cold in (True, False):
             base, ours = head_to_head(
-                lambda t: t.load_memmap_(prefix),
-                lambda t: tdckpt.load_memmap_(t, prefix),
+                lambda t, prefix=prefix: t.load_memmap_(prefix),
+                lambda t, prefix=prefix: tdckpt.load_memmap_(t, prefix),
                 41,
                 lambda: TensorDict(x=torch.zeros(1)),
                 cold=cold,
@@ -158,7 +159,8 @@ def bench_restore(work: Path, quick: bool) -> None:
         shutil.rmtree(prefix)
     small, large = results.values()
     print(
-        f"  big leaf / small leaf restore time (cold): {large / small:.2f} (metadata-only restore: ~1)"
+        f"  big leaf / small leaf restore time (cold): {large / small:.2f} "
+        "(metadata-only restore: ~1)"
     )
 
 
@@ -266,7 +268,8 @@ def bench_save(work: Path, quick: bool) -> None:
         "save: CheckpointManager.save (checksums while writing, atomic commit) vs td.memmap(prefix)"
     )
     print(
-        "      fsync=False has td.memmap's durability (page cache); fsync=True (the default) waits for the disk"
+        "      fsync=False has td.memmap's durability (page cache); "
+        "fsync=True (the default) waits for the disk"
     )
     total = 256 * 1024**2 if quick else GiB
     for n in (4, 1000):
@@ -274,10 +277,12 @@ def bench_save(work: Path, quick: bool) -> None:
         td = TensorDict({f"k{i}": torch.randn(per) for i in range(n)})
         counter = iter(range(1_000_000))
 
-        def base() -> None:
+        def base(td: TensorDict = td, counter: Iterator[int] = counter) -> None:
             td.memmap(work / f"tdsave{next(counter)}")
 
-        def ours(fsync: bool) -> None:
+        def ours(
+            fsync: bool, td: TensorDict = td, counter: Iterator[int] = counter, n: int = n
+        ) -> None:
             with CheckpointManager(work / f"mgr{n}-{fsync}", fsync=fsync) as mgr:
                 mgr.save(next(counter), td)
 
@@ -293,9 +298,9 @@ def bench_save(work: Path, quick: bool) -> None:
         durable_t = best_of(lambda _: ours(True), 3, clean)
         mb = total / 1024**2
         print(
-            f"  {n:>4} leaves, {mb:.0f} MiB: td.memmap {mb / base_t:6.0f} MiB/s | tdckpt fsync=False "
-            f"{mb / fast_t:6.0f} MiB/s (ratio {base_t / fast_t:4.2f}) | fsync=True {mb / durable_t:6.0f} "
-            f"MiB/s (ratio {base_t / durable_t:4.2f})"
+            f"  {n:>4} leaves, {mb:.0f} MiB: td.memmap {mb / base_t:6.0f} MiB/s | "
+            f"tdckpt fsync=False {mb / fast_t:6.0f} MiB/s (ratio {base_t / fast_t:4.2f}) | "
+            f"fsync=True {mb / durable_t:6.0f} MiB/s (ratio {base_t / durable_t:4.2f})"
         )
         clean()
 
@@ -373,7 +378,9 @@ def bench_upgrade(work: Path, quick: bool) -> None:
         for label, nbytes in (("1 KiB leaf", 1024), (f"{big // 1024**2} MiB leaf", big)):
             counter = iter(range(1000))
 
-            def setup(nbytes: int = nbytes, keep: bool = keep) -> Path:
+            def setup(
+                nbytes: int = nbytes, keep: bool = keep, counter: Iterator[int] = counter
+            ) -> Path:
                 prefix = work / f"legacy{nbytes}-{int(keep)}-{next(counter)}"
                 _legacy_checkpoint(prefix, nbytes, fill=True)
                 os.sync()  # the upgrade's own fsyncs should not flush the setup's writes

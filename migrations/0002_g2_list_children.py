@@ -150,8 +150,9 @@ def _stack_of_non_tensors(target: Target, ctx: MigrationContext) -> None:
                     target,
                     f"a stack of {len(members)} non-tensor values whose batch sizes (member "
                     f"{member.source!r}: {batch}) expand to more than {MAX_INLINE_VALUES} "
-                    "values in all; tdckpt does not inline so many. The metadata is damaged or hostile; "
-                    "if it is genuine, load it with tensordict 0.3 and save it as a tensor.",
+                    "values in all; tdckpt does not inline so many. The metadata is damaged or "
+                    "hostile; if it is genuine, load it with tensordict 0.3 and save it as a "
+                    "tensor.",
                 )
                 return
             values.append(_full(batch, member.meta["data"]))

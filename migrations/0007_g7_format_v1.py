@@ -80,7 +80,10 @@ def upgrade(tree: VDir, ctx: MigrationContext) -> VDir:
                     "data": meta.get("data"),
                 },
             )
-            _note_values(target, ctx, meta.get("data"), "values of this NonTensorStack")
+            # data is the list of the members: that list is the stack, not a value
+            _note_values(
+                target, ctx, meta.get("data"), "values of this NonTensorStack", members=True
+            )
         elif kind == "sub-tensordict":
             target.node.meta = _ordered(
                 meta,
@@ -146,14 +149,19 @@ def _ordered(meta: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _note_values(target: Target, ctx: MigrationContext, value: Any, what: str) -> None:
+def _note_values(
+    target: Target, ctx: MigrationContext, value: Any, what: str, *, members: bool = False
+) -> None:
+    """Say what the old writer lost in ``value``; with ``members``, ``value`` is a stack's
+    list of member values (its own list is structure, not a tuple that became a list)."""
     if ctx.is_compact(target.node) and _has(value, lambda v: v is None):
         ctx.lose(
             target,
             f"{what} holds null, written by orjson (tensordict 0.5-0.15.1), which also wrote "
             "NaN and +-inf as null: any of them that was NaN or infinite restores as None.",
         )
-    if _has(value, lambda v: isinstance(v, list)):
+    values = value if members and isinstance(value, list) else [value]
+    if any(_has(v, lambda v: isinstance(v, list)) for v in values):
         ctx.lose(
             target,
             f"{what} holds a list: tensordict writes tuples as JSON lists too, so a tuple "

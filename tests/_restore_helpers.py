@@ -100,7 +100,10 @@ def _tensor_state(t: torch.Tensor, roots: Sequence[tuple[str, str]]) -> dict[str
         out["shape"] = list(t.shape)
         out["sha256"] = hashlib.sha256(tensor_bytes(t)).hexdigest()
     if isinstance(t, MemoryMappedTensor):
-        out["filename"] = _rel(t.filename, roots)
+        # tensordict 0.14 maps archive leaves as MemoryMappedTensors without a file
+        # (``filename`` raises there); 0.15 gives them a file name or plain tensors
+        name = getattr(t, "_filename", None)
+        out["filename"] = _rel(name, roots) if name is not None else None
         out["mode"] = getattr(t, "_mode", None)
     return out
 
@@ -354,7 +357,7 @@ def settle_non_tensor_differences(ours: Any, theirs: Any, kind: str, keeps_dir: 
             )
             a.pop("metadata")
             b.pop("metadata")
-        else:  # TD_NTD_STALE_PREFIX
+        elif "prefix" in b:  # TD_NTD_STALE_PREFIX (absent from a state(memmap=False))
             assert b["prefix"] is not None and b["prefix"].startswith("<own>/")
             assert a["prefix"] is None
             a.pop("prefix")

@@ -55,7 +55,10 @@ class Result:
     err: str
 
     def __str__(self) -> str:
-        return f"tdckpt {self.argv!r} -> {self.code}\n--- stdout\n{self.out[-3000:]}\n--- stderr\n{self.err[-3000:]}"
+        return (
+            f"tdckpt {self.argv!r} -> {self.code}\n"
+            f"--- stdout\n{self.out[-3000:]}\n--- stderr\n{self.err[-3000:]}"
+        )
 
 
 def _strict_ascii() -> io.TextIOWrapper:

@@ -6,6 +6,7 @@ archive) after that check, by calling the reader the listing calls with what was
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -67,10 +68,8 @@ def test_a_listing_races_a_writer_swapping_manifests(tmp_path: Path, no_hang: No
                 lambda: where.symlink_to("/dev/zero"),
                 lambda: where.write_bytes(good),
             ):
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     where.unlink()
-                except FileNotFoundError:
-                    pass
                 make()
 
     flipper = threading.Thread(target=flip, daemon=True)

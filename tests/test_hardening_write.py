@@ -280,7 +280,7 @@ def test_a_read_only_root_gets_a_lock_error_even_as_root(
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(_lock.os, "open", read_only_open)
-    with pytest.raises(LockError, match="cannot create the lock file .*Permission denied"):
+    with pytest.raises(LockError, match=r"cannot create the lock file .*Permission denied"):
         RootLock(tmp_path, manager_id="x").acquire()
 
 
@@ -439,7 +439,7 @@ def test_a_save_in_progress_of_the_same_prefix_is_refused(tmp_path: Path) -> Non
     fd = os.open(journal, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "another save" holds it
-        with pytest.raises(LockError, match="another tdckpt.save of this prefix is in progress"):
+        with pytest.raises(LockError, match=r"another tdckpt\.save of this prefix is in progress"):
             tdckpt.save(make_td(2), prefix, overwrite=True)
     finally:
         os.close(fd)

@@ -46,7 +46,8 @@ def test_load_memmap_returns_plain_nested_dicts(tmp_path: Path) -> None:
         "import json, tdckpt\n"
         f"r = tdckpt.load_memmap({str(prefix)!r})\n"
         "def walk(x):\n"
-        "    return {k: walk(v) if isinstance(v, dict) else [str(v.dtype), list(v.shape), v.sum().item()] for k, v in x.items()}\n"
+        "    return {k: walk(v) if isinstance(v, dict)\n"
+        "            else [str(v.dtype), list(v.shape), v.sum().item()] for k, v in x.items()}\n"
         "print(json.dumps(walk(r)))\n"
     )
     assert set(result) == {"top", "lvl1", "sibling"}

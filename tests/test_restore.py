@@ -42,6 +42,7 @@ from _restore_helpers import (
     settle_non_tensor_differences,
     state,
 )
+from _tdversion import LOAD_MEMMAP__TAKES_MODE, reference_load_kwargs
 from conftest import FixtureCase, case_id, copy_case, fixture_cases, tree_digest
 
 tensordict = pytest.importorskip("tensordict")
@@ -135,6 +136,13 @@ TD_NTD_STALE_PREFIX = (
     "tdckpt clears it, like the prefixes of the TensorDict levels (both agree on those)"
 )
 
+TD014_SET_REMEMMAP_CRASHES = (
+    "tensordict 0.14 re-memmaps a memory-mapped target after loading, and its writer takes a "
+    "set for JSON, then fails: TypeError 'Type is not JSON serializable: set' (format-notes, "
+    "0.15.0 pickles sets), target left half-loaded; tdckpt never re-memmaps"
+)
+
+
 KNOWN_DIFFERENCES: dict[tuple[str, str, str], str] = {
     ("float8_dtypes", "*", "*"): TD_CANNOT_READ_FLOAT8,
     ("odd_nested__robust_false", "*", "*"): TD_DROPS_KEYS_SILENTLY,
@@ -144,8 +152,28 @@ KNOWN_DIFFERENCES: dict[tuple[str, str, str], str] = {
 }
 
 
-def known_difference(name: str, kind: str, mode: str | None) -> str | None:
+def reference_mode(mode: str | None, prefix: Path) -> str | None:
+    """How tensordict's own ``load_memmap_`` maps when asked for tdckpt's ``mode``: the same
+    on 0.15; on 0.14 (no ``mode`` argument) shared for a directory, copy-on-write for an
+    archive, whatever was asked."""
+    if LOAD_MEMMAP__TAKES_MODE:
+        return mode
+    return None if prefix.is_dir() else "r"
+
+
+def known_difference(
+    name: str, kind: str, mode: str | None, prefix: Path | None = None
+) -> str | None:
+    """Why tensordict differs from tdckpt for this case, or None. With ``prefix``, ``mode`` is
+    the mode tdckpt is asked for and the difference is that of tensordict's in-place loader
+    (which maps as :func:`reference_mode`)."""
+    if prefix is not None:
+        mode = reference_mode(mode, prefix)
+        if not LOAD_MEMMAP__TAKES_MODE and (name, kind) == ("non_tensor_pickle", "memmapped"):
+            return TD014_SET_REMEMMAP_CRASHES
     for (n, k, m), why in KNOWN_DIFFERENCES.items():
+        if why == TD_LAZY_STACK_UNLOCKED and not LOAD_MEMMAP__TAKES_MODE:
+            continue  # tensordict 0.14 re-memmaps and locks the stack, as tdckpt does
         if n == name and k in ("*", kind) and m in ("*", str(mode)):
             return why
     return None
@@ -212,11 +240,24 @@ def _tdckpt_call(mode: str | None) -> Callable[[Any, Path], Any]:
 
 
 def _tensordict_call(mode: str | None) -> Callable[[Any, Path], Any]:
+    """tensordict's own ``load_memmap_`` mapping as tdckpt's ``mode`` does, where the
+    installed tensordict can (see :func:`_exact`); else with that tensordict's default."""
+
     def call(target: Any, prefix: Path) -> Any:
+        kwargs = reference_load_kwargs(mode, prefix, in_place=True) or {}
         with reference():
-            return target.load_memmap_(prefix, allow_pickle=True, mode=mode)
+            return target.load_memmap_(prefix, allow_pickle=True, **kwargs)
 
     return call
+
+
+def _exact(mode: str | None, prefix: Path, *, in_place: bool) -> bool:
+    """Whether tensordict's own loader maps as ``mode`` (so the lock / memmap state and the
+    files of the two results are compared too, not only their contents). tensordict 0.14
+    has no copy-on-write directory and no ``mode`` for ``load_memmap_``: there tdckpt's own
+    contract (:func:`_assert_tdckpt_contract`) checks the mode, and the contents are
+    compared with what 0.14 loads."""
+    return reference_load_kwargs(mode, prefix, in_place=in_place) is not None
 
 
 def _td_levels(obj: Any) -> list[Any]:
@@ -287,7 +328,8 @@ def _assert_known_difference(
     why: str, ours: Side, theirs: Side, fc: FixtureCase, kind: str, mode: str | None
 ) -> None:
     if why == TD_DROPS_KEYS_SILENTLY:
-        if kind == "memmapped" and mode is None:  # dropped, then TD_REMEMMAP_CRASHES on top
+        if kind == "memmapped" and reference_mode(mode, theirs.prefix) is None:
+            # dropped, then TD_REMEMMAP_CRASHES on top
             assert isinstance(theirs.error, RuntimeError)
             assert "already has a file associated" in str(theirs.error)
         else:
@@ -308,6 +350,9 @@ def _assert_known_difference(
     elif why == TD_REMEMMAP_CRASHES:
         assert isinstance(theirs.error, RuntimeError)
         assert "already has a file associated" in str(theirs.error)
+    elif why == TD014_SET_REMEMMAP_CRASHES:
+        assert isinstance(theirs.error, TypeError)
+        assert "not JSON serializable: set" in str(theirs.error)
     elif why == TD_LAZY_STACK_UNLOCKED:
         assert theirs.error is None
         assert not theirs.target.is_locked and not theirs.target.is_memmap()
@@ -321,7 +366,8 @@ def _assert_known_difference(
         )
         assert not any(os.path.exists(_leaves(theirs.target)[p].filename) for p in empty)
         assert all(type(_leaves(ours.target)[p]) is torch.Tensor for p in empty)
-        ours_state, theirs_state = ours.state(), theirs.state()
+        exact = _exact(mode, theirs.prefix, in_place=True)
+        ours_state, theirs_state = ours.state(memmap=exact), theirs.state(memmap=exact)
         drop_empty_leaf_types(ours_state)
         drop_empty_leaf_types(theirs_state)
         assert ours_state == theirs_state
@@ -343,7 +389,7 @@ def test_load_memmap__matches_tensordict(
     theirs = Side.make(fc, tmp_path / "tensordict", content, kind)
     assert ours.state() == theirs.state(), "the two targets must start identical"
 
-    why = known_difference(fc.name, kind, mode)
+    why = known_difference(fc.name, kind, mode, ours.prefix)
     with writer_losses(fc, fails=why == TD_DROPS_KEYS_SILENTLY):
         ours.run(_tdckpt_call(mode))
     theirs.run(_tensordict_call(mode))
@@ -353,9 +399,13 @@ def test_load_memmap__matches_tensordict(
         return
     assert theirs.error is None, f"tensordict failed: {theirs.error!r}"
     _assert_tdckpt_contract(ours, fc, kind, mode)
-    ours_state, theirs_state = ours.state(), theirs.state()
+    exact = _exact(mode, theirs.prefix, in_place=True)
+    ours_state, theirs_state = ours.state(memmap=exact), theirs.state(memmap=exact)
     settle_non_tensor_differences(
-        ours_state, theirs_state, kind, ours.prefix.is_dir() and mode != "r"
+        ours_state,
+        theirs_state,
+        kind,
+        ours.prefix.is_dir() and reference_mode(mode, theirs.prefix) != "r",
     )
     differences = diff_states(ours_state, theirs_state)
     assert not differences, "\n".join(differences)
@@ -377,7 +427,11 @@ def test_load_memmap_matches_tensordict(fc: FixtureCase, mode: str | None, tmp_p
         with pytest.raises(ValidationError, match=r"a%2Fb"):
             tdckpt.load_memmap(ours_prefix, allow_pickle=True, mode=mode)
         with reference():
-            theirs = TensorDict.load_memmap(theirs_prefix, allow_pickle=True, mode=mode)
+            theirs = TensorDict.load_memmap(
+                theirs_prefix,
+                allow_pickle=True,
+                **(reference_load_kwargs(mode, theirs_prefix, in_place=False) or {}),
+            )
         assert {"a/b", "..", "."}.isdisjoint(theirs.keys())
         assert tree_digest(ours_prefix) == digest
         return
@@ -387,11 +441,19 @@ def test_load_memmap_matches_tensordict(fc: FixtureCase, mode: str | None, tmp_p
     assert_matches_expected(ours, fc.expected, lost=_lost(fc))
     if why == TD_CANNOT_READ_FLOAT8:
         with reference(), pytest.raises(KeyError, match="float8"):
-            TensorDict.load_memmap(theirs_prefix, allow_pickle=True, mode=mode)
+            TensorDict.load_memmap(
+                theirs_prefix,
+                allow_pickle=True,
+                **(reference_load_kwargs(mode, theirs_prefix, in_place=False) or {}),
+            )
         return
+    kwargs = reference_load_kwargs(mode, theirs_prefix, in_place=False)
     with reference():
-        theirs = TensorDict.load_memmap(theirs_prefix, allow_pickle=True, mode=mode)
-    assert state(ours, (ours_prefix, "<ckpt>")) == state(theirs, (theirs_prefix, "<ckpt>"))
+        theirs = TensorDict.load_memmap(theirs_prefix, allow_pickle=True, **(kwargs or {}))
+    exact = kwargs is not None
+    assert state(ours, (ours_prefix, "<ckpt>"), memmap=exact) == state(
+        theirs, (theirs_prefix, "<ckpt>"), memmap=exact
+    )
 
 
 # ------------------------------------------------------------------------ read-only restores
@@ -648,7 +710,8 @@ def test_memmapped_lazy_stack_target_state(source: str, tmp_path: Path) -> None:
     members = list(ours.tensordicts)
     tdckpt.load_memmap_(ours, prefix, mode=mode)
     with reference():
-        theirs.load_memmap_(prefix, mode=mode)
+        theirs.load_memmap_(prefix, **(reference_load_kwargs(mode, prefix, in_place=True) or {}))
+    exact = _exact(mode, prefix, in_place=True)
     assert list(ours.tensordicts) == members and all(
         a is b for a, b in zip(ours.tensordicts, members, strict=True)
     )
@@ -659,7 +722,9 @@ def test_memmapped_lazy_stack_target_state(source: str, tmp_path: Path) -> None:
     else:
         assert not ours.is_locked and not ours.is_memmap()
         assert all(m._memmap_prefix is None for m in ours.tensordicts)
-        assert state(ours, (prefix, "<ckpt>")) == state(theirs, (prefix, "<ckpt>"))
+        assert state(ours, (prefix, "<ckpt>"), memmap=exact) == state(
+            theirs, (prefix, "<ckpt>"), memmap=exact
+        )
 
 
 @pytest.mark.parametrize("mode", [None, "r"], ids=["mode=None", "mode=r"])
@@ -680,10 +745,16 @@ def test_memmapped_target_gains_new_entries_in_the_same_state(
     theirs.memmap_(tmp_path / "own_theirs")
     tdckpt.load_memmap_(ours, ours_p, mode=mode)
     with reference():
-        theirs.load_memmap_(theirs_p, mode=mode)
+        theirs.load_memmap_(
+            theirs_p, **(reference_load_kwargs(mode, theirs_p, in_place=True) or {})
+        )
     keeps_dir = mode != "r"
-    ours_state = state(ours, (ours_p, "<ckpt>"), (tmp_path / "own_ours", "<own>"))
-    theirs_state = state(theirs, (theirs_p, "<ckpt>"), (tmp_path / "own_theirs", "<own>"))
+    exact = _exact(mode, theirs_p, in_place=True)
+    roots = ((ours_p, "<ckpt>"), (tmp_path / "own_ours", "<own>"))
+    ours_state = state(ours, *roots, memmap=exact)
+    theirs_state = state(
+        theirs, (theirs_p, "<ckpt>"), (tmp_path / "own_theirs", "<own>"), memmap=exact
+    )
     if keeps_dir:  # new entries: no old prefix for tensordict to leave behind
         settle_non_tensor_differences(ours_state, theirs_state, "memmapped", keeps_dir)
     differences = diff_states(ours_state, theirs_state)

@@ -196,4 +196,4 @@ def test_an_alias_loaded_into_once_restores(tmp_path: Path, other: str) -> None:
     if other == "leaf":
         assert target["b"].tolist() == [5.0, 5.0]
     else:
-        assert "b" not in target.keys()
+        assert "b" not in target

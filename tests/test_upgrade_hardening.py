@@ -669,7 +669,7 @@ def test_leaf_replaced_by_a_symlink_after_validation_is_refused(
         target.unlink()
         target.symlink_to(outside)
 
-    with pytest.raises(MigrationError, match="is no longer a regular file|cannot be opened"):
+    with pytest.raises(MigrationError, match=r"is no longer a regular file|cannot be opened"):
         upgrade(prefix, backup=backup, progress=_last_leaf_after(prefix, 1, swap))
     assert leftovers(prefix) == [] and backups(prefix) == []
     assert outside.read_bytes().startswith(b"S")

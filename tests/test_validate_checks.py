@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from _tdversion import WRITES_FORMAT_VERSION
 from conftest import EXTRA_FIXTURES, copy_case, fixture_cases, tree_digest
 from fixture_types import FixtureTC
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict
@@ -56,6 +57,11 @@ def ckpt(tmp_path: Path) -> Path:
     """A checkpoint tensordict 0.15.3 wrote: leaves, nested, nested tensor, stacks, tc."""
     prefix = tmp_path / "ckpt"
     _base().memmap(prefix)
+    if not WRITES_FORMAT_VERSION:
+        # These checks edit format version 1 (what 0.15.3 writes); an older writer's tree
+        # is brought there by tdckpt's own upgrade (0.14 loses the dimension names).
+        tdckpt.upgrade(prefix, backup=False)
+        _edit(prefix, "", lambda m: m.__setitem__("_names", ["x"]))
     return prefix
 
 

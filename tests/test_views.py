@@ -102,7 +102,7 @@ def _write(tmp_path: Path, name: str) -> Path:
 
 def _leaf_keys(td: Any) -> list[tuple[str, ...]]:
     out = []
-    for k in td.keys():
+    for k in td.keys():  # noqa: SIM118 - iterating a TensorDict walks its batch dimension, not its keys
         v = td.get(k)
         if isinstance(v, torch.Tensor):
             out.append((k,))
@@ -126,7 +126,7 @@ def _assert_same(ours: Any, theirs: Any) -> None:
     for key in keys:
         a, b = _get(ours, key), _get(theirs, key)
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), key
-    for k in theirs.keys():
+    for k in theirs.keys():  # noqa: SIM118 - iterating a TensorDict walks its batch dimension, not its keys
         assert type(ours.get(k)) is type(theirs.get(k)), k
     if hasattr(theirs, "idx"):
         assert ours.idx.__repr__() == theirs.idx.__repr__()

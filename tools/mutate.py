@@ -35,14 +35,16 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "V02",
         VALIDATE,
-        'if not any(p.path.startswith(vdir.source) and p.severity == "error" for p in vdir.problems):',
+        "if not any(p.path.startswith(vdir.source) and "
+        'p.severity == "error" for p in vdir.problems):',
         "if True:",
         "missing-meta also beside a read error",
     ),
     (
         "V03",
         VALIDATE,
-        'if not any(p.path.startswith(vdir.source) and p.severity == "error" for p in vdir.problems):',
+        "if not any(p.path.startswith(vdir.source) and "
+        'p.severity == "error" for p in vdir.problems):',
         "if False:",
         "missing-meta never reported",
     ),
@@ -64,7 +66,8 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "V07",
         VALIDATE,
-        "    if not _check_device(ctx, vdir, key, model.device):\n        return None\n    batch = model.shape",
+        "    if not _check_device(ctx, vdir, key, model.device):\n"
+        "        return None\n    batch = model.shape",
         "    batch = model.shape",
         "TD level device check deleted",
     ),
@@ -200,7 +203,8 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "V29",
         VALIDATE,
-        "    elif isinstance(node, (SubTensorDictNode, LazyViewNode)):\n        child_batch = node.batch_size",
+        "    elif isinstance(node, (SubTensorDictNode, LazyViewNode)):\n"
+        "        child_batch = node.batch_size",
         "    elif False:\n        child_batch = node.batch_size",
         "view batch not prefix-checked",
     ),
@@ -285,7 +289,8 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "V42",
         VALIDATE,
-        "    if not _check_device(ctx, vdir, key, model.device):\n        return None\n    node = NonTensorStackNode",
+        "    if not _check_device(ctx, vdir, key, model.device):\n"
+        "        return None\n    node = NonTensorStackNode",
         "    node = NonTensorStackNode",
         "non-tensor stack device check deleted",
     ),
@@ -341,7 +346,8 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "A04",
         APPLY,
-        "            check_tensorclass_fields(type(target), fields, node.inner.entries, self.where(node))\n",
+        "            check_tensorclass_fields(type(target), fields, node.inner.entries, "
+        "self.where(node))\n",
         "",
         "tensorclass field check deleted",
     ),

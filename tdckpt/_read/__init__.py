@@ -1,4 +1,6 @@
-"""The read path, one direction (design.md): storage -> metadata -> detect -> migrate -> names -> validate.
+"""The read path, one direction (design.md).
+
+storage -> metadata -> detect -> migrate -> names -> validate.
 
 * ``storage``, ``archive``, ``archive_index``: one read-only interface over a directory or a
   ``.tdz`` archive that refuses anything leaving the prefix and never writes.

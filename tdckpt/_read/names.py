@@ -40,9 +40,18 @@ from tdckpt._report import Problem
 
 __all__ = ["SIDECARS", "NamesResult", "is_keyed_level", "normalize_names"]
 
-#: Files that belong to a level itself, never to a key.
+#: Files that belong to a level itself, never to a key. ``storage_metadata.json`` is what
+#: torchrl's ``TensorStorageCheckpointer`` writes beside the storage's tensordict
+#: (``ReplayBuffer.dumps(path)`` -> ``path/storage/``); no key's file ends in ``.json``.
 SIDECARS = frozenset(
-    {"meta.json", "other.pickle", "pickle.pkl", "json_types.json", "tdckpt.manifest.json"}
+    {
+        "meta.json",
+        "other.pickle",
+        "pickle.pkl",
+        "json_types.json",
+        "tdckpt.manifest.json",
+        "storage_metadata.json",
+    }
 )
 
 ROBUST = "robust"

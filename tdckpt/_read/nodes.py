@@ -9,7 +9,7 @@ that has not been read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -39,10 +39,8 @@ def _dtype_table() -> dict[str, torch.dtype]:
         # Quantized dtypes cannot be mapped from a file; the sub-byte int1..int7 /
         # uint1..uint7 are placeholders without a storage layout of their own.
         short = text.removeprefix("torch.")
-        if (
-            short.startswith(("qint", "quint"))
-            or (short[:-1] in ("int", "uint")
-            and short[-1] in "1234567")
+        if short.startswith(("qint", "quint")) or (
+            short[:-1] in ("int", "uint") and short[-1] in "1234567"
         ):
             continue
         table[text] = value
@@ -164,21 +162,25 @@ class LazyViewNode:
     source: Node
 
 
-Node = Union[
-    TensorDictNode,
-    LazyStackNode,
-    NonTensorNode,
-    NonTensorStackNode,
-    TensorClassNode,
-    LeafNode,
-    SubTensorDictNode,
-    LazyViewNode,
-]
+Node = (
+    TensorDictNode
+    | LazyStackNode
+    | NonTensorNode
+    | NonTensorStackNode
+    | TensorClassNode
+    | LeafNode
+    | SubTensorDictNode
+    | LazyViewNode
+)
 
 
-def pickled_nodes(node: Node) -> list[Node]:
+#: The nodes that may hold a pickled value.
+PickledNode = NonTensorNode | NonTensorStackNode | TensorClassNode
+
+
+def pickled_nodes(node: Node) -> list[PickledNode]:
     """Every node of the tree whose value needs unpickling, in tree order."""
-    out: list[Node] = []
+    out: list[PickledNode] = []
     stack: list[Node] = [node]
     while stack:
         cur = stack.pop()

@@ -134,13 +134,21 @@ def read_tree(
     return root
 
 
-def _not_a_checkpoint(storage: Storage, root: VDir) -> None:
+def _not_a_checkpoint(storage: Storage, root: VDir, listing: Listing) -> None:
     """Raise unless the top level holds metadata (checked before any sub-folder is read)."""
     if (
         root.meta is None
         and root.pt is None
         and not any(p.code == "bad-json" for p in root.problems)
     ):
+        if "buffer_metadata.json" in root.files and "storage" in listing.dirs:
+            # What torchrl's ReplayBuffer.dumps(path) writes: the tensordict is in storage/.
+            raise CheckpointNotFoundError(
+                f"{storage.display('')}: not a tensordict checkpoint but a TorchRL replay "
+                "buffer (ReplayBuffer.dumps wrote buffer_metadata.json here): its tensordict "
+                f"is the sub-directory 'storage'. Pass {storage.display('storage')!r} instead.",
+                path=storage.location,
+            )
         raise CheckpointNotFoundError(
             f"{storage.display('')}: not a tensordict checkpoint: no meta.json (or meta.pt) "
             "at its top level. Pass the directory (or .tdz) that `td.memmap(prefix)` or "
@@ -188,7 +196,7 @@ class _Walk:
         _fill(storage, node, listing, self.charge)
         if depth == 0:
             # Before descending: `tdckpt inspect /` must not walk the whole file system.
-            _not_a_checkpoint(storage, node)
+            _not_a_checkpoint(storage, node, listing)
         if listing.dirs and depth >= self.max_depth:
             node.problems.append(
                 Problem(

@@ -122,8 +122,8 @@ def _schema_problems(
             "schema",
             join(path, "meta.json"),
             sub,
-            f"{where}: {err['msg']} (found {_short_repr(err.get('input')):.80}). The metadata does not fit "
-            "the tensordict format; the file is damaged or was edited.",
+            f"{where}: {err['msg']} (found {_short_repr(err.get('input')):.80}). "
+            "The metadata does not fit the tensordict format; the file is damaged or was edited.",
         )
 
 
@@ -326,7 +326,8 @@ def _build_leaf(
                 "bad-shape",
                 join(vdir.source, "meta.json"),
                 key,
-                f"a nested tensor's entry records its size table's shape [elements, ndim]; found {list(shape)}.",
+                "a nested tensor's entry records its size table's shape [elements, ndim]; "
+                f"found {list(shape)}.",
             )
             return None
         leaf.shape_file = vdir.files.get(encode_key(name) + NESTED_SHAPE_SUFFIX)
@@ -343,7 +344,8 @@ def _build_leaf(
                 "short-file",
                 leaf.shape_file.source or path,
                 key,
-                f"{leaf.shape_file.size} bytes, but the size table {list(shape)} of int64 needs {numel * 8}.",
+                f"{leaf.shape_file.size} bytes, but the size table {list(shape)} of int64 "
+                f"needs {numel * 8}.",
             )
             return None
         sizes = _read_sizes(ctx.storage, leaf.shape_file, shape)
@@ -599,7 +601,8 @@ def _build_non_tensor(
             "missing-file",
             join(vdir.source, "other.pickle"),
             key,
-            "a non-tensor value with neither inline data nor its other.pickle; the value is lost. Restore the file from a backup.",
+            "a non-tensor value with neither inline data nor its other.pickle; the value is "
+            "lost. Restore the file from a backup.",
         )
         return None
     return node
@@ -646,7 +649,8 @@ def _build_nt_stack(
                 "missing-file",
                 join(vdir.source, "pickle.pkl"),
                 key,
-                "meta.json says the stack is pickled, but pickle.pkl is missing; restore it from a backup.",
+                "meta.json says the stack is pickled, but pickle.pkl is missing; "
+                "restore it from a backup.",
             )
             return None
     return node
@@ -665,7 +669,8 @@ def _build_tensorclass(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorClas
             "missing-child",
             join(vdir.source, "_tensordict"),
             key,
-            f"a saved tensorclass {model.type_} without its _tensordict directory; the checkpoint is incomplete.",
+            f"a saved tensorclass {model.type_} without its _tensordict directory; "
+            "the checkpoint is incomplete.",
         )
         return None
     inner = _build(inner_dir, key, ctx, parent_batch=None)

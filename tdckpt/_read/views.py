@@ -111,7 +111,8 @@ def _build_source(
                 join(src_dir.source, "meta.json"),
                 key,
                 f"the source of a saved {what} must be a tensordict with a batch size (a "
-                f"TensorDict, lazy stack, sub-tensordict or lazy view); found a {type(source).__name__}.",
+                "TensorDict, lazy stack, sub-tensordict or lazy view); "
+                f"found a {type(source).__name__}.",
             )
         return None
     return source, batch
@@ -216,7 +217,8 @@ def decode_index(raw: Any) -> Any:
                     ) from None
                 if device.type != "cpu":
                     raise _BadIndex(
-                        f"the index tensor is on {x[2]!r:.40}; it cannot index the CPU data of the checkpoint"
+                        f"the index tensor is on {x[2]!r:.40}; "
+                        "it cannot index the CPU data of the checkpoint"
                     )
                 content(x[1], depth + 1)
                 try:
@@ -292,7 +294,8 @@ def index_batch(index: Any, batch: tuple[int, ...]) -> tuple[int, ...]:
             if t.dtype == torch.bool:
                 if t.ndim == 0 or tuple(t.shape) != batch[pos : pos + t.ndim]:
                     raise _BadIndex(
-                        f"a mask of shape {list(t.shape)} for dimensions {list(batch[pos : pos + t.ndim])} of the source"
+                        f"a mask of shape {list(t.shape)} for dimensions "
+                        f"{list(batch[pos : pos + t.ndim])} of the source"
                     )
                 conv.extend(i.to("meta") for i in t.nonzero(as_tuple=True))
                 pos += t.ndim
@@ -337,7 +340,8 @@ def build_sub_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> SubTensorDictNod
             "bad-index",
             where,
             key,
-            f"the sub-tensordict index cannot be loaded: {bad}. The metadata is damaged or hostile.",
+            f"the sub-tensordict index cannot be loaded: {bad}. "
+            "The metadata is damaged or hostile.",
         )
         return None
     if built is None or class_id is None:
@@ -350,7 +354,8 @@ def build_sub_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> SubTensorDictNod
             "bad-index",
             where,
             key,
-            f"the sub-tensordict index does not fit its source of batch size {list(src_batch)}: {exc}.",
+            "the sub-tensordict index does not fit its source of batch size "
+            f"{list(src_batch)}: {exc}.",
         )
         return None
     return SubTensorDictNode(
@@ -376,9 +381,13 @@ def _op_error(op: Any, kwargs: Any) -> str | None:
         many = name in ("size", "dims") or (op == "squeeze" and isinstance(value, list))
         values = value if many else [value]
         if not isinstance(values, list) or any(type(v) is not int for v in values):
-            return f"{op} argument {name}={value!r:.60} must be {'a list of ints' if many else 'an int'}"
+            wanted = "a list of ints" if many else "an int"
+            return f"{op} argument {name}={value!r:.60} must be {wanted}"
         if len(values) > 64:
-            return f"{op} argument {name} has {len(values)} entries, more dims than a tensordict can have"
+            return (
+                f"{op} argument {name} has {len(values)} entries, "
+                "more dims than a tensordict can have"
+            )
         if op in ("squeeze", "unsqueeze", "transpose") and any(v < 0 for v in values):
             return (
                 f"{op} argument {name}={value!r:.40} is negative: tensordict applies it to each "
@@ -429,7 +438,8 @@ def build_view(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyViewNode | Non
             "bad-view",
             where,
             key,
-            f"{op}({kwargs!r:.60}) does not apply to its source of batch size {list(src_batch)}: {exc}",
+            f"{op}({kwargs!r:.60}) does not apply to its source of batch size "
+            f"{list(src_batch)}: {exc}",
         )
         return None
     if inv is not None:

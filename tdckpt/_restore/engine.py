@@ -19,7 +19,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -36,6 +36,7 @@ from tdckpt._read.nodes import (
     pickled_nodes,
 )
 from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
+from tdckpt._read.storage import MapMode
 from tdckpt._read.views import node_batch
 from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import ValidationReport
@@ -135,9 +136,7 @@ def open_for_restore(
             )
             raise ValidationError(_format_errors(opened), report=report, prefix=opened.prefix)
         pickled = [
-            (n.key, n.pickle.source or n.path)  # type: ignore[union-attr]
-            for n in pickled_nodes(opened.root)
-            if n.pickle  # type: ignore[union-attr]
+            (n.key, n.pickle.source or n.path) for n in pickled_nodes(opened.root) if n.pickle
         ]
         resolve_pickle_policy(allow_pickle, pickled, prefix=opened.prefix)
         if opened.lost:
@@ -328,9 +327,10 @@ class _Builder:
         entries = {k: self.build(v, node.batch_size, device) for k, v in node.entries.items()}
         td = TensorDict(batch_size=node.batch_size, device=device)
         if node.names is not None:
-            td._set_names(node.names)  # type: ignore[arg-type]
+            # Any: tensordict 0.14 and 0.15 annotate these private members differently
+            cast(Any, td)._set_names(node.names)
         td._tensordict.update(entries)
-        td._memmap_prefix = self.mapper.dir_path(node.path)  # type: ignore[assignment]
+        cast(Any, td)._memmap_prefix = self.mapper.dir_path(node.path)
         return td
 
 
@@ -469,7 +469,10 @@ def load_memmap(
             relabel_warnings(local, str(prefix)),
         ):
             return load_memmap(
-                local, robust_key=robust_key, allow_pickle=allow_pickle, mode=_url_mode(mode),
+                local,
+                robust_key=robust_key,
+                allow_pickle=allow_pickle,
+                mode=_url_mode(mode),
                 device=device,
             )
     require_local_options(prefix, storage_options)
@@ -584,7 +587,7 @@ def restore_in_place(
                     restore_into_target(
                         target,
                         opened,
-                        mode=mode,  # type: ignore[arg-type]
+                        mode=cast("MapMode", mode),  # _check_args allowed only these
                         unpickle=unpickle,
                         builder_factory=_Builder,
                     )

@@ -15,7 +15,7 @@ import collections
 import functools
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -55,7 +55,8 @@ def _memory_mapped_tensor() -> type[torch.Tensor] | None:
         return None
     from tensordict.memmap import MemoryMappedTensor
 
-    return MemoryMappedTensor
+    # a cast: tensordict 0.14 does not annotate the class as a Tensor subclass for mypy
+    return cast("type[torch.Tensor]", MemoryMappedTensor)
 
 
 def load_pickled(storage: Storage, rel: str) -> Any:

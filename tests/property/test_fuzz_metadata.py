@@ -1065,7 +1065,7 @@ def manager_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_fuzz_manager_manifests(fuzz_examples: int, manager_root: Path) -> None:
-    """``CheckpointManager.verify`` / ``restore`` on mutated manifests: a report or a TdckptError."""
+    """``CheckpointManager.verify`` / ``restore`` on mutated manifests: a report or an error."""
 
     @settings(
         max_examples=max(fuzz_examples // 3, 10),

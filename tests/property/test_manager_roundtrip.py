@@ -167,7 +167,7 @@ def _same(a: Any, b: Any, where: str = "<root>") -> None:
         return
     if isinstance(a, LazyStackedTensorDict):
         assert len(a.tensordicts) == len(b.tensordicts) and a.stack_dim == b.stack_dim, where
-        for i, (x, y) in enumerate(zip(a.tensordicts, b.tensordicts)):
+        for i, (x, y) in enumerate(zip(a.tensordicts, b.tensordicts, strict=True)):
             _same(x, y, f"{where}[{i}]")
         return
     if hasattr(a, "_tensordict") and not isinstance(a, TensorDict):  # tensorclass
@@ -175,7 +175,7 @@ def _same(a: Any, b: Any, where: str = "<root>") -> None:
         return
     assert a.batch_size == b.batch_size, where
     assert set(a.keys()) == set(b.keys()), where
-    for key in a.keys():
+    for key in a.keys():  # noqa: SIM118 - iterating a tensorclass walks its batch dimension, not its keys
         _same(a._tensordict[key], b._tensordict[key], f"{where}.{key}")
 
 
