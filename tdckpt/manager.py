@@ -507,6 +507,11 @@ class CheckpointManager:
             ...         mgr.restore(1)["w"].tolist(), mgr.metadata(1)
             ([0.0, 0.0, 0.0], {'loss': 0.5})
         """
+        if self._shard is not None:
+            raise ValueError(
+                f"{self.root}: save_async is not available in a collective manager yet; call "
+                "save() on every rank (it returns once the sharded step is committed)."
+            )
         step = _atomic.check_step(step)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything

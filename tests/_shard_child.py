@@ -333,7 +333,16 @@ def cmd_subgroup(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
     return out
 
 
+def cmd_async_refused(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    try:
+        mgr.save_async(1, shard_of("nested", world, rank))
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError("save_async in a group was not refused")
+
+
 COMMANDS = {
+    "async_refused": cmd_async_refused,
     "subgroup": cmd_subgroup,
     "save": cmd_save,
     "restore": cmd_restore,

@@ -385,3 +385,10 @@ def test_retention_and_gc_on_sharded_steps(saved_roots: dict[int, Path], tmp_pat
     whole = make_case("replicated", sum(LENGTHS[4]))
     assert_same(mgr.restore(), whole, "latest after retention")
     mgr.close()
+
+
+def test_save_async_in_a_group_is_refused_clearly(tmp_path: Path) -> None:
+    args = {"out": str(tmp_path / "o"), "root": str(tmp_path / "root")}
+    results = _ok(spawn_ranks("async_refused", 2, args), "async_refused")
+    assert all("save_async is not available in a collective manager" in r for r in results)
+    assert CheckpointManager(tmp_path / "root").steps() == []
