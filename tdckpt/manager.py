@@ -422,6 +422,7 @@ class CheckpointManager:
         if self._shard is not None:
             from tdckpt._shard.save import collective_save
 
+            self._background.drain(before=f"this save of step {step} started", stacklevel=2)
             if is_state_mapping(obj):  # refused on every rank alike, before any collective
                 raise UnsupportedContentError(
                     f"{self.root}: a collective manager saves one TensorDict shard per rank; "
@@ -456,6 +457,7 @@ class CheckpointManager:
         state: Any,
         *,
         metadata: dict[str, Any] | None = None,
+        replicated: Any = (),
     ) -> SaveFuture:
         """Snapshot ``state`` now, write and commit it on a background thread.
 
@@ -481,6 +483,13 @@ class CheckpointManager:
             step: the step number (an int >= 0); it names the folder.
             state: what to save (what :meth:`save` accepts).
             metadata: plain JSON data stored in the manifest (copied now).
+            replicated: in a collective manager, as for :meth:`save`.
+
+        In a collective manager every rank calls it with its shard, as :meth:`save`; the
+        shard is copied now (tensors cloned, non-tensor values deep-copied), and the
+        sharded save protocol - its collectives included - runs on the background thread,
+        on tdckpt's own gloo group (never the caller's group). A collective restore first
+        waits for the save in flight, so the two never share the group at once.
 
         Returns:
             A :class:`~tdckpt.manager.SaveFuture`; ``result()`` gives the committed path.
@@ -508,10 +517,7 @@ class CheckpointManager:
             ([0.0, 0.0, 0.0], {'loss': 0.5})
         """
         if self._shard is not None:
-            raise ValueError(
-                f"{self.root}: save_async is not available in a collective manager yet; call "
-                "save() on every rank (it returns once the sharded step is committed)."
-            )
+            return self._save_async_collective(step, state, metadata, replicated)
         step = _atomic.check_step(step)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
@@ -527,6 +533,35 @@ class CheckpointManager:
             return self._background.submit(
                 step, lambda: self._save_in_background(step, snapshot, metadata, record)
             )
+
+    def _save_async_collective(
+        self, step: int, obj: Any, metadata: dict[str, Any] | None, replicated: Any
+    ) -> SaveFuture:
+        from tdckpt._shard.save import collective_save
+        from tdckpt._write.snapshot import detached_copy
+
+        step = _atomic.check_step(step)
+        if metadata is not None:
+            check_json_data(metadata)
+            metadata = copy.deepcopy(metadata)
+        if is_state_mapping(obj):
+            self.save(step, obj)  # raises the collective refusal of a training state
+        replicated = tuple(replicated)
+        with self._staging_lock:
+            self._background.drain(before=f"this save of step {step} started", stacklevel=3)
+            snapshot = detached_copy(obj)  # errors (bad shard, ...) surface in the protocol
+
+            def job() -> Path:
+                return collective_save(
+                    self,
+                    step,
+                    snapshot,
+                    metadata=metadata,
+                    overwrite=False,
+                    replicated=replicated,
+                )
+
+            return self._background.submit(step, job)
 
     def _save_in_background(
         self,
@@ -955,6 +990,8 @@ class CheckpointManager:
     def _sharded_path(self, step: int | None, rows: Any) -> bool:
         """Whether a restore is collective, of a sharded step, or of some rows."""
         if self._shard is not None or rows is not None:
+            # One user of tdckpt's group at a time: a save in flight finishes first.
+            self._background.drain(before="this restore started", stacklevel=4)
             return True
         try:
             return isinstance(self._resolve(step)[2], ShardedManifest)

@@ -625,7 +625,14 @@ class RemoteCheckpointManager(CheckpointManager):
                 )
         return td
 
-    def save_async(self, step: int, state: Any, *, metadata: dict[str, Any] | None = None) -> Any:
+    def save_async(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metadata: dict[str, Any] | None = None,
+        replicated: Any = (),
+    ) -> Any:
         """Not available for object storage yet: raises ``ValueError`` (use :meth:`save`)."""
         raise ValueError(
             f"{self.root}: save_async is not supported for object-storage roots yet; call "

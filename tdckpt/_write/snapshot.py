@@ -189,3 +189,21 @@ def _synchronize(device: torch.device) -> None:
         module.synchronize()
     else:
         torch.accelerator.synchronize(device)
+
+
+def detached_copy(obj: Any) -> Any:
+    """A copy of a tensor collection that shares nothing with ``obj``.
+
+    Tensors are cloned into plain CPU memory (memory-mapped and shared-memory leaves
+    included; accelerator tensors stay on their device) and non-tensor values are
+    deep-copied (a pickle round trip of the clone, which holds no file-backed storage),
+    so later in-place writes to ``obj`` - its tensors or its Python values - cannot reach
+    the copy. Used by collective ``save_async``, whose shard protocol needs a TensorDict.
+    """
+    import pickle
+
+    from tensordict import is_tensor_collection
+
+    if not is_tensor_collection(obj):
+        return obj  # the save protocol refuses it, on every rank, with the usual message
+    return pickle.loads(pickle.dumps(obj.clone(), protocol=pickle.HIGHEST_PROTOCOL))
