@@ -168,7 +168,8 @@ def test_the_table_covers_every_command_and_flag() -> None:
     assert _positionals("inspect") == ["prefix"] and _positionals("ls") == ["root"]
     assert set(_flags("upgrade")) == {"--dry-run", "--no-backup", "--convert-pickles"}
     assert ["--robust-key", "false", "--json"] in variants("validate")
-    assert [a.dest for a in _valued("verify")] == ["step"]
+    assert [a.dest for a in _valued("verify")] == ["step", "storage_option"]
+    assert sorted(a.dest for a in _valued("gc")) == ["grace_period", "storage_option"]
 
 
 # -- hostile inputs --------------------------------------------------------------------------
