@@ -403,8 +403,8 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "A12",
         APPLY,
-        "shape = sub.shape[:1] if sub.is_nested else sub.shape",
-        "shape = sub.shape",
+        "shape = sub.shape[:1] if sub.is_nested else sub.shape\n                if shape[:nb] != batch:",
+        "shape = sub.shape\n                if shape[:nb] != batch:",
         "nested leaf checked by its size table",
     ),
     (
@@ -543,7 +543,7 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "A34",
         APPLY,
-        "_all_td_levels(target) if was_memmap else",
+        "_all_td_levels(holder) if was_memmap else",
         "[lvl for lvl, _ in plan.prefixes] if was_memmap else",
         "only planned levels snapshotted",
     ),
