@@ -36,7 +36,7 @@ import os
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -888,7 +888,6 @@ class CheckpointManager:
             RestoreError: ``strict=True`` and the keys differ (``.missing``/``.unexpected``).
         """
         from tdckpt._restore.engine import _check_args, restore_in_place
-        from tdckpt._restore.keys import key_difference, saved_structure, target_structure
 
         _check_args(True, allow_pickle, mode)
         if holds_live_objects(td):  # a training state (a dict of tensors is a nested-dict target)
@@ -922,25 +921,7 @@ class CheckpointManager:
             if verify:
                 self._verified(resolved, path, manifest)
 
-            def same_keys(opened: OpenedCheckpoint) -> None:
-                # On the validated node tree, before any leaf is mapped or value unpickled.
-                saved = saved_structure(opened)
-                missing, unexpected = key_difference(
-                    saved, target_structure(td, opaque=saved.opaque)
-                )
-                if missing or unexpected:
-                    raise RestoreError(
-                        f"{path}: step {resolved} does not have the target's keys (strict=True); "
-                        f"nothing was changed. In the target but not the checkpoint: "
-                        f"{_show_keys(missing)}. In the checkpoint but not the target: "
-                        f"{_show_keys(unexpected)}. Pass strict=False to give the target the "
-                        "checkpoint's structure, or use restore() for a new object.",
-                        path=str(path),
-                        step=resolved,
-                        missing=missing,
-                        unexpected=unexpected,
-                    )
-
+            same_keys = _same_keys(td, str(path), resolved)
             restore_in_place(
                 td,
                 path,
@@ -997,6 +978,33 @@ class CheckpointManager:
             return isinstance(self._resolve(step)[2], ShardedManifest)
         except TdckptError:
             return False  # the plain path raises the error
+
+
+def _same_keys(td: Any, where: str, step: int) -> Callable[[OpenedCheckpoint], None]:
+    """The ``strict=True`` check of :meth:`CheckpointManager.restore_into`.
+
+    Runs on the validated node tree, before any leaf is mapped or value unpickled, and
+    raises a RestoreError listing the keys that differ (``where``: the step's path or URL).
+    """
+    from tdckpt._restore.keys import key_difference, saved_structure, target_structure
+
+    def check(opened: OpenedCheckpoint) -> None:
+        saved = saved_structure(opened)
+        missing, unexpected = key_difference(saved, target_structure(td, opaque=saved.opaque))
+        if missing or unexpected:
+            raise RestoreError(
+                f"{where}: step {step} does not have the target's keys (strict=True); "
+                f"nothing was changed. In the target but not the checkpoint: "
+                f"{_show_keys(missing)}. In the checkpoint but not the target: "
+                f"{_show_keys(unexpected)}. Pass strict=False to give the target the "
+                "checkpoint's structure, or use restore() for a new object.",
+                path=where,
+                step=step,
+                missing=missing,
+                unexpected=unexpected,
+            )
+
+    return check
 
 
 def _warn_not_removed(path: Path, exc: OSError, *, stacklevel: int) -> None:

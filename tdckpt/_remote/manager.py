@@ -55,9 +55,8 @@ from tdckpt.errors import (
     IncompleteCheckpointError,
     MetadataError,
     RemoteError,
-    RestoreError,
 )
-from tdckpt.manager import CheckpointManager, _show_keys
+from tdckpt.manager import CheckpointManager, _same_keys
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
 from tdckpt.schema import FileRecord
 
@@ -566,9 +565,7 @@ class RemoteCheckpointManager(CheckpointManager):
     ) -> Any:
         """As :meth:`CheckpointManager.restore_into`; checksums are always verified while
         the step is read from the store (``verify`` has nothing left to add)."""
-        from tdckpt._read.pipeline import OpenedCheckpoint
         from tdckpt._restore.engine import _check_args, restore_in_place
-        from tdckpt._restore.keys import key_difference, saved_structure, target_structure
 
         _check_args(True, allow_pickle, mode)
         local_mode = self._mode(mode)
@@ -595,24 +592,7 @@ class RemoteCheckpointManager(CheckpointManager):
                 "a TensorDict is restored on the CPU: move it afterwards."
             )
         with self._local_copy(step) as (resolved, local, url):
-
-            def same_keys(opened: OpenedCheckpoint) -> None:
-                saved = saved_structure(opened)
-                missing, unexpected = key_difference(
-                    saved, target_structure(td, opaque=saved.opaque)
-                )
-                if missing or unexpected:
-                    raise RestoreError(
-                        f"{url}: step {resolved} does not have the target's keys (strict=True); "
-                        f"nothing was changed. In the target but not the checkpoint: "
-                        f"{_show_keys(missing)}. In the checkpoint but not the target: "
-                        f"{_show_keys(unexpected)}. Pass strict=False to give the target the "
-                        "checkpoint's structure, or use restore() for a new object.",
-                        path=url,
-                        step=resolved,
-                        missing=missing,
-                        unexpected=unexpected,
-                    )
+            same_keys = _same_keys(td, url, resolved)
 
             with relabel_warnings(local, url):
                 restore_in_place(
