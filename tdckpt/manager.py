@@ -595,6 +595,28 @@ class CheckpointManager:
                 step=step,
             )
 
+    def _claim(self, step: int, *, overwrite: bool) -> dict[str, Path]:
+        """The step's existing forms, marked as being overwritten (under ``_writing``).
+
+        Refuses an existing step unless ``overwrite``, and one being restored or verified;
+        the caller discards ``step`` from ``_overwriting`` (and notifies) when done.
+        """
+        forms: dict[str, Path] = self._index.entries().get(step, {})
+        if not overwrite:
+            self._refuse_existing(step, forms)
+        if forms:
+            with self._state:
+                if self._in_use.get(step):
+                    raise CheckpointExistsError(
+                        f"{self.root}: step {step} is being restored or verified right "
+                        "now; it cannot be overwritten until that finishes. Save under "
+                        "another step, or retry.",
+                        path=str(self.root),
+                        step=step,
+                    )
+                self._overwriting.add(step)
+        return forms
+
     def _save_locked(
         self,
         step: int,
@@ -611,21 +633,7 @@ class CheckpointManager:
         thread of :meth:`save_async`).
         """
         self._ensure_lock()
-        forms = self._index.entries().get(step, {})
-        if not overwrite:
-            self._refuse_existing(step, forms)
-
-        if forms:
-            with self._state:
-                if self._in_use.get(step):
-                    raise CheckpointExistsError(
-                        f"{self.root}: step {step} is being restored or verified right "
-                        "now; it cannot be overwritten until that finishes. Save under "
-                        "another step, or retry.",
-                        path=str(self.root),
-                        step=step,
-                    )
-                self._overwriting.add(step)
+        forms = self._claim(step, overwrite=overwrite)
         try:
             with progress_bar(progress, "save") as report:
                 path = self._commit(

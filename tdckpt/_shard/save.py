@@ -39,7 +39,6 @@ from tdckpt._shard.manifest import ShardResult, build_manifest
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.save import _writer_versions, check_json_data, write_checkpoint
 from tdckpt.errors import (
-    CheckpointExistsError,
     CollectiveError,
     TdckptError,
     UnsupportedContentError,
@@ -345,25 +344,7 @@ def _lead(
         forms: dict[str, Path] = {}
         try:
             mgr._ensure_lock()
-            forms = mgr._index.entries().get(step, {})
-            if forms and not overwrite:
-                raise CheckpointExistsError(
-                    f"{mgr._preferred(forms)}: step {step} already exists; a committed step is "
-                    "never overwritten unless asked. Pass overwrite=True to replace it, or "
-                    "save under another step.",
-                    path=str(mgr._preferred(forms)),
-                    step=step,
-                )
-            if forms:
-                with mgr._state:
-                    if mgr._in_use.get(step):
-                        raise CheckpointExistsError(
-                            f"{mgr.root}: step {step} is being restored or verified right now; "
-                            "it cannot be overwritten until that finishes.",
-                            path=str(mgr.root),
-                            step=step,
-                        )
-                    mgr._overwriting.add(step)
+            forms = mgr._claim(step, overwrite=overwrite)
 
             def write(staging: Path) -> ShardedManifest:
                 nonlocal announced, own
