@@ -41,10 +41,39 @@ def test_a_training_state_round_trips_through_memory_url() -> None:
             assert torch.equal(value, restored["state"][pid][name]), (pid, name)
 
 
-def test_save_async_to_an_object_store_is_refused_clearly() -> None:
+def test_save_async_to_an_object_store_commits_the_values_at_the_call() -> None:
+    from tensordict import TensorDict
+
     root = f"memory://tdckpt-state-{uuid.uuid4().hex}"
-    model, _ = _model()
+    model, opt = _model()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    td = TensorDict(x=torch.arange(6.0), meta={"note": [1, 2]})
     with CheckpointManager(root) as mgr:
-        with pytest.raises(ValueError, match="save_async is not supported for object-storage"):
-            mgr.save_async(1, {"model": model})
-        assert mgr.steps() == []
+        future = mgr.save_async(1, {"model": model, "optim": opt}, metadata={"loss": 0.5})
+        with torch.no_grad():  # training goes on in place right after the call
+            for p in model.parameters():
+                p.add_(1.0)
+        second = mgr.save_async(2, td)  # waits for the first, then snapshots td
+        td["x"].zero_()
+        assert str(future.result(timeout=60)).startswith("memory://")
+        second.result(timeout=60)
+        assert mgr.steps() == [1, 2]
+        assert mgr.metadata(1) == {"loss": 0.5}
+        assert mgr.restore(2)["x"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        fresh, _ = _model()
+        mgr.restore_into({"model": fresh}, step=1, strict=False)
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+
+
+def test_save_async_to_an_object_store_refuses_an_existing_step_now() -> None:
+    from tensordict import TensorDict
+
+    from tdckpt.errors import CheckpointExistsError
+
+    root = f"memory://tdckpt-state-{uuid.uuid4().hex}"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, TensorDict(a=torch.zeros(2)))
+        with pytest.raises(CheckpointExistsError, match="step 1 already exists"):
+            mgr.save_async(1, TensorDict(a=torch.ones(2)))
+        assert mgr.restore(1)["a"].tolist() == [0.0, 0.0]

@@ -145,7 +145,7 @@ class BackgroundSaver:
             enters around each save (the hook for a tdckpt-owned process group).
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path | str) -> None:
         self.root = root
         self.context: Callable[[], AbstractContextManager[Any]] | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None

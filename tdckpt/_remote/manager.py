@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from tdckpt._manage.background import BackgroundSaver, SaveFuture
 from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
 from tdckpt._progress import ProgressArg, progress_bar
@@ -58,7 +59,7 @@ from tdckpt.errors import (
 )
 from tdckpt.manager import CheckpointManager, _same_keys
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
-from tdckpt.schema import FileRecord
+from tdckpt.schema import FileRecord, StateRecord
 
 __all__ = ["DEFAULT_GRACE_S", "RemoteCheckpointManager"]
 
@@ -144,6 +145,9 @@ class RemoteCheckpointManager(CheckpointManager):
         self._writing = threading.Lock()
         self._in_use: Counter[int] = Counter()
         self._records: dict[str, tuple[tuple[Any, ...], layout.CommitRecord | MetadataError]] = {}
+        # save_async: one save in flight on one background thread (uploads and the commit).
+        self._background = BackgroundSaver(self.root)
+        self._staging_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, retention={self.retention!r})"
@@ -153,12 +157,12 @@ class RemoteCheckpointManager(CheckpointManager):
         """The store (``store.calls`` counts the requests sent)."""
         return self._store
 
-    def close(self) -> None:
+    def _close(self, *, stacklevel: int) -> None:
+        failure = self._background.shutdown(stacklevel=stacklevel)
         with self._writing, self._state:
             self._lease.release()
-
-    def _close(self, *, stacklevel: int) -> None:
-        self.close()  # no background saves for object storage (see save_async)
+        if failure is not None:
+            raise failure
 
     def _ensure_lock(self) -> None:
         with self._state:
@@ -354,6 +358,12 @@ class RemoteCheckpointManager(CheckpointManager):
         if metadata is not None:
             check_json_data(metadata)
         obj, state = self._saveable(obj)  # a training state: one TensorDict of its entries
+        self._background.drain(before=f"this save of step {step} started", stacklevel=2)
+        return self._save_prepared(step, obj, metadata, state)
+
+    def _save_prepared(
+        self, step: int, obj: Any, metadata: dict[str, Any] | None, state: StateRecord | None
+    ) -> str:
         with self._writing:
             self._ensure_lock()
             commit = layout.commit_name(step)
@@ -612,13 +622,36 @@ class RemoteCheckpointManager(CheckpointManager):
         *,
         metadata: dict[str, Any] | None = None,
         replicated: Any = (),
-    ) -> Any:
-        """Not available for object storage yet: raises ``ValueError`` (use :meth:`save`)."""
-        raise ValueError(
-            f"{self.root}: save_async is not supported for object-storage roots yet; call "
-            "save() (it returns once the step is committed), or save_async to a local root "
-            "and upload from there."
-        )
+    ) -> SaveFuture:
+        """As :meth:`CheckpointManager.save_async`: ``state`` is copied now (tensors cloned,
+        non-tensor values deep-copied); the upload and the conditional commit run on the
+        background thread. ``result()`` gives the step's URL."""
+        from tdckpt._write.snapshot import detached_copy
+
+        step = _atomic.check_step(step)
+        if tuple(replicated):
+            raise ValueError(f"{self.root}: replicated= applies to a collective manager.")
+        if metadata is not None:
+            check_json_data(metadata)
+            metadata = copy.deepcopy(metadata)
+        obj, record = self._saveable(state)
+        with self._staging_lock:
+            self._background.drain(before=f"this save of step {step} started", stacklevel=2)
+            with self._writing:
+                self._ensure_lock()
+                if step in self._committed():
+                    where = self._store.show(layout.commit_name(step))
+                    raise CheckpointExistsError(
+                        f"{where}: step {step} already exists; a committed step is never "
+                        "overwritten. Save under another step.",
+                        path=where,
+                        step=step,
+                    )
+            snapshot = detached_copy(obj)
+            return self._background.submit(
+                step,
+                lambda: self._save_prepared(step, snapshot, metadata, record),  # type: ignore[arg-type,return-value]
+            )
 
     def restore(
         self,
