@@ -18,6 +18,7 @@ Reuse the virtualenvs with ``nox -r``.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import nox
@@ -49,8 +50,9 @@ def _tests(session: nox.Session, *extra: str) -> None:
         "-p",
         "no:cacheprovider",
         f"--junitxml={junit}",
-        # its own temporary root: sessions (or checkouts) running at once never share one
-        f"--basetemp={Path(session.create_tmp()) / 'pytest'}",
+        # its own temporary root, outside the checkout (tests/peer refuses test folders inside
+        # this repository): sessions (or checkouts) running at once never share one
+        f"--basetemp={tempfile.mkdtemp(prefix=f'tdckpt-{session.name}-')}",
         *session.posargs,
         env={"PYTHONPATH": str(ROOT)},
     )
