@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from _tdversion import WRITES_FORMAT_VERSION
+from _tdversion import TD_VERSION, WRITES_FORMAT_VERSION
 from fixture_types import FixtureTC, Point
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from packaging.version import Version
 from tensordict import (
     LazyStackedTensorDict,
     MetaData,
@@ -370,17 +371,34 @@ OLD_WRITER_DIFFERS = {
     "nested_named",
     "nested_tensor_without_values",
     "non_tensor",
-    "odd_keys",
     "root_non_tensor",
     "root_tensorclass",
     "tensorclasses",
 }
 
 
+#: Cases the installed tensordict's own writer cannot write at all (its orjson writer, before
+#: 0.15, raises): case -> the error it raises. tdckpt still writes them, and reads them back.
+OLD_WRITER_FAILS: dict[str, str] = (
+    {
+        "non_tensor": r"Integer exceeds 64-bit range",  # orjson: an int over 64 bits
+        "root_tensorclass": r"not JSON serializable: set",  # 0.15 pickles sets
+    }
+    if TD_VERSION is not None and Version("0.15") > TD_VERSION
+    else {}
+)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tree_is_byte_identical_to_tensordict_memmap(name: str, tmp_path: Path) -> None:
     obj = make(name, tmp_path)
     ref, ours = tmp_path / "ref", tmp_path / "ours"
+    if name in OLD_WRITER_FAILS:
+        with pytest.raises(TypeError, match=OLD_WRITER_FAILS[name]):
+            obj.memmap(ref, copy_existing=True)
+        write_checkpoint(obj, ours, step=1, fsync=False)
+        assert_same(tdckpt.load_memmap(ours, allow_pickle=True), obj)
+        return
     obj.memmap(ref, copy_existing=True)
     if not WRITES_FORMAT_VERSION:
         # tensordict 0.14 - 0.15.2 write the format before version 1; tdckpt writes version 1,
