@@ -797,6 +797,22 @@ def test_property_same_tree_as_tensordict(td: TensorDict, tmp_path_factory: Any)
     except UnsupportedContentError:
         assume(False)  # e.g. a child "x.memmap" beside a leaf "x": tensordict corrupts it
     td.memmap(tmp / "ref")
-    assert tree_bytes(tmp / "ours") == tree_bytes(tmp / "ref")
+    if not WRITES_FORMAT_VERSION:
+        # as in the byte-identity test: the older writer's tree, upgraded, is the reference
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TdckptWarning)
+            tdckpt.upgrade(tmp / "ref", backup=False)
+        (tmp / "ref" / MANIFEST_NAME).unlink(missing_ok=True)
+        ours, ref = tree_bytes(tmp / "ours"), tree_bytes(tmp / "ref")
+        assert sorted(ours) == sorted(ref)
+        for rel, data in ref.items():
+            if rel.endswith("meta.json"):
+                # the older writer orders a NonTensorData level's entries its own way
+                # (_metadata before _is_non_tensor): the same entries, not the same bytes
+                assert json.loads(ours[rel]) == json.loads(data), rel
+            else:
+                assert ours[rel] == data, rel
+    else:
+        assert tree_bytes(tmp / "ours") == tree_bytes(tmp / "ref")
     assert tree_dirs(tmp / "ours") == tree_dirs(tmp / "ref")
     assert_same(TensorDict.load_memmap(tmp / "ours"), td)
