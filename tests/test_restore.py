@@ -43,7 +43,7 @@ from _restore_helpers import (
     settle_non_tensor_differences,
     state,
 )
-from _tdversion import LOAD_MEMMAP__TAKES_MODE, reference_load_kwargs
+from _tdversion import LOAD_MEMMAP__TAKES_MODE, WRITER_GENERATION, reference_load_kwargs
 from conftest import FixtureCase, case_id, copy_case, fixture_cases, tree_digest
 from packaging.version import Version
 
@@ -505,7 +505,10 @@ def test_load_memmap_matches_tensordict(fc: FixtureCase, mode: str | None, tmp_p
 
 def test_tensordict_rewrites_the_checkpoint_tdckpt_does_not(tmp_path: Path) -> None:
     """format-notes §4.2: re-memmapping a memory-mapped target re-serialises meta.json."""
-    fc = next(c for c in fixture_cases(versions=["0.14.3"]) if c.name == "nested")
+    # a checkpoint the installed writer spells differently (0.14 rewrites 0.14.3 files as
+    # they are: the 0.15.3 ones then show the rewrite)
+    version = "0.15.3" if WRITER_GENERATION == "G6" else "0.14.3"
+    fc = next(c for c in fixture_cases(versions=[version]) if c.name == "nested")
     content = _content(fc, tmp_path)
     ours = Side.make(fc, tmp_path / "tdckpt", content, "memmapped")
     theirs = Side.make(fc, tmp_path / "tensordict", content, "memmapped")
@@ -518,7 +521,8 @@ def test_tensordict_rewrites_the_checkpoint_tdckpt_does_not(tmp_path: Path) -> N
     assert tree_digest(ours.prefix) == ours.digest
     after = tree_digest(theirs.prefix)
     rewritten = sorted(p for p in after if after[p] != theirs.digest.get(p))
-    # tensordict rewrote every meta.json (0.14.3 orjson -> 0.15.3 format) and no data file.
+    # tensordict rewrote every meta.json (0.14.3 orjson -> 0.15.3 format, or back) and no
+    # data file.
     assert rewritten == sorted(p for p in theirs.digest if p.endswith("meta.json"))
     assert all(p in theirs.digest for p in after), "tensordict added files"
     # The restored contents agree nevertheless (the state includes lock and memmap state).
@@ -766,9 +770,17 @@ def test_memmapped_lazy_stack_target_state(source: str, tmp_path: Path) -> None:
     else:
         assert not ours.is_locked and not ours.is_memmap()
         assert all(m._memmap_prefix is None for m in ours.tensordicts)
-        assert state(ours, (prefix, "<ckpt>"), memmap=exact) == state(
-            theirs, (prefix, "<ckpt>"), memmap=exact
+        differences = diff_states(
+            state(ours, (prefix, "<ckpt>"), memmap=exact),
+            state(theirs, (prefix, "<ckpt>"), memmap=exact),
         )
+        if not LOAD_MEMMAP__TAKES_MODE and source == "archive":
+            # TD014_ARCHIVE_REMEMMAPPED: 0.14 re-memmaps the stack's members after an
+            # archive, to MemoryMappedTensors on no file; tdckpt's leaves are plain tensors
+            assert differences
+            assert all(d.endswith("/leaf: 'Tensor' != 'MemoryMappedTensor'") for d in differences)
+            differences = []
+        assert not differences, "\n".join(differences)
 
 
 @pytest.mark.parametrize("mode", [None, "r"], ids=["mode=None", "mode=r"])
@@ -799,8 +811,10 @@ def test_memmapped_target_gains_new_entries_in_the_same_state(
     theirs_state = state(
         theirs, (theirs_p, "<ckpt>"), (tmp_path / "own_theirs", "<own>"), memmap=exact
     )
-    if keeps_dir:  # new entries: no old prefix for tensordict to leave behind
-        settle_non_tensor_differences(ours_state, theirs_state, "memmapped", keeps_dir)
+    # new entries: no old prefix for tensordict to leave behind; tensordict 0.14 (no mode)
+    # keeps the directory, so it re-memmaps and records its bookkeeping for mode="r" too
+    if keeps_dir or reference_mode(mode, theirs_p) != "r":
+        settle_non_tensor_differences(ours_state, theirs_state, "memmapped", True)
     differences = diff_states(ours_state, theirs_state)
     assert not differences, "\n".join(differences)
     assert ours["n"]._tensordict["s"].is_memmap() == keeps_dir
