@@ -91,7 +91,9 @@ def upgrade(tree: VDir, ctx: MigrationContext) -> VDir:
                     "_type": meta.get("_type"),
                     "_format_version": 1,
                     "_class": class_id_for(meta),
-                    "index": meta.get("index"),
+                    # a missing index stays missing (validation refuses it): written as
+                    # null it read as the index None, i.e. source[None], silently
+                    **({"index": meta["index"]} if "index" in meta else {}),
                 },
             )
         elif kind == "lazy-view":

@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - the no-tensordict tests import nothing
 
 __all__ = [
     "LOAD_MEMMAP__TAKES_MODE",
+    "READS_JSON_TYPES",
     "TD_VERSION",
     "WRITER_GENERATION",
     "WRITES_FORMAT_VERSION",
@@ -62,6 +63,9 @@ LOAD_MEMMAP_TAKES_MODE_NONE: bool = (
 
 #: meta.json carries ``"_format_version": 1`` and ``"_class"`` (0.15.3+, generation G8).
 WRITES_FORMAT_VERSION: bool = TD_VERSION is not None and Version("0.15.3") <= TD_VERSION
+#: The loader reads json_types.json (0.15.0+), the sidecar that names the container types
+#: a types-only other.pickle holds, so it needs no unpickling; 0.14 has to unpickle them.
+READS_JSON_TYPES: bool = TD_VERSION is not None and Version("0.15") <= TD_VERSION
 #: The writer is orjson (compact JSON, NaN/inf written as null): up to 0.15.1, when orjson
 #: is importable; 0.15.2 switched to the standard library (NaN, Infinity and spaces).
 WRITES_ORJSON: bool

@@ -259,6 +259,44 @@ def test_encoded_dirs_mean_g6_and_encoded_leaves_with_raw_dirs_g4_g5() -> None:
     assert (result.low, result.high) == (4, 5)
 
 
+def test_encoded_dir_of_a_key_with_a_slash_means_g6() -> None:
+    # tensordict 0.14 names the directory of the key "sub dir/.." "sub%20dir%2F..": a raw
+    # (0.5 - 0.13) writer would have nested it, so the encoded name alone pins 0.14+
+    sub = VDir(source="sub%20dir%2F..", meta=_td({"x": _leaf(is_nested=False)}))
+    tree = VDir(
+        source="",
+        meta=_td({"a b": _leaf(is_nested=False), "sub dir/..": {"type": "TensorDict"}}),
+        files={"a%20b.memmap": VFile("a%20b.memmap", 12)},
+        dirs={"sub%20dir%2F..": sub},
+    )
+    assert detect(tree).low == 6
+
+
+def test_upgrade_keeps_a_0_14_child_whose_key_holds_a_slash(tmp_path: Path) -> None:
+    # regression: such a tensordict 0.14.3 tree passed for G4, and the upgrade dropped the
+    # child as "lost by the writer" though it was stored (tests/test_save.py odd_keys case)
+    import torch
+
+    import tdckpt
+
+    root = tmp_path / "ckpt"
+    sub = root / "sub%20dir%2F.."
+    sub.mkdir(parents=True)
+    leaf = {"device": "cpu", "shape": [3], "dtype": "torch.float32", "is_nested": False}
+    meta = {"a b": leaf, "sub dir/..": {"type": "TensorDict"}, "shape": [3], "device": "cpu"}
+    (root / "meta.json").write_text(json.dumps({**meta, "_type": TD}, separators=(",", ":")))
+    (sub / "meta.json").write_text(
+        json.dumps({"x": leaf, "shape": [3], "device": "cpu", "_type": TD}, separators=(",", ":"))
+    )
+    (root / "a%20b.memmap").write_bytes(torch.arange(3.0).numpy().tobytes())
+    (sub / "x.memmap").write_bytes(torch.ones(3).numpy().tobytes())
+    report = tdckpt.upgrade(root, backup=False)
+    assert "G6 -> G8" in str(report), str(report)
+    td = tdckpt.load_memmap(root)
+    assert torch.equal(td["sub dir/..", "x"], torch.ones(3))
+    assert torch.equal(td["a b"], torch.arange(3.0))
+
+
 def test_tensorclass_subclass_bug_means_g4_g5() -> None:
     # 0.10-0.13 saved a TensorClass-subclass instance as a plain TensorDict
     child = VDir(source="tc", meta=_td({"x": _leaf(is_nested=False)}))

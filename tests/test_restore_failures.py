@@ -195,8 +195,13 @@ CORRUPTIONS: dict[str, tuple[Callable[[Path], Any], type[BaseException], str]] =
         r"n/meta\.json.*format \(?2\)?",
     ),
     "unknown-class": (
+        # the class as the installed writer records it: _type, and _class where it writes one
+        # (0.15.3+; a 0.14 meta.json with _class but no _format_version would be another error)
         lambda p: edit_json(
-            p / "n" / "meta.json", lambda m: m.update(_class="foo:Bar", _type="<class 'foo.Bar'>")
+            p / "n" / "meta.json",
+            lambda m: m.update(
+                _type="<class 'foo.Bar'>", **({"_class": "foo:Bar"} if "_class" in m else {})
+            ),
         ),
         ValidationError,
         r"_class 'foo:Bar' is not a tensordict class",

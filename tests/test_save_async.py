@@ -200,7 +200,8 @@ def values(td: Any) -> dict[str, Any]:
             ),
             "cfg": td["cfg"],
             "obj": (td["obj"].x, td["obj"].y),
-            "strs": list(td["strs"].tolist()),
+            # tensordict 0.14 gets a NonTensorStack's values as a list (its LinkedList)
+            "strs": list(getattr(td["strs"], "tolist", lambda: td["strs"])()),
         }
     )
 

@@ -504,6 +504,11 @@ def _td_evidence(
                 lo = max(lo, 6)  # encoded directory names: 0.14+ (#1762)
             elif raw and not robust:
                 flags.dir_legacy = True
+        elif "/" in k and enc in node.dirs:
+            # a directory named "a%2Fb" for the key "a/b": only an encoding writer makes one
+            # (raw names nest "a/b" as a/b); without this a 0.14 tree whose only encoded
+            # directory names hold a "/" passed for 0.5 - 0.13 and the upgrade dropped them
+            lo = max(lo, 6)
         child = node.dirs.get(enc) or (node.dirs.get(k) if k not in ("", ".", "..") else None)
         t = entry.get("type")
         if (

@@ -350,6 +350,18 @@ def _normalize_dir(node: VDir, robust_key: bool | None, result: NamesResult) -> 
             if shape_file is not None:
                 new_files[enc[k] + NESTED_SHAPE_SUFFIX] = shape_file
                 claimed_files.add(id(shape_file))
+    for k in leaves:
+        entry = meta.get(k)
+        if k in picked_leaves or not isinstance(entry, dict) or not entry.get("is_nested"):
+            continue
+        # a nested tensor without values: tensordict writes no data file, only the size
+        # table; keep it (under the robust name), or the leaf cannot be rebuilt
+        shape_file = _robust_file(node, k, NESTED_SHAPE_SUFFIX, enc[k]) or _legacy_file(
+            node, k, NESTED_SHAPE_SUFFIX
+        )
+        if shape_file is not None:
+            new_files[enc[k] + NESTED_SHAPE_SUFFIX] = shape_file
+            claimed_files.add(id(shape_file))
     for k, (_conv, vdir) in picked_dirs.items():
         assert isinstance(vdir, VDir)
         new_dirs[child_enc[k]] = vdir

@@ -129,7 +129,11 @@ class Mapper:
             # A structure-only load: no file is read, as with tensordict's device="meta".
             shape = node.shape[:1] if node.is_nested else node.shape
             return torch.empty(shape, dtype=node.dtype, device="meta")
-        if src is None:
+        if src is None and node.is_nested:
+            # a nested tensor without values: only its size table is on disk
+            assert node.sizes is not None
+            tensor = _nested_from_buffer(torch.empty(0, dtype=node.dtype), node.sizes)
+        elif src is None:
             tensor = torch.empty(node.shape, dtype=node.dtype)
         else:
             if src.data is not None:  # content produced by a migration

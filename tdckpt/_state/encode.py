@@ -293,6 +293,6 @@ def to_tensordict(state: Mapping[str, Any]) -> tuple[Any, StateRecord]:
         sub_td = TensorDict(batch_size=[])
         for leaf, tensor in encoder.leaves.items():
             sub_td.set(leaf, tensor)
-        sub_td.set(STRUCTURE_KEY, NonTensorData(data=encoded, batch_size=[]))  # type: ignore[arg-type]
+        sub_td.set(STRUCTURE_KEY, NonTensorData(data=encoded, batch_size=[]))  # type: ignore[arg-type,unused-ignore]
         root.set(name, sub_td)
     return root, StateRecord(entries=entries)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -264,8 +265,19 @@ def test_load_memmap__roundtrip(spec: Any, archive: bool, kind: str, mode: str |
         with old_writer_losses():
             assert tdckpt.load_memmap_(ours, ours_p, allow_pickle=False, mode=mode) is ours
         kwargs = reference_load_kwargs(mode, theirs_p, in_place=True)
+        # TD014_ARCHIVE_REMEMMAPPED (test_restore.py): tensordict 0.14 re-memmaps a
+        # memory-mapped target after an archive, and its memmap_ cannot hold complex leaves
+        # or map a zero-element one (ValueError)
+        remaps = not LOAD_MEMMAP__TAKES_MODE and archive and kind == "memmapped"
+        theirs_failed = False
         with reference():
-            theirs.load_memmap_(theirs_p, allow_pickle=False, **(kwargs or {}))
+            try:
+                theirs.load_memmap_(theirs_p, allow_pickle=False, **(kwargs or {}))
+            except ValueError as exc:
+                if not remaps:
+                    raise
+                assert re.search(r"Complex-valued tensors|cannot mmap an empty file", str(exc))
+                theirs_failed = True
         exact = kwargs is not None
 
         assert paths_with_key(ours, STALE) == [] and paths_with_key(ours, f"{STALE}_nested") == []
@@ -277,14 +289,28 @@ def test_load_memmap__roundtrip(spec: Any, archive: bool, kind: str, mode: str |
         theirs_state = state(theirs, *roots_theirs, memmap=exact)
         # tensordict 0.14 maps a directory shared whatever the mode (and re-memmaps there)
         theirs_keeps = not archive and (mode != "r" or not LOAD_MEMMAP__TAKES_MODE)
-        settle_non_tensor_differences(ours_state, theirs_state, kind, theirs_keeps)
-        if kind == "memmapped" and keeps_dir:  # TD_EMPTY_LEAF_REMEMMAPPED (test_restore.py)
+        if not remaps:  # (0.14's re-memmap after an archive: filtered below)
+            settle_non_tensor_differences(ours_state, theirs_state, kind, theirs_keeps)
+        # TD_EMPTY_LEAF_REMEMMAPPED (test_restore.py), wherever tensordict re-memmaps
+        if kind == "memmapped" and (keeps_dir or theirs_keeps):
             for leaf in objects(ours).values():
                 if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
                     assert not isinstance(leaf, MemoryMappedTensor)
             drop_empty_leaf_types(ours_state)
             drop_empty_leaf_types(theirs_state)
         differences = diff_states(ours_state, theirs_state)
+        if remaps:  # only what 0.14's MemoryMappedTensors on no file add (or it failed)
+            differences = [
+                d
+                for d in differences
+                if not (
+                    theirs_failed
+                    or d.endswith("/leaf: 'Tensor' != 'MemoryMappedTensor'")
+                    or re.search(r"/(filename|mode|handler): '<absent>' != ", d)
+                    or re.search(r"/(is_memmap|locked): False != True$", d)
+                    or ("/metadata/" in d and ("_share_non_tensor" in d or "NoneType" in d))
+                )
+            ]
         assert not differences, "\n".join(differences)
         assert tree_digest(ours_p) == digest
         if kind == "memmapped":
