@@ -899,12 +899,18 @@ class CheckpointManager:
 
         _check_args(True, allow_pickle, mode)
         if holds_live_objects(td):  # a training state (a dict of tensors is a nested-dict target)
-            from tdckpt._restore.engine import load_memmap
+            from tdckpt._restore.engine import load_local
 
             with self._using(step) as (resolved, path, manifest):
                 if verify:
                     self._verified(resolved, path, manifest)
-                loaded = load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
+                loaded = load_local(
+                    path,
+                    robust_key=True,
+                    allow_pickle=allow_pickle,
+                    mode=mode,
+                    manifest_checked=True,
+                )
                 restore_state(
                     td,
                     loaded,
@@ -937,6 +943,7 @@ class CheckpointManager:
                 allow_pickle=allow_pickle,
                 mode=mode,
                 check=same_keys if strict else None,
+                manifest_checked=True,  # _using validated it (cached by file identity)
             )
         return td
 
@@ -963,7 +970,7 @@ class CheckpointManager:
             CheckpointNotFoundError: no such step.
             IntegrityError: ``verify=True`` and the step is damaged.
         """
-        from tdckpt._restore.engine import load_memmap
+        from tdckpt._restore.engine import _check_args, load_local
 
         if self._sharded_path(step, rows):
             from tdckpt._shard.restore import restore_rows
@@ -971,10 +978,14 @@ class CheckpointManager:
             return restore_rows(
                 self, step, rows, allow_pickle=allow_pickle, mode=mode, verify=verify
             )
+        _check_args(True, allow_pickle, mode)
         with self._using(step) as (resolved, path, manifest):
             if verify:
                 self._verified(resolved, path, manifest)
-            return load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
+            # _using validated the manifest (cached by file identity): not read again
+            return load_local(
+                path, robust_key=True, allow_pickle=allow_pickle, mode=mode, manifest_checked=True
+            )
 
     def _sharded_path(self, step: int | None, rows: Any) -> bool:
         """Whether a restore is collective, of a sharded step, or of some rows."""

@@ -38,7 +38,13 @@ import tdckpt  # noqa: E402
 from tdckpt._read.archive import ArchiveStorage  # noqa: E402
 from tdckpt._read.storage import DirectoryStorage  # noqa: E402
 from tdckpt._restore import plan as plan_mod  # noqa: E402
-from tdckpt.errors import CheckpointNotFoundError, MetadataError, TdckptError, UnsafePathError  # noqa: E402
+from tdckpt.errors import (  # noqa: E402
+    CheckpointNotFoundError,
+    MetadataError,
+    TdckptError,
+    UnsafePathError,
+    ValidationError,
+)
 
 MODES = [None, "r", "r+"]
 VALUES = torch.arange(4, dtype=torch.float32)  # a.memmap: 16 bytes
@@ -371,7 +377,9 @@ def _swap_parent_out(prefix: Path, outside: Path) -> None:
 
 
 ATTACKS: dict[str, tuple[Callable[[Path, Path], None], type[TdckptError], str]] = {
-    "truncated": (_truncate, MetadataError, r"5 bytes, but 4 elements of torch\.float32 need 16"),
+    # A restore lists leaves without a stat and checks each size on the descriptor it maps;
+    # a short one makes it validate the checkpoint again in full: every short leaf listed.
+    "truncated": (_truncate, ValidationError, r"5 bytes, but torch\.float32 \[4\] needs 16"),
     "symlink-out": (
         lambda p, o: _swap_leaf_out(p, o, "secret"),
         UnsafePathError,

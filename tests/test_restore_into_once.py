@@ -154,6 +154,47 @@ def test_strict_restore_into_maps_each_leaf_once(
     assert target["s"].tensordicts[1]["y"].tolist() == [1.0] * 4
 
 
+@pytest.fixture
+def manifest_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Every validation of a step manifest: by the manager's step index, by the read path."""
+    import tdckpt._manage.steps as steps_mod
+    import tdckpt._read.pipeline as pipeline_mod
+
+    counts: Counter[str] = Counter()
+    parse, read = steps_mod.parse_step_manifest, pipeline_mod._read_manifest_model
+
+    def counting_parse(data: bytes) -> Any:
+        counts["manager"] += 1
+        return parse(data)
+
+    def counting_read(*args: Any) -> Any:
+        counts["read path"] += 1
+        return read(*args)
+
+    monkeypatch.setattr(steps_mod, "parse_step_manifest", counting_parse)
+    monkeypatch.setattr(pipeline_mod, "_read_manifest_model", counting_read)
+    return counts
+
+
+def test_a_manager_restore_validates_the_manifest_once(
+    tmp_path: Path, manifest_reads: Counter[str]
+) -> None:
+    _, path = _saved(tmp_path, pickles=False)
+    for restore in ("restore_into", "restore"):
+        manifest_reads.clear()
+        with CheckpointManager(tmp_path / "run") as mgr:  # a fresh manager: nothing cached
+            if restore == "restore_into":
+                target = _content(0.0, pickles=False)
+                assert mgr.restore_into(target) is target
+                assert target["n", "m", "c"].tolist() == [1.0, 1.0]
+            else:
+                assert mgr.restore(1)["a"].tolist() == [1.0, 1.0]
+        assert manifest_reads == {"manager": 1}, (restore, manifest_reads)
+    manifest_reads.clear()
+    load_memmap(path)  # the plain loader on the step's folder checks its manifest itself
+    assert manifest_reads == {"read path": 1}
+
+
 def test_strict_restore_into_unpickles_once(
     tmp_path: Path, maps: Counter[str], unpickled: list[str]
 ) -> None:

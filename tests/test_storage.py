@@ -17,6 +17,7 @@ from conftest import tree_digest
 
 from tdckpt._read.storage import (
     MAX_JSON_BYTES,
+    UNKNOWN_SIZE,
     DirectoryStorage,
     check_component,
     join,
@@ -201,6 +202,41 @@ def test_fast_path_refuses_a_listed_leaf_truncated_before_mapping(
     storage.close()
 
 
+def test_a_restore_listing_leaves_leaf_sizes_to_the_mapping(layout: tuple[Path, Path]) -> None:
+    """``defer_leaf_sizes``: *.memmap files are listed without a stat (their size unknown);
+    every other file keeps its size, and the mapping checks the leaf's size itself."""
+    prefix, _ = layout
+    (prefix / "x.shape.memmap").write_bytes(b"\x00" * 16)  # a nested size table: read, so sized
+    storage = DirectoryStorage(prefix, defer_leaf_sizes=True)
+    listing = storage.listdir("")
+    assert listing.files == {
+        "meta.json": len('{"shape": [2]}'),
+        "a.memmap": UNKNOWN_SIZE,
+        "x.shape.memmap": 16,
+    }
+    assert storage.listdir("sub").files == {"b.memmap": UNKNOWN_SIZE}
+    assert storage.map("a.memmap", torch.float32, 4, mode=None).tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert not storage.deferred_size_refused
+    with pytest.raises(MetadataError, match=r"3 bytes, but 1 elements of torch\.float32 need 4"):
+        storage.map("sub/b.memmap", torch.float32, 1, mode="r")
+    assert storage.deferred_size_refused  # the restore reads again, every size listed
+    assert (prefix / "sub" / "b.memmap").stat().st_size == 3  # never regrown
+    storage.close()
+    assert DirectoryStorage(prefix).listdir("").files["a.memmap"] == 16  # the default: sized
+
+
+def test_a_deferred_listing_still_refuses_what_is_not_a_regular_file(
+    layout: tuple[Path, Path],
+) -> None:
+    prefix, _ = layout
+    (prefix / "a.memmap").unlink()
+    os.mkfifo(prefix / "a.memmap")
+    (prefix / "d.memmap").mkdir()
+    listing = DirectoryStorage(prefix, defer_leaf_sizes=True).listdir("")
+    assert listing.unsafe == {"a.memmap": "not a regular file or directory"}
+    assert "d.memmap" in listing.dirs and "a.memmap" not in listing.files
+
+
 def test_map_prefix_of_a_longer_file(layout: tuple[Path, Path]) -> None:
     prefix, _ = layout
     # Files may be longer than needed (tensordict's own fixture has a trailing byte).
@@ -261,6 +297,21 @@ def test_map_default_mode_is_copy_on_write_for_a_read_only_file(shared_dir: Path
         storage = DirectoryStorage(shared_dir)
         t = storage.map("ro.memmap", torch.float32, 4, mode=None)
         t.add_(1)  # copy-on-write: the file keeps its bytes
+        return t.tolist()
+
+    assert run_unprivileged(attempt) == [1.0, 2.0, 3.0, 4.0]
+    assert (shared_dir / "ro.memmap").read_bytes() == torch.arange(
+        4, dtype=torch.float32
+    ).numpy().tobytes()
+
+
+def test_a_deferred_listing_maps_a_read_only_file_copy_on_write(shared_dir: Path) -> None:
+    # Listed without a stat, the mode bits are unknown: open() itself says not writable.
+    def attempt() -> list[float]:
+        storage = DirectoryStorage(shared_dir, defer_leaf_sizes=True)
+        storage.listdir("")
+        t = storage.map("ro.memmap", torch.float32, 4, mode=None)
+        t.add_(1)
         return t.tolist()
 
     assert run_unprivileged(attempt) == [1.0, 2.0, 3.0, 4.0]

@@ -99,12 +99,29 @@ def _read_manifest_model(
     return model, []
 
 
-def open_checkpoint(prefix: str | os.PathLike[str], *, robust_key: bool | None) -> OpenedCheckpoint:
-    """Run storage -> ... -> validate on ``prefix``; raise only if it is not a checkpoint."""
-    storage = open_storage(prefix)
+def open_checkpoint(
+    prefix: str | os.PathLike[str],
+    *,
+    robust_key: bool | None,
+    defer_leaf_sizes: bool = False,
+    manifest_checked: bool = False,
+) -> OpenedCheckpoint:
+    """Run storage -> ... -> validate on ``prefix``; raise only if it is not a checkpoint.
+
+    ``defer_leaf_sizes``: a restore's open. Leaf files are listed without a stat and their
+    sizes are checked when they are mapped (a leaf too short is then refused there, and
+    ``storage.deferred_size_refused`` says so); everything else is read and validated.
+    ``manifest_checked``: the caller (the manager, restoring a step it resolved) has just
+    validated the prefix's manifest: it is not read again (``manifest_model`` is None).
+    Nothing a restore builds comes from the manifest.
+    """
+    storage = open_storage(prefix, defer_leaf_sizes=defer_leaf_sizes)
     try:
         tree = read_tree(storage)
-        manifest, problems = _read_manifest_model(storage, tree)
+        manifest: schema.Manifest | None = None
+        problems: list[Problem] = []
+        if not manifest_checked:
+            manifest, problems = _read_manifest_model(storage, tree)
         # Detection runs inside the migration runner (every directory gets its generation).
         migrated = migrate_tree(tree, storage=storage)
         generation = migrated.from_generation

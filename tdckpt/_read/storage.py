@@ -18,6 +18,7 @@ touches the file system for reading, and it guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -36,6 +37,7 @@ from typing import Any, Literal
 import torch
 from pydantic_core import from_json
 
+from tdckpt._keys import NESTED_SHAPE_SUFFIX
 from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsafePathError
 
 __all__ = [
@@ -90,13 +92,19 @@ def join(base: str, name: str) -> str:
     return f"{base}/{name}" if base else name
 
 
+#: The size of a leaf file listed without a stat (a restore's listing, see
+#: ``defer_leaf_sizes``): the mapping checks the size on the descriptor it maps instead.
+UNKNOWN_SIZE = -1
+
+
 @dataclass
 class Listing:
     """What one directory of the prefix holds.
 
-    ``files`` maps file names to sizes in bytes, ``dirs`` lists sub-directory names,
-    ``unsafe`` maps names that must not be followed (symlinks out of the prefix, special
-    files) to the reason.
+    ``files`` maps file names to sizes in bytes (:data:`UNKNOWN_SIZE` for a leaf file a
+    restore's listing did not stat), ``dirs`` lists sub-directory names, ``unsafe`` maps
+    names that must not be followed (symlinks out of the prefix, special files) to the
+    reason.
     """
 
     files: dict[str, int] = field(default_factory=dict)
@@ -220,11 +228,23 @@ class DirectoryStorage(Storage):
     kind = "directory"
 
     def __init__(
-        self, prefix: str | os.PathLike[str], *, _scan: os._ScandirIterator[str] | None = None
+        self,
+        prefix: str | os.PathLike[str],
+        *,
+        defer_leaf_sizes: bool = False,
+        _scan: os._ScandirIterator[str] | None = None,
     ) -> None:
         #: open_storage's scandir of the prefix (it tells a directory from an archive);
         #: the first listdir("") reads it instead of opening the directory again.
         self._scan = _scan
+        #: A restore's listing: ``*.memmap`` files that the directory entry shows regular
+        #: are listed without a stat (size :data:`UNKNOWN_SIZE`); :meth:`map` checks their
+        #: size on the very descriptor it maps, as it does for every leaf anyway. Saves one
+        #: stat per leaf - the most expensive syscall of a restore after the map itself.
+        self._defer_leaf_sizes = defer_leaf_sizes
+        #: Set when a leaf listed without a stat turned out too short to map: the restore
+        #: then reads the checkpoint again with every size listed, for the full report.
+        self.deferred_size_refused = False
         self.location = _normalized(prefix)
         self._root_str = self.location
         if isinstance(prefix, Path):  # immutable: reused rather than parsed again
@@ -237,7 +257,8 @@ class DirectoryStorage(Storage):
         # Files seen as regular (not symlinks) by listdir, with their path and stat: mapping
         # them needs no new symlink check, no second stat for the size check and (usually)
         # no access() call, which keeps a 10,000-leaf restore free of 20,000 syscalls.
-        self._regular: dict[str, tuple[str, os.stat_result]] = {}
+        # ``None`` for a leaf listed without a stat (``defer_leaf_sizes``).
+        self._regular: dict[str, tuple[str, os.stat_result | None]] = {}
         self._euid = _effective_uid()
         # Paths whose every component was checked (no symlink out of the tree, no cycle).
         self._safe_dirs: set[str] = set()
@@ -332,6 +353,7 @@ class DirectoryStorage(Storage):
                 f"{self.display(rel)}: expected a directory, found a file.",
                 path=self.display(rel),
             ) from exc
+        defer = self._defer_leaf_sizes
         with it:
             for entry in it:
                 name = entry.name
@@ -344,6 +366,17 @@ class DirectoryStorage(Storage):
                             continue
                     elif entry.is_dir(follow_symlinks=False):  # the entry's type: no syscall
                         listing.dirs.add(name)
+                        continue
+                    elif (
+                        defer
+                        and name.endswith(".memmap")
+                        and not name.endswith(NESTED_SHAPE_SUFFIX)  # read by validation
+                        and entry.is_file(follow_symlinks=False)
+                    ):
+                        # A regular leaf by its entry's type (no syscall): map() checks the
+                        # descriptor it maps (regular, large enough), so no stat here.
+                        listing.files[name] = UNKNOWN_SIZE
+                        self._regular[f"{rel}/{name}" if rel else name] = (entry.path, None)
                         continue
                     st = entry.stat()  # follows a (safe) symlink
                 except OSError as exc:
@@ -587,7 +620,13 @@ class DirectoryStorage(Storage):
             if mode is None:
                 euid = self._euid
                 st0 = known[1]
-                shared = euid == 0 or st0.st_uid != euid or bool(st0.st_mode & stat.S_IWUSR)
+                # Listed without a stat: ask open() whether the file is writable.
+                shared = (
+                    st0 is None
+                    or euid == 0
+                    or st0.st_uid != euid
+                    or bool(st0.st_mode & stat.S_IWUSR)
+                )
             else:
                 shared = mode == "r+"
             parent, _, name = rel.rpartition("/")
@@ -596,8 +635,13 @@ class DirectoryStorage(Storage):
                 dfd = self._dir_fd(parent)
             try:
                 fd = os.open(name, _RDWR_FILE if shared else _RDONLY_FILE, dir_fd=dfd)
-            except OSError:
+            except OSError as exc:
                 fd = -1
+                if mode is None and shared and exc.errno in _NOT_WRITABLE:
+                    # not writable by this process: copy-on-write, as tensordict maps it
+                    shared = False
+                    with contextlib.suppress(OSError):  # the general path says why
+                        fd = os.open(name, _RDONLY_FILE, dir_fd=dfd)
             if fd >= 0:
                 try:
                     st = os.fstat(fd)
@@ -623,6 +667,7 @@ class DirectoryStorage(Storage):
             euid = self._euid
             shared = (
                 known is None
+                or known[1] is None
                 or euid == 0
                 or known[1].st_uid != euid
                 or bool(known[1].st_mode & stat.S_IWUSR)
@@ -646,6 +691,9 @@ class DirectoryStorage(Storage):
             st = self._checked_stat(fd, rel)
             need = numel * dtype.itemsize
             if st.st_size < need:
+                known = self._regular.get(rel)
+                if known is not None and known[1] is None:
+                    self.deferred_size_refused = True
                 raise MetadataError(
                     f"{self.display(rel)}: {st.st_size} bytes, but {numel} elements of {dtype} "
                     f"need {need}. The file is truncated; tdckpt never grows a file to fit a "
@@ -855,8 +903,12 @@ def _read_upto(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def open_storage(prefix: str | os.PathLike[str]) -> Storage:
-    """Open a checkpoint prefix: a directory, or a ``.tdz`` zip archive."""
+def open_storage(prefix: str | os.PathLike[str], *, defer_leaf_sizes: bool = False) -> Storage:
+    """Open a checkpoint prefix: a directory, or a ``.tdz`` zip archive.
+
+    ``defer_leaf_sizes``: a restore's open - a directory lists its ``*.memmap`` files
+    without a stat (their sizes :data:`UNKNOWN_SIZE`; see :class:`DirectoryStorage`).
+    """
     try:
         # Listing the prefix is the first thing a read does: opening it here tells a
         # directory from an archive without a separate stat.
@@ -864,9 +916,9 @@ def open_storage(prefix: str | os.PathLike[str]) -> Storage:
     except OSError:
         pass  # not a directory (or not listable: the reader says so when it lists it)
     else:
-        return DirectoryStorage(prefix, _scan=scan)
+        return DirectoryStorage(prefix, defer_leaf_sizes=defer_leaf_sizes, _scan=scan)
     if os.path.isdir(prefix):
-        return DirectoryStorage(prefix)
+        return DirectoryStorage(prefix, defer_leaf_sizes=defer_leaf_sizes)
     path = Path(prefix)
     if path.is_file():
         from tdckpt._read.archive import ArchiveStorage

@@ -54,7 +54,7 @@ from tdckpt._restore.policy import check_allow_pickle, resolve_pickle_policy, us
 from tdckpt.errors import RestoreError, TdckptError, ValidationError
 from tdckpt.warnings import TdckptWarning
 
-__all__ = ["load_memmap", "load_memmap_", "open_for_restore", "restore_in_place"]
+__all__ = ["load_local", "load_memmap", "load_memmap_", "open_for_restore", "restore_in_place"]
 
 _MODES = (None, "r", "r+")
 
@@ -119,13 +119,29 @@ def _gc_paused() -> Iterator[None]:
 
 
 def open_for_restore(
-    prefix: str | os.PathLike[str], *, robust_key: bool | None, allow_pickle: bool | None
+    prefix: str | os.PathLike[str],
+    *,
+    robust_key: bool | None,
+    allow_pickle: bool | None,
+    defer_leaf_sizes: bool = False,
+    manifest_checked: bool = False,
 ) -> tuple[OpenedCheckpoint, bool]:
     """Open and validate ``prefix``, apply the pickle policy: (opened, may_unpickle).
 
-    The caller closes ``opened``; on any error it is closed here.
+    ``defer_leaf_sizes``, ``manifest_checked``: see :func:`open_checkpoint`. The caller
+    closes ``opened``; on any error it is closed here.
     """
-    opened = open_checkpoint(prefix, robust_key=robust_key)
+    opened = open_checkpoint(
+        prefix,
+        robust_key=robust_key,
+        defer_leaf_sizes=defer_leaf_sizes,
+        manifest_checked=manifest_checked,
+    )
+    if defer_leaf_sizes and (opened.root is None or (opened.problems and opened.errors)):
+        # Refused: read it again with every size listed, so that the error lists short
+        # leaves too (every problem at once, as `tdckpt validate` reports them).
+        opened.close()
+        opened = open_checkpoint(prefix, robust_key=robust_key, manifest_checked=manifest_checked)
     try:
         if opened.root is None or (opened.problems and opened.errors):
             report = ValidationReport(
@@ -476,13 +492,38 @@ def load_memmap(
                 device=device,
             )
     require_local_options(prefix, storage_options)
+    return load_local(
+        prefix, robust_key=robust_key, allow_pickle=allow_pickle, mode=mode, device=device
+    )
+
+
+def load_local(
+    prefix: str | os.PathLike[str],
+    *,
+    robust_key: bool | None,
+    allow_pickle: bool | None,
+    mode: str | None,
+    device: torch.device | str | None = None,
+    manifest_checked: bool = False,
+) -> Any:
+    """:func:`load_memmap` of a local prefix (arguments already checked).
+
+    ``manifest_checked``: the caller validated the prefix's manifest (see
+    :func:`open_checkpoint`).
+    """
     dev = torch.device(device) if device is not None else None
+    defer = True  # leaf sizes checked by the mapping (see _read_again)
     with _gc_paused():
-        for attempt in range(_SWAP_RETRIES + 1):  # inline: warnings keep their stack level
+        for attempt in range(_SWAP_RETRIES + 1):
             identity = _identity(prefix)
+            opened = None
             try:
                 opened, unpickle = open_for_restore(
-                    prefix, robust_key=robust_key, allow_pickle=allow_pickle
+                    prefix,
+                    robust_key=robust_key,
+                    allow_pickle=allow_pickle,
+                    defer_leaf_sizes=defer,
+                    manifest_checked=manifest_checked,
                 )
                 try:
                     assert opened.root is not None
@@ -491,9 +532,23 @@ def load_memmap(
                 finally:
                     opened.close()
             except TdckptError:
+                if _read_again(opened):
+                    defer = False
+                    continue
                 if attempt == _SWAP_RETRIES or not _swapped(prefix, identity):
                     raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _read_again(opened: OpenedCheckpoint | None) -> bool:
+    """Whether a failed restore is read again with every leaf's size listed.
+
+    A restore lists leaf files without a stat; the mapping checks each size on the
+    descriptor it maps. When one is too short, the checkpoint is validated again in full,
+    so that the error lists every problem (as ``tdckpt validate`` would), not only the
+    first short leaf. Nothing was changed: the target is touched only after every map.
+    """
+    return opened is not None and bool(getattr(opened.storage, "deferred_size_refused", False))
 
 
 def load_memmap_(
@@ -567,19 +622,27 @@ def restore_in_place(
     allow_pickle: bool | None,
     mode: str | None,
     check: Callable[[OpenedCheckpoint], None] | None = None,
+    manifest_checked: bool = False,
 ) -> Any:
     """:func:`load_memmap_` (arguments already checked), with ``check(opened)`` run on the
     validated checkpoint after the pickle policy and before any leaf is mapped or value
-    unpickled: whatever it raises leaves the target untouched."""
+    unpickled: whatever it raises leaves the target untouched. ``manifest_checked``: the
+    caller validated the prefix's manifest (see :func:`open_checkpoint`)."""
     # Plain try/finally rather than context managers: this is the hot path of small restores.
     gc_enabled = gc.isenabled()
     gc.disable()  # as _gc_paused()
+    defer = True  # leaf sizes checked by the mapping (see _read_again)
     try:
         for attempt in range(_SWAP_RETRIES + 1):  # inline: warnings keep their stack level
             identity = _identity(prefix)
+            opened = None
             try:
                 opened, unpickle = open_for_restore(
-                    prefix, robust_key=robust_key, allow_pickle=allow_pickle
+                    prefix,
+                    robust_key=robust_key,
+                    allow_pickle=allow_pickle,
+                    defer_leaf_sizes=defer,
+                    manifest_checked=manifest_checked,
                 )
                 try:
                     if check is not None:
@@ -596,6 +659,9 @@ def restore_in_place(
                 break
             except TdckptError:
                 # The target is unchanged on any error, so reading again is safe.
+                if _read_again(opened):
+                    defer = False
+                    continue
                 if attempt == _SWAP_RETRIES or not _swapped(prefix, identity):
                     raise
     finally:
