@@ -376,35 +376,72 @@ def _swap_parent_out(prefix: Path, outside: Path) -> None:
     (prefix / "a.memmap").symlink_to(outside / "a.memmap")
 
 
-ATTACKS: dict[str, tuple[Callable[[Path, Path], None], type[TdckptError], str]] = {
-    # A restore lists leaves without a stat and checks each size on the descriptor it maps;
-    # a short one makes it validate the checkpoint again in full: every short leaf listed.
-    "truncated": (_truncate, ValidationError, r"5 bytes, but torch\.float32 \[4\] needs 16"),
+#: attack -> (do it, what the mapping raises, its message, what the full report then says).
+ATTACKS: dict[str, tuple[Callable[[Path, Path], None], type[TdckptError], str, str]] = {
+    "truncated": (
+        _truncate,
+        MetadataError,
+        r"5 bytes, but 4 elements of torch\.float32 need 16",
+        r"5 bytes, but torch\.float32 \[4\] needs 16",
+    ),
     "symlink-out": (
         lambda p, o: _swap_leaf_out(p, o, "secret"),
         UnsafePathError,
+        "outside the checkpoint",
         "outside the checkpoint",
     ),
     "symlink-out-short": (
         lambda p, o: _swap_leaf_out(p, o, "short"),
         UnsafePathError,
         "outside the checkpoint",
+        "outside the checkpoint",
     ),
-    "fifo": (_fifo, UnsafePathError, "a FIFO where a regular file belongs"),
-    "directory": (_directory, MetadataError, "expected a file, found a directory"),
-    "parent-symlink-out": (_swap_parent_out, UnsafePathError, "outside the checkpoint"),
+    "fifo": (
+        _fifo,
+        UnsafePathError,
+        "a FIFO where a regular file belongs",
+        "not a regular file or directory",
+    ),
+    "directory": (
+        _directory,
+        MetadataError,
+        "expected a file, found a directory",
+        "the data file is missing",
+    ),
+    "parent-symlink-out": (
+        _swap_parent_out,
+        UnsafePathError,
+        "outside the checkpoint",
+        "outside the checkpoint",
+    ),
 }
 
+#: How the restore reads the prefix: "lane" is the current-form lane (robust_key=True, the
+#: default: nothing listed, each leaf checked on the descriptor it maps; a failure there reads
+#: the prefix again in full, whose ValidationError reports the attacked leaves); "listed" is
+#: the general read (robust_key=None: every directory listed, leaves without a stat).
+READS = {"lane": True, "listed": None}
 
+
+def _expected(attack: str, read: str) -> tuple[type[TdckptError], str]:
+    _, error, message, report = ATTACKS[attack]
+    if read == "lane" or (attack == "truncated" and read == "listed"):
+        # A listed leaf's size is checked when mapped, too: a short one reads in full.
+        return ValidationError, report
+    return error, message
+
+
+@pytest.mark.parametrize("read", sorted(READS))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_restore_attacked_after_validation_fails_cleanly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, attack: str, mode: Any
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, attack: str, mode: Any, read: str
 ) -> None:
     prefix, outside = _saved(tmp_path)
     target = make_target(tdckpt.load_memmap(prefix).clone())
     objs, before_state = objects(target), state(target)
-    do, error, message = ATTACKS[attack]
+    do = ATTACKS[attack][0]
+    error, message = _expected(attack, read)
     states: dict[str, Any] = {}
 
     def run_attack() -> None:
@@ -413,7 +450,7 @@ def test_restore_attacked_after_validation_fails_cleanly(
 
     calls = _attack_in_plan(monkeypatch, run_attack)
     with no_hang(), pytest.raises(error, match=message):
-        tdckpt.load_memmap_(target, prefix, mode=mode)
+        tdckpt.load_memmap_(target, prefix, READS[read], mode=mode)
     assert calls, "the attack never ran: the seam moved"
     # Nothing grown, created or changed, inside or outside; the target as it was.
     assert snapshot(prefix) == states["prefix"]
@@ -423,9 +460,10 @@ def test_restore_attacked_after_validation_fails_cleanly(
     assert diff_states(state(target), before_state) == []
 
 
+@pytest.mark.parametrize("read", sorted(READS))
 @pytest.mark.parametrize("mode", MODES)
 def test_load_memmap_attacked_after_validation_fails_cleanly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: Any
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: Any, read: str
 ) -> None:
     prefix, outside = _saved(tmp_path)
     states: dict[str, Any] = {}
@@ -435,8 +473,9 @@ def test_load_memmap_attacked_after_validation_fails_cleanly(
         states["outside"] = snapshot(outside)
 
     _attack_in_plan(monkeypatch, run_attack)
-    with pytest.raises(UnsafePathError, match="outside the checkpoint"):
-        tdckpt.load_memmap(prefix, mode=mode)
+    error = ValidationError if read == "lane" else UnsafePathError
+    with pytest.raises(error, match="outside the checkpoint"):
+        tdckpt.load_memmap(prefix, robust_key=READS[read], mode=mode)
     assert (outside / "short").read_bytes() == b"\x07" * 3
     assert snapshot(outside) == states["outside"]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from tdckpt import schema
 
-__all__ = ["ChildSpec", "LeafSpec", "TDLevel", "read_td_level"]
+__all__ = ["ChildSpec", "LeafSpec", "TDLevel", "exact_td_level", "read_td_level"]
 
 #: A leaf entry: (dtype, shape, device, is_nested).
 LeafSpec = tuple[str, tuple[int, ...], str | None, bool]
@@ -68,6 +68,12 @@ def read_td_level(raw: dict[str, Any]) -> TDLevel:
         names=model.names,
         entries=entries,
     )
+
+
+def exact_td_level(raw: dict[str, Any]) -> TDLevel | None:
+    """The level if ``raw`` is in the exact form tensordict writes (the fast lane alone),
+    else None: then only :func:`read_td_level` (the model) can say."""
+    return _exact_form(raw)
 
 
 def _dims(value: Any) -> tuple[int, ...] | None:

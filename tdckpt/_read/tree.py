@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tdckpt._read.levels import TDLevel
 from tdckpt._read.storage import MAX_JSON_BYTES, Listing, Storage, join
 from tdckpt._report import Problem
 from tdckpt.errors import CheckpointNotFoundError, MetadataError, TdckptError
@@ -92,6 +93,10 @@ class VDir:
     #: (tensordict 0.13 encoded leaf names but kept raw directory names).
     leaf_encoding: str | None = None
     dir_encoding: str | None = None
+    #: ``meta`` as an exact-form TensorDict level, when a reader already parsed it so (the
+    #: restore lane, ``lane.py``); validation then uses it instead of parsing ``meta`` again.
+    #: Never set on a tree that migrations rewrite.
+    exact_level: TDLevel | None = None
 
     def walk(self) -> Any:
         """Yield every directory of the tree, parents first."""

@@ -225,7 +225,7 @@ def _list_depth(data: list[Any], limit: int) -> int:
 def _build_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorDictNode | None:
     assert vdir.meta is not None
     try:
-        model = read_td_level(vdir.meta)
+        model = vdir.exact_level or read_td_level(vdir.meta)
     except pydantic.ValidationError as exc:
         _schema_problems(ctx, exc, vdir.source, key, vdir.meta)
         return None

@@ -23,6 +23,7 @@ from typing import Any, cast
 
 import torch
 
+from tdckpt._read.lane import open_current
 from tdckpt._read.nodes import (
     LazyStackNode,
     LazyViewNode,
@@ -512,19 +513,11 @@ def load_local(
     :func:`open_checkpoint`).
     """
     dev = torch.device(device) if device is not None else None
-    defer = True  # leaf sizes checked by the mapping (see _read_again)
+    reading = _Reading(prefix, robust_key, allow_pickle, manifest_checked)
     with _gc_paused():
-        for attempt in range(_SWAP_RETRIES + 1):
-            identity = _identity(prefix)
-            opened = None
+        while True:  # inline: warnings keep their stack level
             try:
-                opened, unpickle = open_for_restore(
-                    prefix,
-                    robust_key=robust_key,
-                    allow_pickle=allow_pickle,
-                    defer_leaf_sizes=defer,
-                    manifest_checked=manifest_checked,
-                )
+                opened, unpickle = reading.open()
                 try:
                     assert opened.root is not None
                     builder = _Builder(opened, Mapper(opened.storage, mode, dev), unpickle)  # type: ignore[arg-type]
@@ -532,23 +525,81 @@ def load_local(
                 finally:
                     opened.close()
             except TdckptError:
-                if _read_again(opened):
-                    defer = False
-                    continue
-                if attempt == _SWAP_RETRIES or not _swapped(prefix, identity):
+                if not reading.again():
                     raise
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _read_again(opened: OpenedCheckpoint | None) -> bool:
-    """Whether a failed restore is read again with every leaf's size listed.
+class _Reading:
+    """How one restore reads its prefix, read after read, until one succeeds or fails for good.
 
-    A restore lists leaf files without a stat; the mapping checks each size on the
-    descriptor it maps. When one is too short, the checkpoint is validated again in full,
-    so that the error lists every problem (as ``tdckpt validate`` would), not only the
-    first short leaf. Nothing was changed: the target is touched only after every map.
+    1. The current-form lane (``lane.open_current``), for what tensordict >= 0.14 wrote
+       untouched: no directory listed, leaves checked when mapped.
+    2. Otherwise the general read, leaf files listed without a stat (their sizes checked
+       when mapped).
+    3. When a restore from a shortcut fails (the lane's, or a leaf too short for its listed
+       size), the general read with everything listed: its error lists every problem, as
+       ``tdckpt validate`` would. Nothing was changed: the target is touched only after
+       every leaf is mapped.
+    4. When a read failed because the prefix was replaced while being read (``tdckpt.save(...,
+       overwrite=True)`` swaps the new tree in, then removes the old one), the new tree is
+       read, up to ``_SWAP_RETRIES`` times.
     """
-    return opened is not None and bool(getattr(opened.storage, "deferred_size_refused", False))
+
+    def __init__(
+        self,
+        prefix: str | os.PathLike[str],
+        robust_key: bool | None,
+        allow_pickle: bool | None,
+        manifest_checked: bool,
+    ) -> None:
+        self.prefix = prefix
+        self.robust_key = robust_key
+        self.allow_pickle = allow_pickle
+        self.manifest_checked = manifest_checked
+        self.lane = robust_key is True
+        self.defer = True
+        self.swaps = 0
+        self.identity: tuple[int, int] | None = None
+        self.opened: OpenedCheckpoint | None = None
+        self.from_lane = False
+
+    def open(self) -> tuple[OpenedCheckpoint, bool]:
+        """Read and validate the prefix: (opened, may_unpickle). The caller closes it."""
+        self.identity = _identity(self.prefix)
+        self.opened = None
+        self.from_lane = False
+        if self.lane:
+            opened = open_current(
+                self.prefix, robust_key=self.robust_key, manifest_checked=self.manifest_checked
+            )
+            if opened is not None:  # TensorDict levels and tensors only: nothing pickled
+                self.opened, self.from_lane = opened, True
+                return opened, False
+        opened, unpickle = open_for_restore(
+            self.prefix,
+            robust_key=self.robust_key,
+            allow_pickle=self.allow_pickle,
+            defer_leaf_sizes=self.defer,
+            manifest_checked=self.manifest_checked,
+        )
+        self.opened = opened
+        return opened, unpickle
+
+    def again(self) -> bool:
+        """After a TdckptError: whether to read again (else the caller raises it)."""
+        opened = self.opened
+        if self.from_lane or (opened is not None and _short_leaf(opened)):
+            self.lane = self.defer = False
+            return True
+        if self.swaps < _SWAP_RETRIES and _swapped(self.prefix, self.identity):
+            self.swaps += 1
+            return True
+        return False
+
+
+def _short_leaf(opened: OpenedCheckpoint) -> bool:
+    """Whether a leaf listed without a stat was refused as too short when mapped."""
+    return bool(getattr(opened.storage, "deferred_size_refused", False))
 
 
 def load_memmap_(
@@ -631,19 +682,11 @@ def restore_in_place(
     # Plain try/finally rather than context managers: this is the hot path of small restores.
     gc_enabled = gc.isenabled()
     gc.disable()  # as _gc_paused()
-    defer = True  # leaf sizes checked by the mapping (see _read_again)
+    reading = _Reading(prefix, robust_key, allow_pickle, manifest_checked)
     try:
-        for attempt in range(_SWAP_RETRIES + 1):  # inline: warnings keep their stack level
-            identity = _identity(prefix)
-            opened = None
+        while True:  # inline: warnings keep their stack level
             try:
-                opened, unpickle = open_for_restore(
-                    prefix,
-                    robust_key=robust_key,
-                    allow_pickle=allow_pickle,
-                    defer_leaf_sizes=defer,
-                    manifest_checked=manifest_checked,
-                )
+                opened, unpickle = reading.open()
                 try:
                     if check is not None:
                         check(opened)
@@ -659,10 +702,7 @@ def restore_in_place(
                 break
             except TdckptError:
                 # The target is unchanged on any error, so reading again is safe.
-                if _read_again(opened):
-                    defer = False
-                    continue
-                if attempt == _SWAP_RETRIES or not _swapped(prefix, identity):
+                if not reading.again():
                     raise
     finally:
         if gc_enabled:
