@@ -284,3 +284,40 @@ def test_a_leaf_the_lane_did_not_list_is_reported_in_full(tmp_path: Path, damage
         os.path.join("n", "c.memmap"),
     }
     assert all(target.get(k) is v for k, v in before.items())  # nothing changed
+
+
+# -- the leaves a restore builds -----------------------------------------------------------------
+
+
+def _mapped_addresses() -> set[int]:
+    with open("/proc/self/maps") as fh:
+        return {int(line.split("-", 1)[0], 16) for line in fh}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+@pytest.mark.parametrize("mode", [None, "r"])
+def test_restored_leaves_are_the_memory_mapped_tensors_tensordict_builds(
+    tmp_path: Path, mode: Any
+) -> None:
+    from tensordict.memmap import MemoryMappedTensor
+
+    prefix = tmp_path / "ck"
+    TensorDict(
+        flat=torch.arange(6.0), grid=torch.arange(24).reshape(2, 3, 4), one=torch.ones(1, 1)
+    ).memmap(prefix)
+    ours = tdckpt.load_memmap(prefix, mode=mode)
+    theirs = TensorDict.load_memmap(prefix, **({} if mode is None else {"mode": mode}))
+    for key in ("flat", "grid", "one"):
+        a, b = ours[key], theirs[key]
+        assert type(a) is MemoryMappedTensor and type(b) is MemoryMappedTensor
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+        assert a._base is None and not a._is_view() and a.is_contiguous()
+        assert torch.equal(a, b)
+        assert {k: v for k, v in vars(a).items()} == {k: v for k, v in vars(b).items()}, key
+    addr = ours["grid"].data_ptr()
+    assert addr in _mapped_addresses()
+    grid = ours["grid"]
+    del ours
+    assert addr in _mapped_addresses() and grid.sum().item() == sum(range(24))
+    del grid
+    assert addr not in _mapped_addresses()  # unmapped with its last reference

@@ -91,8 +91,9 @@ class Mapper:
         )
         #: The attributes tensordict's from_filename sets that are the same for every leaf.
         self._mmt_state = {"_handler": None, "_mode": mode, "_index": None, "_index_chain": ()}
-        #: torch.Size by shape: leaves of one checkpoint share a few shapes (Size is immutable).
-        self._sizes: dict[tuple[int, ...], torch.Size] = {}
+        #: torch.Size and contiguous strides by shape: leaves of one checkpoint share a few
+        #: shapes (Size is immutable).
+        self._sizes: dict[tuple[int, ...], tuple[torch.Size, tuple[int, ...]]] = {}
 
     def dir_path(self, rel: str) -> Path | None:
         if not self.records_prefix:
@@ -114,17 +115,22 @@ class Mapper:
                 if isinstance(exc, TdckptError):
                     raise
                 raise self._map_error(exc, rel, node) from exc
+            known = self._sizes.get(shape)
+            if known is None:
+                known = self._sizes[shape] = (torch.Size(shape), _contiguous_strides(shape))
             if len(shape) != 1 or shape[0] != node.numel:
-                flat = flat.view(shape)  # a 1-d leaf already has its shape: no view
-            out: torch.Tensor = torch.Tensor._make_subclass(self._mmt, flat)  # type: ignore[arg-type]
-            state = out.__dict__
+                # In place (as_strided_ on the fresh tensor that owns the mapping), not a
+                # view: the leaf stays one tensor whose _base is None, as tensordict's is.
+                flat.as_strided_(known[0], known[1])
+            # The fresh tensor becomes the MemoryMappedTensor (a Python subclass of
+            # torch.Tensor with the same layout): what _make_subclass would build, without
+            # a second tensor per leaf.
+            flat.__class__ = self._mmt  # type: ignore[assignment]
+            state = flat.__dict__
             state.update(self._mmt_state)
             state["_filename"] = self.storage.absolute_str(rel)  # type: ignore[attr-defined]
-            size = self._sizes.get(shape)
-            if size is None:
-                size = self._sizes[shape] = torch.Size(shape)
-            state["_parent_shape"] = size
-            return out
+            state["_parent_shape"] = known[0]
+            return flat
         if self._structure_only:
             # A structure-only load: no file is read, as with tensordict's device="meta".
             shape = node.shape[:1] if node.is_nested else node.shape
@@ -194,6 +200,16 @@ class Mapper:
         state["_index_chain"] = ()
         state["_parent_shape"] = node.sizes if node.is_nested else torch.Size(node.shape)
         return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of ``shape`` (a size 0 counts as 1)."""
+    strides = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def _nested_from_buffer(flat: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
