@@ -11,4 +11,8 @@ storage -> metadata -> detect -> migrate -> names -> validate.
 * ``nodes``, ``validate`` (+ ``views`` for sub-tensordicts and lazy views): the typed tree
   and every problem, collected at once.
 * ``pipeline``: the stages chained (``open_checkpoint``); ``inspect``: ``validate``/``inspect``.
+* ``lane``: a restore's read of a tree in the exact current form (``open_current``): the same
+  storage calls and the same validation, without the detect, migrate and names stages that
+  provably change nothing there; it declines anything else (the restore then takes
+  ``open_checkpoint``).
 """
