@@ -180,6 +180,10 @@ def _edit_meta(prefix: Path, **fields: Any) -> None:
         "symlinked-child",
         "no-meta",
         "archive",
+        "stray-file",
+        "stray-directory",
+        "symlink-out",
+        "raw-names",
     ],
 )
 def test_the_lane_declines_what_it_does_not_read(tmp_path: Path, case: str) -> None:
@@ -209,6 +213,14 @@ def test_the_lane_declines_what_it_does_not_read(tmp_path: Path, case: str) -> N
         (prefix / "n").symlink_to(tmp_path / "n-real")
     elif case == "no-meta":
         (prefix / "meta.json").unlink()
+    elif case == "stray-file":
+        (prefix / "n" / "notes.txt").write_text("not a key's")
+    elif case == "stray-directory":
+        (prefix / "n" / "junk").mkdir()
+    elif case == "symlink-out":  # the general read refuses it (unsafe-path), named or not
+        (prefix / "n" / "x.memmap").symlink_to("/etc/hostname")
+    elif case == "raw-names":  # a key whose robust name is not on disk: the general rules
+        (prefix / "a.memmap").rename(prefix / "b.memmap")
     assert open_current(prefix, robust_key=robust_key) is None
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VALIDATE = "tdckpt/_read/validate.py"
 APPLY = "tdckpt/_restore/apply.py"
+LANE = "tdckpt/_read/lane.py"
+STORAGE = "tdckpt/_read/storage.py"
 
 #: (id, file, original text, mutated text, what the mutant does)
 MUTANTS: list[tuple[str, str, str, str, str]] = [
@@ -161,15 +163,15 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "V23",
         VALIDATE,
-        "    elif vfile.size < need:",
-        "    elif vfile.size < need - 1:",
+        "    elif 0 <= vfile.size < need:",
+        "    elif 0 <= vfile.size < need - 1:",
         "leaf one byte short accepted",
     ),
     (
         "V24",
         VALIDATE,
-        "    elif vfile.size < need:",
-        "    elif vfile.size <= need:",
+        "    elif 0 <= vfile.size < need:",
+        "    elif 0 <= vfile.size <= need:",
         "exact-size leaf refused",
     ),
     (
@@ -617,6 +619,48 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
         "        for lvl, prefix, is_memmap in []:\n",
         "flags not rolled back",
     ),
+    (
+        "L01",
+        LANE,
+        "if len(vfiles) + 1 != len(files) or len(children) != len(listing.dirs):",
+        "if False:",
+        "lane reads levels with strays",
+    ),
+    (
+        "L02",
+        LANE,
+        "if listing.unsafe or listing.links or",
+        "if listing.links or",
+        "lane ignores unsafe entries",
+    ),
+    (
+        "L03",
+        LANE,
+        "if entry[3] or fname not in files:",
+        "if entry[3]:",
+        "lane assumes robust names",
+    ),
+    (
+        "L04",
+        LANE,
+        "        if problems or root is None:\n            raise _Decline",
+        "        if root is None:\n            raise _Decline",
+        "lane restores despite validation problems",
+    ),
+    (
+        "S01",
+        STORAGE,
+        "if st.st_size >= need and stat.S_ISREG(st.st_mode):",
+        "if stat.S_ISREG(st.st_mode):",
+        "deferred leaf size never checked",
+    ),
+    (
+        "E01",
+        "tdckpt/_restore/engine.py",
+        "if self.from_lane or (opened is not None and _short_leaf(opened)):",
+        "if False:",
+        "no full read after a failed shortcut",
+    ),
 ]
 
 DEFAULT_TESTS = {
@@ -635,6 +679,13 @@ DEFAULT_TESTS = {
         "tests/test_restore_tensorclass.py",
         "tests/test_views.py",
         "tests/test_hardening_fuzz.py",
+    ],
+    LANE: ["tests/test_lane.py", "tests/test_restore_failures.py"],
+    STORAGE: ["tests/test_storage.py", "tests/test_hardening_storage.py"],
+    "tdckpt/_restore/engine.py": [
+        "tests/test_lane.py",
+        "tests/test_hardening_storage.py",
+        "tests/test_restore_failures.py",
     ],
 }
 
