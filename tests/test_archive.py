@@ -151,6 +151,52 @@ def test_reads_tensordict_archive(tmp_path: Path, compression: str) -> None:
         assert version == (1 if WRITES_FORMAT_VERSION else None)
 
 
+@pytest.mark.parametrize(
+    ("writer", "compression"),
+    [
+        ("tensordict", "stored"),
+        ("tensordict", "deflate"),
+        ("tdckpt", "stored"),  # tdckpt.save writes stored archives
+        ("manager", "stored"),
+        ("manager", "deflate"),
+    ],
+)
+def test_nested_tensors_read_back_from_an_archive(
+    tmp_path: Path, compression: str, writer: str
+) -> None:
+    # A stored entry is a slice of the archive's one mapping: the nested tensor must be built
+    # from its own bytes, not from the start of the file (found: tdckpt showed the zip headers).
+    import warnings
+
+    import tdckpt
+
+    with warnings.catch_warnings():  # torch's prototype-API UserWarning
+        warnings.simplefilter("ignore", UserWarning)
+        nt = torch.nested.nested_tensor(
+            [torch.arange(6.0).view(2, 3), torch.arange(100, 109.0).view(3, 3)]
+        )
+    td = TensorDict(nt=nt, x=torch.arange(4))
+    path = tmp_path / "x.tdz"
+    if writer == "tensordict":
+        td.memmap(path, compression=compression)
+        loaded = tdckpt.load_memmap(path)
+    elif writer == "tdckpt":
+        tdckpt.save(td, path)
+        loaded = tdckpt.load_memmap(path)
+    else:
+        with tdckpt.CheckpointManager(
+            tmp_path / "run", archive=True, compression=compression, fsync=False
+        ) as mgr:
+            mgr.save(1, td)
+            loaded = mgr.restore(1)
+    expected = [p.tolist() for p in nt.unbind(0)]
+    assert [p.tolist() for p in loaded["nt"].unbind(0)] == expected
+    assert loaded["x"].tolist() == [0, 1, 2, 3]
+    if writer != "manager":
+        theirs = TensorDict.load_memmap(path)["nt"]
+        assert [p.tolist() for p in theirs.unbind(0)] == expected
+
+
 def test_listing_matches_the_directory_form(tmp_path: Path) -> None:
     td = make_td()
     td.memmap(tmp_path / "dir")

@@ -213,8 +213,13 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _nested_from_buffer(flat: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    offsets_strides = torch._nested_compute_contiguous_strides_offsets(sizes)
-    return torch._nested_view_from_buffer(flat, sizes, *offsets_strides)
+    strides, offsets = torch._nested_compute_contiguous_strides_offsets(sizes)
+    if flat.storage_offset():
+        # _nested_view_from_buffer reads ``offsets`` from the start of the buffer's storage,
+        # not from the view's first element: a leaf that is a slice of a larger mapping (an
+        # entry of a stored .tdz) would show the bytes before it (the archive's headers).
+        offsets = offsets + flat.storage_offset()
+    return torch._nested_view_from_buffer(flat, sizes, strides, offsets)
 
 
 def non_tensor_value(
