@@ -12,7 +12,9 @@ which tensordict ignores. Unlike ``memmap`` it:
   sharing a file, ...) or cannot write (jagged nested tensors, names too long);
 * streams each leaf from the tensor's memory in large sequential ``write`` calls, and
   checksums those same bytes while they are written (one pass; files are never re-read);
-* fsyncs every file, then the directories bottom-up, then writes the manifest last.
+* starts each file's writeback as its bytes are written, fsyncs every file (on helper
+  threads, while the next files are written), then the directories bottom-up, then writes
+  the manifest last.
 
 What to write, and how that mirrors tensordict, is planned by :mod:`tdckpt._write.save_plan`;
 this module executes the plan. The checksum algorithms, and the measurements behind the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,6 +66,8 @@ __all__ = [
 _MAX_WRITE = 1 << 30
 #: Chunks smaller than this are hashed inline (a thread hop costs more than it saves).
 _PARALLEL_MIN = 256 << 10
+#: Writeback of a file is started after each this many bytes written (fsync on).
+_WRITEBACK_BYTES = 8 << 20
 
 
 # -- JSON rules ------------------------------------------------------------------------------
@@ -197,16 +202,27 @@ _OPEN_FLAGS = (
 
 #: Threads that fsync written files while the next ones are written.
 _FSYNC_THREADS = 4
+#: Written files waiting for their fsync at most (each holds an open descriptor).
+_MAX_IN_FLIGHT = 64
 
 
 class _Writer:
     """Creates the planned files under ``root``; hashes while writing; fsyncs.
 
-    A written file is fsynced (and closed) on a helper thread while the next file is
-    written, so the disk flushes one file as the next is copied into the page cache
-    (fsyncing each file before writing the next serialises the two: measured 1.3-2x
-    slower for 72 files of 8 MiB). :meth:`sync_dirs` waits for every file's fsync before
-    the directories', and the manifest is written only after that.
+    With fsync on, every :data:`_WRITEBACK_BYTES` written (and at the end of each file) the
+    kernel is told to start writing those pages to disk (:func:`~tdckpt._write.atomic.
+    start_writeback`, ``sync_file_range`` on Linux), so the disk works while the next bytes
+    are copied into the page cache instead of after the last one. A written file is then
+    fsynced (and closed) on a helper thread while the next file is written; the fsync finds
+    its data written or in flight and adds the metadata and the cache flush. At most
+    :data:`_MAX_IN_FLIGHT` files wait for their fsync (open descriptors stay bounded).
+    :meth:`sync_dirs` waits for every file's fsync before the directories', and the
+    manifest is written only after that: the hint changes when the bytes reach the disk,
+    never what is durable before the commit.
+
+    Measured (``benchmarks/run.py state``, 96 leaves of 4 B - 16 MiB, 576 MiB, 2-core VM):
+    fsync-on-threads alone 0.79-0.81 s best of 7-9, with the writeback hint 0.44-0.55 s;
+    ``torch.save`` + fsync of its one file 0.67-0.73 s in the same runs.
     """
 
     def __init__(
@@ -228,7 +244,7 @@ class _Writer:
         self.dirs: list[Path] = []
         self._pool: ThreadPoolExecutor | None = None
         self._syncer: ThreadPoolExecutor | None = None
-        self._syncing: list[Future[None]] = []
+        self._syncing: deque[Future[None]] = deque()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -243,9 +259,11 @@ class _Writer:
         if not self.fsync:
             os.close(fd)
             return
-        if self._syncer is None:
-            self._syncer = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="tdckpt-fsync")
         try:
+            while len(self._syncing) >= _MAX_IN_FLIGHT:
+                self._syncing.popleft().result()
+            if self._syncer is None:
+                self._syncer = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="tdckpt-fsync")
             self._syncing.append(self._syncer.submit(_fsync_close, fd))
         except BaseException:
             os.close(fd)
@@ -253,9 +271,23 @@ class _Writer:
 
     def wait_files(self) -> None:
         """Wait until every written file is fsynced; raise the first fsync error."""
-        pending, self._syncing = self._syncing, []
+        pending, self._syncing = self._syncing, deque()
         for future in pending:
             future.result()
+
+    def _write(self, fd: int, offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``offset`` (the file's end), starting its writeback as it goes."""
+        if not self.fsync:
+            _write_all(fd, data)
+            return
+        from tdckpt._write.atomic import start_writeback
+
+        while data:
+            chunk = data[:_WRITEBACK_BYTES]
+            _write_all(fd, chunk)
+            start_writeback(fd, offset, len(chunk))
+            offset += len(chunk)
+            data = data[len(chunk) :]
 
     def _advance(self, n: int) -> None:
         self.done += n
@@ -285,7 +317,7 @@ class _Writer:
         hasher.update(data)
         fd = os.open(self._path(rel), _OPEN_FLAGS, 0o666)
         try:
-            _write_all(fd, memoryview(data))
+            self._write(fd, 0, memoryview(data))
         except BaseException:
             os.close(fd)
             raise
@@ -302,7 +334,7 @@ class _Writer:
                 buf = _as_bytes(piece)
                 if len(buf) < _PARALLEL_MIN:
                     hasher.update(buf)
-                    _write_all(fd, buf)
+                    self._write(fd, size, buf)
                 else:
                     # Hash the whole piece on the helper thread while this one writes it:
                     # zlib/hashlib and os.write all release the GIL, so the two run in
@@ -312,7 +344,7 @@ class _Writer:
                         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tdckpt-hash")
                     pending = self._pool.submit(hasher.update, buf)
                     try:
-                        _write_all(fd, buf)
+                        self._write(fd, size, buf)
                     finally:
                         pending.result()
                 size += len(buf)
