@@ -286,6 +286,7 @@ class _Writer:
         fsync: bool,
         progress: Callable[[int, int], None] | None = None,
         total: int = 0,
+        direct: bool = True,
     ) -> None:
         self.root = root
         self.algorithm = algorithm
@@ -299,7 +300,7 @@ class _Writer:
         self._syncer: ThreadPoolExecutor | None = None
         self._syncing: deque[Future[None]] = deque()
         #: Whether large leaves go through O_DIRECT (off after the file system refuses it).
-        self.direct = fsync and _O_DIRECT != 0
+        self.direct = direct and fsync and _O_DIRECT != 0
         self._io: ThreadPoolExecutor | None = None
         self._slots: list[_Slot] = []
         self._next_slot = 0
@@ -646,6 +647,7 @@ def write_checkpoint(
     checksum: str = DEFAULT_CHECKSUM,
     progress: Callable[[int, int], None] | None = None,
     state: StateRecord | None = None,
+    direct: bool = True,
 ) -> Manifest:
     """Write ``obj`` into ``dest_dir`` in tensordict 0.15.3's format, then the manifest.
 
@@ -667,6 +669,10 @@ def write_checkpoint(
             piece of a large leaf) is written.
         state: what each entry was, when ``obj`` was built from a training state
             (:func:`tdckpt._state.to_tensordict`); recorded in the manifest.
+        direct: with fsync on, write large leaves with ``O_DIRECT`` where the platform
+            and file system allow (see :class:`_Writer`). False keeps every file in the
+            page cache: for a staging folder that is read back at once (packed into an
+            archive).
 
     Returns:
         The manifest written to ``dest_dir/tdckpt.manifest.json``.
@@ -707,7 +713,9 @@ def write_checkpoint(
             path=str(dest),
         )
     total = sum(map(_op_bytes, plan.ops)) if progress is not None else 0
-    writer = _Writer(dest, algorithm=checksum, fsync=fsync, progress=progress, total=total)
+    writer = _Writer(
+        dest, algorithm=checksum, fsync=fsync, progress=progress, total=total, direct=direct
+    )
     try:
         for op in plan.ops:
             if op.kind == "dir":
