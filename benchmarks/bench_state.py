@@ -15,6 +15,9 @@ Rows, each against its baseline measured in the same run (best of several runs; 
   instead), and vs ``torch.distributed.checkpoint.load`` + ``set_state_dict``.
 * restore + read: the same restores followed by one read of every restored byte, since
   tdckpt maps the step (copy-on-write) and pays its page faults on first touch.
+
+Every timed save starts after the previous round's outputs are deleted and ``os.sync()``
+returned, so no save pays for another's deletions or leftover writeback.
 """
 
 from __future__ import annotations
