@@ -673,6 +673,7 @@ class CheckpointManager:
                 checksum=self.checksum,
                 progress=progress,
                 state=state,
+                direct=not self.archive,  # an archive's staging folder is read back at once
             )
 
         if self.archive:

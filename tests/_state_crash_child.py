@@ -7,7 +7,10 @@ takes seconds; each trial then forks a saver in milliseconds). Commands on stdin
     fork a saver that runs ``CheckpointManager(root).save(step, make_state(value))`` and
     SIGKILLs itself at ``stage``: ``partial`` (after the first leaf file), ``manifest``
     (every leaf written, before the manifest), ``commit`` (staging complete, before the
-    rename) or ``committed`` (just after the rename). Print ``exit <wait status>``.
+    rename) or ``committed`` (just after the rename). ``direct`` and ``direct-manifest``
+    make every leaf of 4 KiB or more go through the O_DIRECT pipeline in 8 KiB buffers and
+    die at the third O_DIRECT write (others in flight) or before the manifest. Print
+    ``exit <wait status>``.
 ``quit``
     exit.
 """
@@ -62,6 +65,20 @@ def _die() -> None:
 
 def saver(root: str, step: int, stage: str, value: int) -> None:
     warnings.simplefilter("ignore")  # the killed saver's lock is taken over
+    if stage.startswith("direct"):
+        _save._DIRECT_MIN = 4096
+        _save._DIRECT_CHUNK = 8192
+    if stage == "direct":
+        calls = []
+        pwrite = _save._Writer._pwrite_direct
+
+        def pwrite_then_die(self: Any, *args: Any) -> None:
+            calls.append(None)
+            if len(calls) == 3:
+                _die()
+            pwrite(self, *args)
+
+        _save._Writer._pwrite_direct = pwrite_then_die  # type: ignore[method-assign]
     if stage == "partial":
         original = _save._Writer.write_tensor
 
@@ -70,7 +87,7 @@ def saver(root: str, step: int, stage: str, value: int) -> None:
             _die()
 
         _save._Writer.write_tensor = write_one_then_die  # type: ignore[method-assign]
-    elif stage == "manifest":
+    elif stage in ("manifest", "direct-manifest"):
         _save._write_small = lambda *a, **k: _die()  # type: ignore[assignment]
     elif stage in ("commit", "committed"):
         rename = _atomic.rename_noreplace

@@ -431,7 +431,12 @@ def save(
         _at("journal")
         with progress_bar(progress, "save") as report:
             manifest = write_checkpoint(
-                obj, staging, user_metadata=metadata, fsync=fsync, progress=report
+                obj,
+                staging,
+                user_metadata=metadata,
+                fsync=fsync,
+                progress=report,
+                direct=dest.suffix != ".tdz",  # an archive's staging is read back at once
             )
         _at("written")
         if dest.suffix == ".tdz":
