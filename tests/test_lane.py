@@ -184,6 +184,8 @@ def _edit_meta(prefix: Path, **fields: Any) -> None:
         "stray-directory",
         "symlink-out",
         "raw-names",
+        "unknown-dtype",
+        "batch-mismatch",
     ],
 )
 def test_the_lane_declines_what_it_does_not_read(tmp_path: Path, case: str) -> None:
@@ -221,7 +223,24 @@ def test_the_lane_declines_what_it_does_not_read(tmp_path: Path, case: str) -> N
         (prefix / "n" / "x.memmap").symlink_to("/etc/hostname")
     elif case == "raw-names":  # a key whose robust name is not on disk: the general rules
         (prefix / "a.memmap").rename(prefix / "b.memmap")
+    elif case in ("unknown-dtype", "batch-mismatch"):  # exact form, refused by validation
+        meta = json.loads((prefix / "meta.json").read_text())
+        if case == "unknown-dtype":
+            meta["a"]["dtype"] = "torch.float33"
+        else:
+            meta["a"]["shape"] = [3]
+        (prefix / "meta.json").write_text(json.dumps(meta))
     assert open_current(prefix, robust_key=robust_key) is None
+    if case in ("unknown-dtype", "batch-mismatch"):
+        target = TensorDict(
+            a=torch.zeros(2), n=TensorDict(b=torch.zeros(2), batch_size=[2]), batch_size=[2]
+        )
+        a = target["a"]
+        with pytest.raises(
+            ValidationError, match="float33" if case == "unknown-dtype" else "batch"
+        ):
+            tdckpt.load_memmap_(target, prefix)
+        assert target["a"] is a
 
 
 def test_the_lane_declines_a_level_whose_child_is_missing(tmp_path: Path) -> None:
