@@ -73,8 +73,18 @@ def _require_here(session: nox.Session, *requirements: str) -> None:
 
 
 def _pytest(session: nox.Session, python: str, *, deselect: tuple[str, ...] = ()) -> None:
+    # The suite starts a few hundred interpreters (crash children, CLI runs, ranks): each would
+    # compile tdckpt (and, in tests-0.14, torch: installed --no-compile) from source again where
+    # PYTHONDONTWRITEBYTECODE is set; they write and share the __pycache__ folders instead
+    # (ignored by git, left out of the wheel). The first run below fills them for torch.
+    env = {"PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": None}
     session.run(
-        python, "-c", "import tensordict, torch; print(tensordict.__version__, torch.__version__)"
+        python,
+        "-c",
+        "import tdckpt.cli, tdckpt.manager, tensordict, torch;"
+        " print(tensordict.__version__, torch.__version__)",
+        env=env,
+        external=True,
     )
     junit = ROOT / ".nox" / f"junit-{session.name}.xml"
     session.run(
@@ -95,7 +105,7 @@ def _pytest(session: nox.Session, python: str, *, deselect: tuple[str, ...] = ()
         f"--basetemp={tempfile.mkdtemp(prefix=f'tdckpt-{session.name}-')}",
         *(f"--deselect={test}" for test in deselect),
         *session.posargs,
-        env={"PYTHONPATH": str(ROOT)},
+        env=env,
         external=True,
     )
 
