@@ -6,6 +6,9 @@
     train 20 steps from the seed; write the final parameters and optimizer state to OUT.
 ``first``
     train 10 steps from the seed; save the training state as step 10 into ROOT.
+``full+first``
+    both in one process (one interpreter start less), ``full`` first: each builds
+    everything from the seed, so neither sees the other's state.
 ``resume``
     build everything from ANOTHER seed (so nothing but the restore can make it right),
     restore step 10 from ROOT in place, train 10 more steps; write the result to OUT.
@@ -118,11 +121,11 @@ def result(state: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     mode, root, out = sys.argv[1:4]
-    if mode == "full":
+    if mode in ("full", "full+first"):
         state = build(0)
         train(state, 20)
         torch.save(result(state), out)
-    elif mode == "first":
+    if mode in ("first", "full+first"):  # build() seeds every generator afresh
         state = build(0)
         train(state, 10)
         with tdckpt.CheckpointManager(root) as mgr:
@@ -133,7 +136,7 @@ def main() -> None:
             mgr.restore_into(state, allow_pickle=False)
         train(state, 10)
         torch.save(result(state), out)
-    else:
+    elif mode != "full":
         raise SystemExit(f"unknown mode {mode!r}")
 
 

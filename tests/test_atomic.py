@@ -306,8 +306,9 @@ def test_sigkill_during_saves_never_damages_committed_steps(tmp_path: Path) -> N
             )
             if not root.exists():
                 # Killed before its first save made the root (a loaded machine): nothing
-                # was written, so there is nothing to check in this trial.
-                assert not log.exists()
+                # was committed (the writer may have opened its log, the root comes with
+                # the first save), so there is nothing to check in this trial.
+                assert not log.exists() or not log.read_text().strip()
                 continue
             if log.exists():
                 known.update(int(x) for x in log.read_text().split())

@@ -930,6 +930,9 @@ def test_process_interrupted_by_a_real_sigint(tmp_path: Path) -> None:
     root = _manager_root(tmp_path)
     code = (
         "import os, signal, sys\n"
+        # Python's own handler, as a terminal starts it: a runner's background job (`cmd &`
+        # without job control) hands SIGINT down ignored, and the child would ignore it too
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from tdckpt import cli\n"
         "real = cli._cmd_ls\n"
         "def slow(args):\n"

@@ -486,8 +486,7 @@ def test_exact_resume_in_a_fresh_process(tmp_path: Path) -> None:
             [sys.executable, child, *args], env=child_env(), timeout=300, check=True, cwd=REPO
         )
 
-    run("full", str(root), str(tmp_path / "full.pt"))
-    run("first", str(root), "-")
+    run("full+first", str(root), str(tmp_path / "full.pt"))
     run("resume", str(root), str(tmp_path / "resumed.pt"))
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
