@@ -36,6 +36,7 @@ from tensordict import MemoryMappedTensor, TensorDict  # noqa: E402
 
 import tdckpt  # noqa: E402
 from tdckpt._read.archive import ArchiveStorage  # noqa: E402
+from tdckpt._read.lane import open_current  # noqa: E402
 from tdckpt._read.storage import DirectoryStorage  # noqa: E402
 from tdckpt._restore import plan as plan_mod  # noqa: E402
 from tdckpt.errors import (  # noqa: E402
@@ -309,15 +310,24 @@ def test_many_directories_keep_a_bounded_number_of_descriptors(tmp_path: Path) -
 # ------------------------------------------------------------- a whole restore, attacked mid-way
 
 
-def _saved(tmp_path: Path) -> tuple[Path, Path]:
+def _saved(tmp_path: Path, *, current: bool = False) -> tuple[Path, Path]:
+    """The checkpoint (written by tensordict, or with ``current`` by tdckpt in the current
+    form, which the current-form lane reads whatever tensordict is installed) and a folder
+    outside it with a secret."""
     td = TensorDict(
         a=torch.arange(4.0),
         n=TensorDict(c=torch.arange(12.0).reshape(4, 3), batch_size=[4]),
         batch_size=[4],
     )
     prefix = tmp_path / "ckpt"
-    with reference():
-        td.memmap(prefix)
+    if current:
+        tdckpt.save(td, prefix)
+        opened = open_current(prefix, robust_key=True)
+        assert opened is not None, "the lane does not read tdckpt's own checkpoint"
+        opened.close()
+    else:
+        with reference():
+            td.memmap(prefix)
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "secret").write_bytes(SECRET * 4)
@@ -437,7 +447,7 @@ def _expected(attack: str, read: str) -> tuple[type[TdckptError], str]:
 def test_restore_attacked_after_validation_fails_cleanly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, attack: str, mode: Any, read: str
 ) -> None:
-    prefix, outside = _saved(tmp_path)
+    prefix, outside = _saved(tmp_path, current=read == "lane")
     target = make_target(tdckpt.load_memmap(prefix).clone())
     objs, before_state = objects(target), state(target)
     do = ATTACKS[attack][0]
@@ -465,7 +475,7 @@ def test_restore_attacked_after_validation_fails_cleanly(
 def test_load_memmap_attacked_after_validation_fails_cleanly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: Any, read: str
 ) -> None:
-    prefix, outside = _saved(tmp_path)
+    prefix, outside = _saved(tmp_path, current=read == "lane")
     states: dict[str, Any] = {}
 
     def run_attack() -> None:

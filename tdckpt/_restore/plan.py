@@ -89,8 +89,9 @@ class Mapper:
         self._dense_dir_leaves = (
             self._mmt is not None and not self._structure_only and not self._move
         )
-        #: The attributes tensordict's from_filename sets that are the same for every leaf.
-        self._mmt_state = {"_handler": None, "_mode": mode, "_index": None, "_index_chain": ()}
+        #: The attributes tensordict's from_filename sets that are the same for every leaf,
+        #: and the one that holds the leaf's shape (their names changed in tensordict 0.15).
+        self._mmt_state, self._shape_attr = _mmt_attributes(mode)
         #: torch.Size and contiguous strides by shape: leaves of one checkpoint share a few
         #: shapes (Size is immutable).
         self._sizes: dict[tuple[int, ...], tuple[torch.Size, tuple[int, ...]]] = {}
@@ -129,7 +130,7 @@ class Mapper:
             state = flat.__dict__
             state.update(self._mmt_state)
             state["_filename"] = self.storage.absolute_str(rel)  # type: ignore[attr-defined]
-            state["_parent_shape"] = known[0]
+            state[self._shape_attr] = known[0]
             return flat
         if self._structure_only:
             # A structure-only load: no file is read, as with tensordict's device="meta".
@@ -194,12 +195,25 @@ class Mapper:
         # the storage already gives an absolute, normalised path.
         state = out.__dict__
         state["_filename"] = self.storage.absolute_str(source)  # type: ignore[attr-defined]
-        state["_handler"] = None
-        state["_mode"] = self.mode
-        state["_index"] = None
-        state["_index_chain"] = ()
-        state["_parent_shape"] = node.sizes if node.is_nested else torch.Size(node.shape)
+        state.update(self._mmt_state)
+        state[self._shape_attr] = node.sizes if node.is_nested else torch.Size(node.shape)
         return out
+
+
+def _mmt_attributes(mode: MapMode) -> tuple[dict[str, Any], str]:
+    """What tensordict's ``MemoryMappedTensor.from_filename`` sets on a leaf: the attributes
+    common to every leaf, and the name of the one that holds its shape.
+
+    tensordict 0.15 keeps them private (``_index``, ``_parent_shape``, ``_mode``,
+    ``_index_chain``, with properties ``index``/``parent_shape`` over them); 0.14 sets plain
+    ``index`` and ``parent_shape`` attributes, which its pickling reads.
+    """
+    mmt = _memory_mapped_tensor()
+    if mmt is not None and isinstance(vars(mmt).get("parent_shape"), property):
+        return {"_handler": None, "_mode": mode, "_index": None, "_index_chain": ()}, (
+            "_parent_shape"
+        )
+    return {"_handler": None, "index": None}, "parent_shape"
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -218,7 +232,7 @@ def _nested_from_buffer(flat: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor
         # _nested_view_from_buffer reads ``offsets`` from the start of the buffer's storage,
         # not from the view's first element: a leaf that is a slice of a larger mapping (an
         # entry of a stored .tdz) would show the bytes before it (the archive's headers).
-        offsets = offsets + flat.storage_offset()
+        offsets = offsets + int(flat.storage_offset())
     return torch._nested_view_from_buffer(flat, sizes, strides, offsets)
 
 
