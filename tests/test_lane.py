@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import string
 import warnings
 from pathlib import Path
@@ -353,6 +354,9 @@ def test_restored_leaves_are_the_memory_mapped_tensors_tensordict_builds(
         assert a._base is None and not a._is_view() and a.is_contiguous()
         assert torch.equal(a, b)
         assert {k: v for k, v in vars(a).items()} == {k: v for k, v in vars(b).items()}, key
+        # what tensordict's pickling reads (0.14: plain index / parent_shape attributes)
+        again = pickle.loads(pickle.dumps(a))
+        assert torch.equal(again, b) and again.shape == b.shape
     addr = ours["grid"].data_ptr()
     assert addr in _mapped_addresses()
     grid = ours["grid"]
