@@ -1,6 +1,6 @@
-"""The current-form lane: a restore's read of a tree exactly as tensordict >= 0.14 writes it.
+"""The current-form lane: a restore's read of a tree exactly as tensordict 0.15.3 writes it.
 
-Most checkpoints a restore meets are TensorDict levels that tensordict 0.14-0.15 (or tdckpt)
+Most checkpoints a restore meets are TensorDict levels that tensordict 0.15.3 (or tdckpt)
 wrote and nobody touched: every ``meta.json`` in the exact current form (``_format_version``
 1, plain ints and strings, see ``levels.py``), every key under its robust name, nothing else
 in the directories. For those, the general read (``pipeline.open_checkpoint``) runs stages

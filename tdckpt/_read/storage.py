@@ -166,6 +166,10 @@ class Storage(ABC):
     kind: str
     #: the path the user gave, for messages
     location: str
+    #: Set when a leaf listed without a stat (``defer_leaf_sizes``) turned out too short to
+    #: map: the restore then reads the checkpoint again with every size listed, for the full
+    #: report. Archives list every size, so theirs stays False.
+    deferred_size_refused: bool = False
 
     @abstractmethod
     def listdir(self, rel: str) -> Listing:
@@ -241,9 +245,6 @@ class DirectoryStorage(Storage):
         #: size on the very descriptor it maps, as it does for every leaf anyway. Saves one
         #: stat per leaf - the most expensive syscall of a restore after the map itself.
         self._defer_leaf_sizes = defer_leaf_sizes
-        #: Set when a leaf listed without a stat turned out too short to map: the restore
-        #: then reads the checkpoint again with every size listed, for the full report.
-        self.deferred_size_refused = False
         self.location = _normalized(prefix)
         self._root_str = self.location
         if isinstance(prefix, Path):  # immutable: reused rather than parsed again

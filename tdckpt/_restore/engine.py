@@ -532,8 +532,9 @@ def load_local(
 class _Reading:
     """How one restore reads its prefix, read after read, until one succeeds or fails for good.
 
-    1. The current-form lane (``lane.open_current``), for what tensordict >= 0.14 wrote
-       untouched: no directory listed, leaves checked when mapped.
+    1. The current-form lane (``lane.open_current``), for what tensordict >= 0.15 (or
+       tdckpt) wrote untouched: no detection, migration or name stage, leaf sizes checked
+       when mapped.
     2. Otherwise the general read, leaf files listed without a stat (their sizes checked
        when mapped).
     3. When a restore from a shortcut fails (the lane's, or a leaf too short for its listed
@@ -599,7 +600,7 @@ class _Reading:
 
 def _short_leaf(opened: OpenedCheckpoint) -> bool:
     """Whether a leaf listed without a stat was refused as too short when mapped."""
-    return bool(getattr(opened.storage, "deferred_size_refused", False))
+    return opened.storage.deferred_size_refused
 
 
 def load_memmap_(
