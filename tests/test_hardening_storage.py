@@ -338,15 +338,15 @@ def _saved(tmp_path: Path, *, current: bool = False) -> tuple[Path, Path]:
 def _attack_in_plan(monkeypatch: pytest.MonkeyPatch, attack: Callable[[], None]) -> list[int]:
     """Run ``attack`` once, when the plan stage maps its first leaf (validation is done)."""
     calls: list[int] = []
-    real = plan_mod.Mapper.leaf
+    real = plan_mod.Mapper.leaves
 
-    def leaf(self: plan_mod.Mapper, node: Any) -> torch.Tensor:
+    def leaves(self: plan_mod.Mapper, nodes: Any) -> list[torch.Tensor]:
         if not calls:
             attack()
         calls.append(1)
-        return real(self, node)
+        return real(self, nodes)
 
-    monkeypatch.setattr(plan_mod.Mapper, "leaf", leaf)
+    monkeypatch.setattr(plan_mod.Mapper, "leaves", leaves)
     return calls
 
 

@@ -428,18 +428,21 @@ def test_a_leaf_failing_to_map_halfway_changes_nothing(
     _write_checkpoint(ck, name, prefix)
     parent, view = _make_target(name, "fresh", tmp_path / "p")
     old = _state(parent)
-    real = Mapper.leaf
+    real = Mapper.leaves
     calls = {"n": 0}
 
-    def leaf(self: Mapper, node: Any) -> torch.Tensor:
+    def leaves(self: Mapper, nodes: Any) -> list[torch.Tensor]:
         # Every leaf from the second on cannot be mapped: the restore fails halfway, and the
         # full read it then retries (a failure after the current-form lane) fails too.
-        calls["n"] += 1
-        if calls["n"] >= 2:
-            raise RestoreError("injected: the second leaf cannot be mapped")
-        return real(self, node)
+        out = []
+        for node in nodes:
+            calls["n"] += 1
+            if calls["n"] >= 2:
+                raise RestoreError("injected: the second leaf cannot be mapped")
+            out.extend(real(self, [node]))
+        return out
 
-    monkeypatch.setattr(Mapper, "leaf", leaf)
+    monkeypatch.setattr(Mapper, "leaves", leaves)
     with pytest.raises(RestoreError):
         tdckpt.load_memmap_(view, prefix)
     new = _state(parent)

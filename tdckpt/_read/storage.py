@@ -28,7 +28,7 @@ import os
 import stat
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -617,15 +617,41 @@ class DirectoryStorage(Storage):
         """
         if numel == 0:
             return torch.empty(0, dtype=dtype)
-        known = self._regular.get(rel)
-        if known is not None:
-            # The usual leaf, listed as a regular file (its components already checked):
-            # the same open / fstat / map as below, inline - a 10,000-leaf restore makes
-            # this call 10,000 times. Anything unusual (an open refused, not a regular file,
-            # too short, a failed map) goes through the general path below, which checks
-            # everything again from scratch and says what is wrong.
+        mapped = self.map_listed(((rel, dtype, numel),), mode)[0]
+        if mapped is not None:
+            return mapped
+        return self._map_checked(rel, dtype, numel, mode)
+
+    def map_listed(
+        self, leaves: Sequence[tuple[str, torch.dtype, int]], mode: MapMode
+    ) -> list[torch.Tensor | None]:
+        """:meth:`map` of each ``(rel, dtype, numel)`` that is a usual leaf: a file listed
+        as regular, opened, checked on its descriptor (a regular file large enough) and
+        mapped; None for any other, and wherever anything is unusual (an open refused,
+        not a regular file, too short, a failed map). :meth:`map` of a None checks it
+        again from scratch and says what is wrong.
+
+        One call per level rather than per leaf: a 10,000-leaf restore maps its leaves
+        here, the per-leaf work being the four syscalls (open, fstat, mmap, close).
+        """
+        do_mmap = _libc_mmap_fast()
+        if do_mmap is None:  # pragma: no cover
+            return [None] * len(leaves)
+        regular = self._regular
+        dir_fds = self._dir_fds
+        euid = self._euid
+        buffer_type = _mapped_buffer_type
+        frombuffer = torch.frombuffer
+        fstat = os.fstat
+        is_reg = stat.S_ISREG
+        out: list[torch.Tensor | None] = []
+        append = out.append
+        for rel, dtype, numel in leaves:
+            known = regular.get(rel)
+            if known is None or not numel:
+                append(None)
+                continue
             if mode is None:
-                euid = self._euid
                 st0 = known[1]
                 # Listed without a stat: ask open() whether the file is writable.
                 shared = (
@@ -637,7 +663,7 @@ class DirectoryStorage(Storage):
             else:
                 shared = mode == "r+"
             parent, _, name = rel.rpartition("/")
-            dfd = self._dir_fds.get(parent)
+            dfd = dir_fds.get(parent)
             if dfd is None:
                 dfd = self._dir_fd(parent)
             try:
@@ -647,19 +673,26 @@ class DirectoryStorage(Storage):
                 if mode is None and shared and exc.errno in _NOT_WRITABLE:
                     # not writable by this process: copy-on-write, as tensordict maps it
                     shared = False
-                    with contextlib.suppress(OSError):  # the general path says why
+                    with contextlib.suppress(OSError):  # map() says why
                         fd = os.open(name, _RDONLY_FILE, dir_fd=dfd)
+            mapped = None
             if fd >= 0:
                 try:
-                    st = os.fstat(fd)
+                    st = fstat(fd)
                     need = numel * dtype.itemsize
-                    if st.st_size >= need and stat.S_ISREG(st.st_mode):
-                        mapped = _map_fd_fast(fd, need, dtype, shared)
-                        if mapped is not None:
-                            return mapped
+                    if st.st_size >= need and is_reg(st.st_mode):
+                        addr = do_mmap(
+                            None, need, _PROT_RW, _MAP_SHARED if shared else _MAP_PRIVATE, fd, 0
+                        )
+                        if addr is not None and addr != _MAP_FAILED:
+                            mapped = frombuffer(
+                                buffer_type(need).from_address(addr),  # type: ignore[union-attr]
+                                dtype=dtype,
+                            )
                 finally:
                     os.close(fd)
-        return self._map_checked(rel, dtype, numel, mode)
+            append(mapped)
+        return out
 
     def _map_checked(self, rel: str, dtype: torch.dtype, numel: int, mode: MapMode) -> torch.Tensor:
         """:meth:`map`'s general path: every check, every fallback, every error message."""
@@ -792,6 +825,7 @@ def _libc_mmap() -> tuple[Callable[..., int | None], Callable[[int, int], int]] 
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_SHARED, _MAP_PRIVATE = mmap.MAP_SHARED, mmap.MAP_PRIVATE
 #: open() flags of a leaf mapped shared / copy-on-write.
 _RDWR_FILE = os.O_RDWR | _FILE_FLAGS
 _RDONLY_FILE = os.O_RDONLY | _FILE_FLAGS
@@ -831,21 +865,6 @@ def _libc_mmap_fast() -> Callable[..., int | None] | None:
     c_int = ctypes.c_int
     do_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, c_int, c_int, c_int, ctypes.c_int64]
     return do_mmap
-
-
-def _map_fd_fast(fd: int, nbytes: int, dtype: torch.dtype, shared: bool) -> torch.Tensor | None:
-    """:func:`_map_fd` for the usual leaf, or None where it fails (the caller then takes
-    the general path, which reports why)."""
-    do_mmap = _libc_mmap_fast()
-    if do_mmap is None:  # pragma: no cover
-        return None
-    buffer_type = _mapped_buffer_type(nbytes)
-    if buffer_type is None:  # pragma: no cover
-        return None
-    addr = do_mmap(None, nbytes, _PROT_RW, mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE, fd, 0)
-    if addr is None or addr == _MAP_FAILED:
-        return None
-    return torch.frombuffer(buffer_type.from_address(addr), dtype=dtype)
 
 
 def _map_fd(fd: int, nbytes: int, dtype: torch.dtype, *, shared: bool) -> torch.Tensor:

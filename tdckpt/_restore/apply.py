@@ -461,14 +461,19 @@ class _Preparer:
         batch = tuple(target.batch_size)
         nb = len(batch)
         new: dict[str, Any] = {}
-        mapper = self.mapper
+        # The common case, kept lean: a leaf's shape is checked from the metadata, and the
+        # level's leaves are mapped in one call once the loop is done (their keys hold
+        # their place in ``new`` meanwhile, so the saved key order is kept).
+        leaves: list[LeafNode] = []
+        leaf_keys: list[str] = []
         for key, sub in node.entries.items():
             if type(sub) is LeafNode:
-                # The common case, kept lean: check the shape from the metadata, then map.
                 shape = sub.shape[:1] if sub.is_nested else sub.shape
                 if shape[:nb] != batch:
                     self._batch_error(sub, shape, batch)
-                new[key] = mapper.leaf(sub)
+                leaves.append(sub)
+                leaf_keys.append(key)
+                new[key] = None
                 continue
             existing = target._tensordict.get(key)
             reuse = existing is not None and (
@@ -532,6 +537,8 @@ class _Preparer:
             if isinstance(sub, NonTensorNode):
                 self.plan.non_tensors.append((value, sub.path))
             new[key] = value
+        if leaves:
+            new.update(zip(leaf_keys, self.mapper.leaves(leaves)))
         self.plan.items.append((target._tensordict, new))
         self.plan.prefixes.append((target, self.mapper.dir_path(node.path)))
         self.plan.levels.append(target)

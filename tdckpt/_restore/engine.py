@@ -341,7 +341,18 @@ class _Builder:
         from tensordict import TensorDict
 
         device = self._device(node.device)
-        entries = {k: self.build(v, node.batch_size, device) for k, v in node.entries.items()}
+        entries: dict[str, Any] = {}
+        leaves: list[tuple[str, LeafNode]] = []
+        for k, v in node.entries.items():
+            if type(v) is LeafNode:  # mapped together below; the key keeps its place
+                leaves.append((k, v))
+                entries[k] = None
+            else:
+                entries[k] = self.build(v, node.batch_size, device)
+        if leaves:
+            entries.update(
+                zip((k for k, _ in leaves), self.mapper.leaves([v for _, v in leaves]))
+            )
         td = TensorDict(batch_size=node.batch_size, device=device)
         if node.names is not None:
             # Any: tensordict 0.14 and 0.15 annotate these private members differently

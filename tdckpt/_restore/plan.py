@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import functools
 import pickle
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,7 +22,7 @@ import torch
 
 from tdckpt._read.classes import declared_fields, resolve_class
 from tdckpt._read.nodes import LeafNode, NonTensorNode, NonTensorStackNode, TensorClassNode
-from tdckpt._read.storage import MapMode, Storage
+from tdckpt._read.storage import DirectoryStorage, MapMode, Storage
 from tdckpt.errors import RestoreError, TdckptError
 
 __all__ = [
@@ -86,8 +87,15 @@ class Mapper:
         self._mmt = _memory_mapped_tensor() if storage.kind == "directory" else None
         self._structure_only = device is not None and device.type == "meta"
         self._move = device is not None and device.type not in ("cpu", "meta")
-        self._dense_dir_leaves = (
-            self._mmt is not None and not self._structure_only and not self._move
+        #: The storage's call that maps many usual leaves at once, where leaves become
+        #: MemoryMappedTensors as they are (a directory; no move, no structure-only load).
+        self._map_listed = (
+            storage.map_listed
+            if isinstance(storage, DirectoryStorage)
+            and self._mmt is not None
+            and not self._structure_only
+            and not self._move
+            else None
         )
         #: The attributes tensordict's from_filename sets that are the same for every leaf,
         #: and the one that holds the leaf's shape (their names changed in tensordict 0.15).
@@ -102,36 +110,67 @@ class Mapper:
         return self.storage.physical_path(rel)
 
     def leaf(self, node: LeafNode) -> torch.Tensor:
-        src = node.file
-        if self._dense_dir_leaves and src is not None and src.data is None and not node.is_nested:
-            # The usual leaf (kept lean: 10,000 of them make a large checkpoint): a dense
-            # tensor in a file of a directory, mapped and wrapped as tensordict does.
-            # _map and _wrap inline: three calls less per leaf.
-            rel = src.source
-            assert rel is not None
+        return self.leaves((node,))[0]
+
+    def leaves(self, nodes: Sequence[LeafNode]) -> list[torch.Tensor]:
+        """The tensors of ``nodes``, in order.
+
+        The usual leaves (kept lean: 10,000 of them make a large checkpoint) - dense
+        tensors in files of a directory - are mapped in one storage call per level
+        (``map_listed``) and become MemoryMappedTensors as tensordict's ``from_filename``
+        builds them; any other, or one that storage call did not map, takes
+        :meth:`_other_leaf` (which maps it with every check, or says why it cannot).
+        """
+        listed = self._map_listed
+        if listed is None:
+            return [self._other_leaf(node) for node in nodes]
+        specs = []
+        for node in nodes:
+            src = node.file
+            if src is not None and src.data is None and not node.is_nested:
+                specs.append((src.source, node.dtype, node.numel))
+            else:
+                specs.append(("", node.dtype, 0))  # not a listed file: None
+        mmt = self._mmt
+        common = self._mmt_state
+        shape_attr = self._shape_attr
+        sizes = self._sizes
+        absolute = self.storage.absolute_str  # type: ignore[attr-defined]
+        out: list[torch.Tensor] = []
+        append = out.append
+        for node, flat, spec in zip(nodes, listed(specs, self.mode), specs):
+            if flat is None:
+                if not spec[0]:
+                    append(self._other_leaf(node))
+                    continue
+                # A usual leaf that needs more than the lean path (a safe link, say): mapped
+                # with every check, or refused with the reason.
+                flat = self._map(spec[0], node)
             shape = node.shape
-            try:
-                flat = self.storage.map(rel, node.dtype, node.numel, mode=self.mode)
-            except (OSError, RuntimeError) as exc:
-                if isinstance(exc, TdckptError):
-                    raise
-                raise self._map_error(exc, rel, node) from exc
-            known = self._sizes.get(shape)
+            known = sizes.get(shape)
             if known is None:
-                known = self._sizes[shape] = (torch.Size(shape), _contiguous_strides(shape))
+                known = sizes[shape] = (torch.Size(shape), _contiguous_strides(shape))
             if len(shape) != 1 or shape[0] != node.numel:
                 # In place (as_strided_ on the fresh tensor that owns the mapping), not a
                 # view: the leaf stays one tensor whose _base is None, as tensordict's is.
                 flat.as_strided_(known[0], known[1])
             # The fresh tensor becomes the MemoryMappedTensor (a Python subclass of
             # torch.Tensor with the same layout): what _make_subclass would build, without
-            # a second tensor per leaf.
-            flat.__class__ = self._mmt  # type: ignore[assignment]
+            # a second tensor per leaf. Its attributes go straight into __dict__ (the
+            # ``filename`` setter normalises through pathlib; the storage's path is
+            # absolute and normal already).
+            flat.__class__ = mmt  # type: ignore[assignment]
             state = flat.__dict__
-            state.update(self._mmt_state)
-            state["_filename"] = self.storage.absolute_str(rel)  # type: ignore[attr-defined]
-            state[self._shape_attr] = known[0]
-            return flat
+            state.update(common)
+            state["_filename"] = absolute(spec[0])
+            state[shape_attr] = known[0]
+            append(flat)
+        return out
+
+    def _other_leaf(self, node: LeafNode) -> torch.Tensor:
+        """A leaf that is not a dense tensor in a directory's file (or that is moved, or
+        loaded for its structure only)."""
+        src = node.file
         if self._structure_only:
             # A structure-only load: no file is read, as with tensordict's device="meta".
             shape = node.shape[:1] if node.is_nested else node.shape
