@@ -538,7 +538,7 @@ class _Preparer:
                 self.plan.non_tensors.append((value, sub.path))
             new[key] = value
         if leaves:
-            new.update(zip(leaf_keys, self.mapper.leaves(leaves)))
+            new.update(zip(leaf_keys, self.mapper.leaves(leaves), strict=True))
         self.plan.items.append((target._tensordict, new))
         self.plan.prefixes.append((target, self.mapper.dir_path(node.path)))
         self.plan.levels.append(target)

@@ -351,7 +351,7 @@ class _Builder:
                 entries[k] = self.build(v, node.batch_size, device)
         if leaves:
             entries.update(
-                zip((k for k, _ in leaves), self.mapper.leaves([v for _, v in leaves]))
+                zip((k for k, _ in leaves), self.mapper.leaves([v for _, v in leaves]), strict=True)
             )
         td = TensorDict(batch_size=node.batch_size, device=device)
         if node.names is not None:

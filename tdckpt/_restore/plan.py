@@ -124,10 +124,15 @@ class Mapper:
         listed = self._map_listed
         if listed is None:
             return [self._other_leaf(node) for node in nodes]
-        specs = []
+        specs: list[tuple[str, torch.dtype, int]] = []
         for node in nodes:
             src = node.file
-            if src is not None and src.data is None and not node.is_nested:
+            if (
+                src is not None
+                and src.data is None
+                and src.source is not None
+                and not node.is_nested
+            ):
                 specs.append((src.source, node.dtype, node.numel))
             else:
                 specs.append(("", node.dtype, 0))  # not a listed file: None
@@ -138,7 +143,7 @@ class Mapper:
         absolute = self.storage.absolute_str  # type: ignore[attr-defined]
         out: list[torch.Tensor] = []
         append = out.append
-        for node, flat, spec in zip(nodes, listed(specs, self.mode), specs):
+        for node, flat, spec in zip(nodes, listed(specs, self.mode), specs, strict=True):
             if flat is None:
                 if not spec[0]:
                     append(self._other_leaf(node))
