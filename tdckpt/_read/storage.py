@@ -361,10 +361,24 @@ class DirectoryStorage(Storage):
                 path=self.display(rel),
             ) from exc
         defer = self._defer_leaf_sizes
+        files = listing.files
+        regular = self._regular
+        below = f"{rel}/" if rel else ""
         with it:
             for entry in it:
                 name = entry.name
                 try:
+                    if (
+                        defer
+                        and name.endswith(".memmap")
+                        and not name.endswith(NESTED_SHAPE_SUFFIX)  # read by validation
+                        and entry.is_file(follow_symlinks=False)  # the entry's type: no syscall
+                    ):
+                        # A regular leaf (not a link) by its entry's type: map() checks the
+                        # descriptor it maps (regular, large enough), so no stat here.
+                        files[name] = UNKNOWN_SIZE
+                        regular[below + name] = (entry.path, None)
+                        continue
                     is_link = entry.is_symlink()
                     if is_link:
                         reason = self._check_link(Path(entry.path), join(rel, name))
@@ -373,17 +387,6 @@ class DirectoryStorage(Storage):
                             continue
                     elif entry.is_dir(follow_symlinks=False):  # the entry's type: no syscall
                         listing.dirs.add(name)
-                        continue
-                    elif (
-                        defer
-                        and name.endswith(".memmap")
-                        and not name.endswith(NESTED_SHAPE_SUFFIX)  # read by validation
-                        and entry.is_file(follow_symlinks=False)
-                    ):
-                        # A regular leaf by its entry's type (no syscall): map() checks the
-                        # descriptor it maps (regular, large enough), so no stat here.
-                        listing.files[name] = UNKNOWN_SIZE
-                        self._regular[f"{rel}/{name}" if rel else name] = (entry.path, None)
                         continue
                     st = entry.stat()  # follows a (safe) symlink
                 except OSError as exc:
