@@ -34,6 +34,7 @@ from tensordict import LazyStackedTensorDict, TensorDict  # noqa: E402
 
 import tdckpt  # noqa: E402
 import tdckpt._read.pipeline as pipeline_mod  # noqa: E402
+import tdckpt._read.tree as tree_mod  # noqa: E402
 from tdckpt._read.lane import open_current  # noqa: E402
 from tdckpt._read.nodes import LeafNode, Node  # noqa: E402
 from tdckpt._read.pipeline import open_checkpoint  # noqa: E402
@@ -250,6 +251,25 @@ def test_the_lane_declines_what_it_does_not_read(tmp_path: Path, case: str) -> N
         ):
             tdckpt.load_memmap_(target, prefix)
         assert target["a"] is a
+
+
+@pytest.mark.parametrize("budget", ["entries", "metadata-bytes"])
+def test_the_lane_keeps_the_general_reads_budgets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: str
+) -> None:
+    # Past a budget of tree.py the lane declines, and the general read refuses with its own
+    # message; at the budget it reads the tree.
+    prefix = tmp_path / "ck"
+    tdckpt.save(TensorDict(a=torch.ones(1), n=TensorDict(b=torch.ones(1))), prefix)
+    if budget == "entries":  # meta.json, the manifest, a.memmap, n/; n's meta.json, b.memmap
+        at = 6
+    else:
+        at = (prefix / "meta.json").stat().st_size + (prefix / "n" / "meta.json").stat().st_size
+    name = "MAX_ENTRIES" if budget == "entries" else "MAX_METADATA_BYTES"
+    monkeypatch.setattr(tree_mod, name, at)
+    assert open_current(prefix, robust_key=True) is not None
+    monkeypatch.setattr(tree_mod, name, at - 1)
+    assert open_current(prefix, robust_key=True) is None
 
 
 def test_the_lane_declines_a_level_whose_child_is_missing(tmp_path: Path) -> None:

@@ -15,10 +15,11 @@ general read leaves it after those stages; validation is the standard one
 None, and the caller takes the general read - at anything else: another ``robust_key``, an
 archive, a level that is not a TensorDict in exact form, a nested tensor, a key not under
 its robust name, a file or directory no key names (strays, sidecars, unsafe entries,
-links), a directory reached twice, a problem found by validation, trees wider than its
-budget. A restore that fails after the lane read the tree is read again by the general
-path, so its error is the general read's, with every problem: the lane never changes what
-a restore accepts, refuses or reports.
+links), a directory reached twice, a problem found by validation, a tree past the general
+read's budgets (entries, metadata bytes) or wider than the lane's own. A restore that fails
+after the lane read the tree is read again by the general path, so its error is the general
+read's, with every problem: the lane never changes what a restore accepts, refuses or
+reports.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ import os
 
 from tdckpt import schema
 from tdckpt._keys import LEAF_SUFFIX, encode_key
+from tdckpt._read import tree as _tree
 from tdckpt._read.detect import CURRENT_NAME, level_kind
 from tdckpt._read.levels import exact_td_level
 from tdckpt._read.names import ROBUST
 from tdckpt._read.pipeline import OpenedCheckpoint, _read_manifest_model
 from tdckpt._read.storage import MAX_JSON_BYTES, DirectoryStorage
-from tdckpt._read.tree import MAX_METADATA_BYTES, VDir, VFile
+from tdckpt._read.tree import VDir, VFile
 from tdckpt._read.validate import build_nodes
 from tdckpt.errors import TdckptError
 
@@ -93,6 +95,7 @@ class _Lane:
         self.storage = storage
         self.seen: set[tuple[int, int]] = set()
         self.dirs = 0
+        self.entries = 0
         self.metadata_bytes = 0
 
     def level(self, rel: str) -> VDir:
@@ -115,9 +118,16 @@ class _Lane:
         files = listing.files
         if listing.unsafe or listing.links or "meta.json" not in files:
             raise _Decline  # the general read reports unsafe entries, follows safe links
+        # The general read's budgets (tree.py), declined rather than reported: that read
+        # refuses the checkpoint with its own message.
+        self.entries += len(files) + len(listing.dirs)
         size = files["meta.json"]
         self.metadata_bytes += size
-        if size > MAX_JSON_BYTES or self.metadata_bytes > MAX_METADATA_BYTES:
+        if (
+            self.entries > _tree.MAX_ENTRIES
+            or size > MAX_JSON_BYTES
+            or self.metadata_bytes > _tree.MAX_METADATA_BYTES
+        ):
             raise _Decline
         where = f"{rel}/meta.json" if rel else "meta.json"
         meta = storage.read_json(where)
