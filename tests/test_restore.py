@@ -847,3 +847,28 @@ def test_zero_element_key_named_like_another_keys_file(tmp_path: Path) -> None:
 
 def test_errors_are_tdckpt_errors() -> None:
     assert issubclass(ValidationError, TdckptError) and issubclass(RestoreError, TdckptError)
+
+
+def test_restored_keys_keep_the_saved_order(tmp_path: Path) -> None:
+    # Leaves and nested levels interleaved: a level's leaves are mapped together, yet every
+    # key keeps its saved place, in place and into a new object. (tensordict 0.15.3 orders
+    # them otherwise: in place it keeps the target's order, a new object lists a level's
+    # leaves before its nested levels.)
+    prefix = tmp_path / "ck"
+    saved = ["z", "n", "a", "m", "b"]
+
+    def td(fill: float, order: list[str]) -> TensorDict:
+        items = {
+            "z": torch.full((2,), fill),
+            "n": TensorDict(x=torch.full((2,), fill), batch_size=[2]),
+            "a": torch.full((2,), fill),
+            "m": TensorDict(y=torch.full((2,), fill), batch_size=[2]),
+            "b": torch.full((2,), fill),
+        }
+        return TensorDict({k: items[k] for k in order}, batch_size=[2])
+
+    td(1.0, saved).memmap(prefix)
+    ours = tdckpt.load_memmap_(td(0.0, ["b", "m", "a", "n", "z"]), prefix)
+    assert list(ours.keys()) == saved
+    assert list(tdckpt.load_memmap(prefix).keys()) == saved
+    assert all((ours[k] == 1).all() for k in ours.keys(True, True))

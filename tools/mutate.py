@@ -648,10 +648,24 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
         "lane restores despite validation problems",
     ),
     (
+        "L05",
+        LANE,
+        "            self.entries > _tree.MAX_ENTRIES\n            or ",
+        "            False\n            or ",
+        "lane ignores the entry budget",
+    ),
+    (
+        "A45",
+        APPLY,
+        "                leaf_keys.append(key)\n                new[key] = None\n",
+        "                leaf_keys.append(key)\n",
+        "a level's leaves lose their saved key order",
+    ),
+    (
         "S01",
         STORAGE,
-        "if st.st_size >= need and stat.S_ISREG(st.st_mode):",
-        "if stat.S_ISREG(st.st_mode):",
+        "if st.st_size >= need and is_reg(st.st_mode):",
+        "if is_reg(st.st_mode):",
         "deferred leaf size never checked",
     ),
     (
