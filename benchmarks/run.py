@@ -123,7 +123,7 @@ def bench_restore(work: Path, quick: bool) -> None:
     for n in sizes:
         prefix = work / f"flat{n}"
         _flat_td(n).memmap(prefix)
-        reps = 41 if n <= 10 else 9 if n <= 1000 else 5
+        reps = 41 if n <= 10 else 9 if n <= 1000 else 7
 
         def target(n: int = n) -> Any:
             return TensorDict({f"k{i}": torch.zeros(4) for i in range(n)}, batch_size=[4])
@@ -270,9 +270,9 @@ def bench_restore_into(work: Path, quick: bool) -> None:
 
     for cold in (True, False):
         when = "cold" if cold else "warm"
-        base, ours = head_to_head(theirs, managed, 5, target, cold=cold)
+        base, ours = head_to_head(theirs, managed, 7, target, cold=cold)
         row(f"restore_into ({when})", base, ours, "tensordict")
-        base, ours = head_to_head(theirs, plain, 5, target, cold=cold)
+        base, ours = head_to_head(theirs, plain, 7, target, cold=cold)
         row(f"tdckpt.load_memmap_ ({when})", base, ours, "tensordict")
     shutil.rmtree(work / "managed")
 

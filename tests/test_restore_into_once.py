@@ -67,16 +67,22 @@ class Counted:
 def maps(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Every leaf file mapped while the test runs (relative path -> times mapped)."""
     counts: Counter[str] = Counter()
-    for cls in (DirectoryStorage, ArchiveStorage):
-        original = cls.map
+    # A directory maps every leaf through map_listed (a level's leaves at once; map() of one
+    # leaf calls it too); an archive through map.
+    listed = DirectoryStorage.map_listed
 
-        def counting(
-            self: Any, rel: str, *args: Any, _original: Any = original, **kwargs: Any
-        ) -> Any:
-            counts[rel] += 1
-            return _original(self, rel, *args, **kwargs)
+    def counting_listed(self: Any, leaves: Any, *args: Any, **kwargs: Any) -> Any:
+        counts.update(rel for rel, _, _ in leaves if rel)
+        return listed(self, leaves, *args, **kwargs)
 
-        monkeypatch.setattr(cls, "map", counting)
+    monkeypatch.setattr(DirectoryStorage, "map_listed", counting_listed)
+    original = ArchiveStorage.map
+
+    def counting(self: Any, rel: str, *args: Any, **kwargs: Any) -> Any:
+        counts[rel] += 1
+        return original(self, rel, *args, **kwargs)
+
+    monkeypatch.setattr(ArchiveStorage, "map", counting)
     return counts
 
 
