@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from tdckpt._shard.inspect import shard_summary
 from tdckpt._shard.manifest import parse_step_manifest
 from tdckpt._write import atomic as _atomic
 from tdckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, MetadataError
-from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest
+from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest, explain
 
 __all__ = ["StepIndex", "StepStatus", "preferred"]
 
@@ -146,8 +148,9 @@ class StepIndex:
         except MetadataError as exc:
             result = exc
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
+            what = explain(exc) if isinstance(exc, ValidationError) else str(exc).splitlines()[0]
             result = MetadataError(
-                f"{where}: the tdckpt manifest is invalid ({str(exc).splitlines()[0]}); "
+                f"{where}: the tdckpt manifest is invalid ({what}); "
                 "expected a manifest of schema version 1. The step is damaged or was written "
                 "by a newer tdckpt.",
                 path=str(where),

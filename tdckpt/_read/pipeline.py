@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic
+
 from tdckpt import schema
 from tdckpt._read.migrate import migrate_tree
 from tdckpt._read.names import normalize_names
@@ -75,13 +77,14 @@ def _read_manifest_model(
     except TdckptError as exc:
         return None, [Problem("bad-manifest", "error", vfile.source, (), str(exc))]
     except Exception as exc:  # pydantic.ValidationError
+        what = schema.explain(exc) if isinstance(exc, pydantic.ValidationError) else str(exc)
         return None, [
             Problem(
                 "bad-manifest",
                 "error",
                 vfile.source,
                 (),
-                f"does not fit the tdckpt manifest schema ({exc}). The file is damaged; "
+                f"does not fit the tdckpt manifest schema ({what}). The file is damaged; "
                 "`tdckpt verify` can say more.",
             )
         ]
