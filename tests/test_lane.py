@@ -14,6 +14,7 @@ The lane must never change what a restore accepts, refuses or builds. Held here 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pickle
@@ -33,6 +34,7 @@ tensordict = pytest.importorskip("tensordict")
 from tensordict import LazyStackedTensorDict, TensorDict  # noqa: E402
 
 import tdckpt  # noqa: E402
+import tdckpt._read.lane as lane_mod  # noqa: E402
 import tdckpt._read.pipeline as pipeline_mod  # noqa: E402
 import tdckpt._read.tree as tree_mod  # noqa: E402
 from tdckpt._read.lane import open_current  # noqa: E402
@@ -253,22 +255,22 @@ def test_the_lane_declines_what_it_does_not_read(tmp_path: Path, case: str) -> N
         assert target["a"] is a
 
 
-@pytest.mark.parametrize("budget", ["entries", "metadata-bytes"])
-def test_the_lane_keeps_the_general_reads_budgets(
+@pytest.mark.parametrize("budget", ["max_entries", "max_metadata_bytes"])
+def test_the_lane_reads_with_the_general_walker_and_its_budgets(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: str
 ) -> None:
-    # Past a budget of tree.py the lane declines, and the general read refuses with its own
-    # message; at the budget it reads the tree.
+    # The lane reads with tree.read_tree: past one of its budgets the walker refuses, the
+    # lane declines, and the general read refuses with its own message; at it, the lane reads.
     prefix = tmp_path / "ck"
     tdckpt.save(TensorDict(a=torch.ones(1), n=TensorDict(b=torch.ones(1))), prefix)
-    if budget == "entries":  # meta.json, the manifest, a.memmap, n/; n's meta.json, b.memmap
+    if budget == "max_entries":  # meta.json, the manifest, a.memmap, n/; n's meta.json, b.memmap
         at = 6
     else:
         at = (prefix / "meta.json").stat().st_size + (prefix / "n" / "meta.json").stat().st_size
-    name = "MAX_ENTRIES" if budget == "entries" else "MAX_METADATA_BYTES"
-    monkeypatch.setattr(tree_mod, name, at)
+    walker = tree_mod.read_tree
+    monkeypatch.setattr(lane_mod, "read_tree", functools.partial(walker, **{budget: at}))
     assert open_current(prefix, robust_key=True) is not None
-    monkeypatch.setattr(tree_mod, name, at - 1)
+    monkeypatch.setattr(lane_mod, "read_tree", functools.partial(walker, **{budget: at - 1}))
     assert open_current(prefix, robust_key=True) is None
 
 

@@ -182,7 +182,9 @@ class _Walk:
     def read(self, node: VDir, *, depth: int) -> VDir:
         storage = self.storage
         rel = node.source
-        identity = storage.dir_identity(rel)
+        # The prefix's own identity is asked only once it has sub-directories (below): only
+        # they can lead back to it, and most small checkpoints have none.
+        identity = storage.dir_identity(rel) if rel else None
         if identity is not None:
             first = self.seen.setdefault(identity, rel)
             if first != rel:
@@ -214,6 +216,10 @@ class _Walk:
                 )
             )
             return node
+        if not rel and listing.dirs:
+            root = storage.dir_identity("")
+            if root is not None:
+                self.seen.setdefault(root, "")
         prefix = f"{rel}/" if rel else ""
         for name in sorted(listing.dirs):
             if name in listing.links:
