@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -346,7 +347,6 @@ def test_a_key_aliasing_another_directory_is_refused(tmp_path: Path) -> None:
         {"a": TensorDict({"x": torch.zeros(3)}, [3]), "b": TensorDict({"x": torch.ones(3)}, [3])},
         batch_size=[3],
     ).memmap(prefix)
-    import shutil
 
     shutil.rmtree(prefix / "b")
     (prefix / "b").symlink_to("a", target_is_directory=True)
@@ -526,3 +526,29 @@ def test_one_metadata_file_linked_into_many_directories_is_budgeted(
     ):
         read_tree(storage, max_metadata_bytes=20_000_000)
     assert "meta.json" in str(info.value)
+
+
+def test_a_bind_mount_of_the_prefix_inside_itself_is_read_once(tmp_path: Path) -> None:
+    # No symlink: only the prefix's own identity (asked once it has sub-directories) tells
+    # that n/m is the prefix again. Without it, the whole tree would be read a second time.
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a bind mount needs root")
+    prefix = tmp_path / "ckpt"
+    TensorDict({"a": torch.zeros(3), "n": TensorDict({"x": torch.ones(3)}, [3])}, [3]).memmap(
+        prefix
+    )
+    (prefix / "n" / "m").mkdir()
+    done = subprocess.run(
+        ["mount", "--bind", str(prefix), str(prefix / "n" / "m")], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {done.stderr!r}")
+    try:
+        with open_storage(prefix) as storage:
+            tree = read_tree(storage)
+        assert "m" not in tree.dirs["n"].dirs
+        assert "second path to the directory '.'" in tree.dirs["n"].unsafe["m"]
+        report = tdckpt.validate(prefix)
+        assert [p.path for p in report.errors if p.code == "unsafe-path"] == ["n/m"]
+    finally:
+        subprocess.run(["umount", str(prefix / "n" / "m")], check=True)

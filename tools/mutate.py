@@ -655,6 +655,13 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
         "a level's leaves lose their saved key order",
     ),
     (
+        "T01",
+        "tdckpt/_read/tree.py",
+        '        if not rel and listing.dirs:\n            root = storage.dir_identity("")',
+        '        if False:\n            root = storage.dir_identity("")',
+        "a link back to the prefix read as a new directory",
+    ),
+    (
         "S01",
         STORAGE,
         "if st.st_size >= need and is_reg(st.st_mode):",
@@ -689,6 +696,7 @@ DEFAULT_TESTS = {
     ],
     LANE: ["tests/test_lane.py", "tests/test_restore_failures.py"],
     STORAGE: ["tests/test_storage.py", "tests/test_hardening_storage.py"],
+    "tdckpt/_read/tree.py": ["tests/test_hardening_dos.py", "tests/test_hostile.py"],
     "tdckpt/_restore/engine.py": [
         "tests/test_lane.py",
         "tests/test_hardening_storage.py",
