@@ -16,6 +16,7 @@ from _unprivileged import run_unprivileged
 from conftest import tree_digest
 
 from tdckpt._read.storage import (
+    _MAX_DIR_FDS,
     MAX_JSON_BYTES,
     UNKNOWN_SIZE,
     DirectoryStorage,
@@ -575,3 +576,22 @@ def test_nothing_is_written(layout: tuple[Path, Path]) -> None:
         storage.read_bytes("leak")
     assert tree_digest(prefix) == before
     assert tree_digest(outside) == before_out
+
+
+def test_a_wide_read_stays_in_the_tree_it_began_with(tmp_path: Path) -> None:
+    # More directories than descriptors kept: the cache is reset on the way, but the prefix's
+    # own descriptor stays, so a prefix swapped for another tree meanwhile is never read.
+    prefix, moved = tmp_path / "ck", tmp_path / "old"
+    for tree, tag in ((prefix, "old"), (tmp_path / "new", "new")):
+        for i in range(_MAX_DIR_FDS + 6):
+            (tree / f"d{i}").mkdir(parents=True)
+            (tree / f"d{i}" / "x.json").write_text(json.dumps({"tree": tag}))
+    storage = DirectoryStorage(prefix)
+    try:
+        assert storage.read_json("d0/x.json") == {"tree": "old"}
+        prefix.rename(moved)
+        (tmp_path / "new").rename(prefix)
+        seen = {storage.read_json(f"d{i}/x.json")["tree"] for i in range(_MAX_DIR_FDS + 6)}
+        assert seen == {"old"}
+    finally:
+        storage.close()

@@ -432,7 +432,7 @@ class DirectoryStorage(Storage):
         decides), by opening its resolved target from the prefix the same way. A directory
         swapped for a symlink out of the prefix after validation is refused, not followed.
         Descriptors are kept per directory (one open per directory, not per leaf), at most
-        ``_MAX_DIR_FDS`` at a time.
+        ``_MAX_DIR_FDS`` at a time; the prefix's is kept until :meth:`close`.
         """
         fds = self._dir_fds
         fd = fds.get(rel)
@@ -440,7 +440,12 @@ class DirectoryStorage(Storage):
             return fd
         parts = rel.split("/") if rel else []
         if len(fds) + len(parts) >= _MAX_DIR_FDS:
+            # The prefix's own descriptor stays: every directory is reached from the one
+            # tree it names, however many the read visits (never the prefix by path again).
+            root = fds.pop("", None)
             _close_fds(fds)
+            if root is not None:
+                fds[""] = root
         base = fds.get("")
         if base is None:
             base = fds[""] = self._open_root()
