@@ -849,26 +849,45 @@ def test_errors_are_tdckpt_errors() -> None:
     assert issubclass(ValidationError, TdckptError) and issubclass(RestoreError, TdckptError)
 
 
-def test_restored_keys_keep_the_saved_order(tmp_path: Path) -> None:
-    # Leaves and nested levels interleaved: a level's leaves are mapped together, yet every
-    # key keeps its saved place, in place and into a new object. (tensordict 0.15.3 orders
-    # them otherwise: in place it keeps the target's order, a new object lists a level's
-    # leaves before its nested levels.)
+@pytest.mark.parametrize(
+    "order",
+    [
+        ["z", "n", "a", "s", "b"],  # the saved order
+        ["b", "s", "a", "n", "z"],  # reversed
+        ["b", "a"],  # some saved keys new to the target
+        ["b", "stale", "n", "a"],  # a stale key too
+        ["q", "b"],
+        [],
+    ],
+)
+def test_restored_keys_are_in_tensordicts_order(tmp_path: Path, order: list[str]) -> None:
+    # Tensors, a nested level and non-tensor data interleaved: a level's leaves are mapped
+    # together, and the keys end in tensordict's order - in place, the target's keys where
+    # they were, then the saved tensors, then the saved sub-levels; in a new object, the
+    # tensors, then the sub-levels (each in saved order).
     prefix = tmp_path / "ck"
-    saved = ["z", "n", "a", "m", "b"]
+    saved = TensorDict(
+        {"z": torch.ones(2), "n": TensorDict(x=torch.ones(2), batch_size=[2]), "a": torch.ones(2)},
+        batch_size=[2],
+    )
+    saved.set_non_tensor("s", "text")
+    saved["b"] = torch.ones(2)
+    saved.memmap(prefix)
 
-    def td(fill: float, order: list[str]) -> TensorDict:
-        items = {
-            "z": torch.full((2,), fill),
-            "n": TensorDict(x=torch.full((2,), fill), batch_size=[2]),
-            "a": torch.full((2,), fill),
-            "m": TensorDict(y=torch.full((2,), fill), batch_size=[2]),
-            "b": torch.full((2,), fill),
-        }
-        return TensorDict({k: items[k] for k in order}, batch_size=[2])
+    def target() -> TensorDict:
+        td = TensorDict(batch_size=[2])
+        for key in order:
+            if key == "n":
+                td[key] = TensorDict(x=torch.zeros(2), batch_size=[2])
+            elif key == "s":
+                td.set_non_tensor(key, "old")
+            else:
+                td[key] = torch.zeros(2)
+        return td
 
-    td(1.0, saved).memmap(prefix)
-    ours = tdckpt.load_memmap_(td(0.0, ["b", "m", "a", "n", "z"]), prefix)
-    assert list(ours.keys()) == saved
-    assert list(tdckpt.load_memmap(prefix).keys()) == saved
-    assert all((ours[k] == 1).all() for k in ours.keys(True, True))
+    theirs = target().load_memmap_(prefix)
+    ours = tdckpt.load_memmap_(target(), prefix, allow_pickle=True)
+    assert list(ours.keys()) == list(theirs.keys())
+    fresh = tdckpt.load_memmap(prefix, allow_pickle=True)
+    assert list(fresh.keys()) == list(TensorDict.load_memmap(prefix).keys())
+    assert list(fresh.keys()) == ["z", "a", "b", "n", "s"]

@@ -650,9 +650,16 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "A45",
         APPLY,
-        "                leaf_keys.append(key)\n                new[key] = None\n",
-        "                leaf_keys.append(key)\n",
-        "a level's leaves lose their saved key order",
+        "    for key in current:\n        if key in tensors:",
+        "    for key in ():\n        if key in tensors:",
+        "in place, keys lose the target's order",
+    ),
+    (
+        "A46",
+        APPLY,
+        "    for key, value in tensors.items():\n        ordered.setdefault(key, value)\n",
+        "",
+        "new saved tensors after the new sub-levels",
     ),
     (
         "T01",

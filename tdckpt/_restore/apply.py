@@ -462,8 +462,7 @@ class _Preparer:
         nb = len(batch)
         new: dict[str, Any] = {}
         # The common case, kept lean: a leaf's shape is checked from the metadata, and the
-        # level's leaves are mapped in one call once the loop is done (their keys hold
-        # their place in ``new`` meanwhile, so the saved key order is kept).
+        # level's leaves are mapped in one call once the loop is done.
         leaves: list[LeafNode] = []
         leaf_keys: list[str] = []
         for key, sub in node.entries.items():
@@ -473,7 +472,6 @@ class _Preparer:
                     self._batch_error(sub, shape, batch)
                 leaves.append(sub)
                 leaf_keys.append(key)
-                new[key] = None
                 continue
             existing = target._tensordict.get(key)
             reuse = existing is not None and (
@@ -537,11 +535,33 @@ class _Preparer:
             if isinstance(sub, NonTensorNode):
                 self.plan.non_tensors.append((value, sub.path))
             new[key] = value
-        if leaves:
-            new.update(zip(leaf_keys, self.mapper.leaves(leaves), strict=True))
-        self.plan.items.append((target._tensordict, new))
+        mapped = dict(zip(leaf_keys, self.mapper.leaves(leaves), strict=True)) if leaves else {}
+        self.plan.items.append(
+            (target._tensordict, _in_place_order(target._tensordict, mapped, new))
+        )
         self.plan.prefixes.append((target, self.mapper.dir_path(node.path)))
         self.plan.levels.append(target)
+
+
+def _in_place_order(
+    current: dict[str, Any], tensors: dict[str, Any], levels: dict[str, Any]
+) -> dict[str, Any]:
+    """A level's new items in the order tensordict's ``load_memmap_`` leaves them: the
+    target's keys where they were, then the saved tensors, then the saved sub-levels and
+    non-tensor data (each in saved order; ``tensors`` and ``levels`` are)."""
+    ordered = {}
+    for key in current:
+        if key in tensors:
+            ordered[key] = tensors[key]
+        elif key in levels:
+            ordered[key] = levels[key]
+    if len(ordered) == len(tensors) + len(levels):  # the usual restore: the same keys
+        return ordered
+    for key, value in tensors.items():
+        ordered.setdefault(key, value)
+    for key, value in levels.items():
+        ordered.setdefault(key, value)
+    return ordered
 
 
 def _node_what(node: Node) -> str:

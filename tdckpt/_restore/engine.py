@@ -341,18 +341,23 @@ class _Builder:
         from tensordict import TensorDict
 
         device = self._device(node.device)
-        entries: dict[str, Any] = {}
+        # tensordict's order: the saved tensors (mapped together), then the saved sub-levels
+        # and non-tensor data, each in saved order.
         leaves: list[tuple[str, LeafNode]] = []
+        levels: dict[str, Any] = {}
         for k, v in node.entries.items():
-            if type(v) is LeafNode:  # mapped together below; the key keeps its place
+            if type(v) is LeafNode:
                 leaves.append((k, v))
-                entries[k] = None
             else:
-                entries[k] = self.build(v, node.batch_size, device)
-        if leaves:
-            entries.update(
+                levels[k] = self.build(v, node.batch_size, device)
+        entries = (
+            dict(
                 zip((k for k, _ in leaves), self.mapper.leaves([v for _, v in leaves]), strict=True)
             )
+            if leaves
+            else {}
+        )
+        entries.update(levels)
         td = TensorDict(batch_size=node.batch_size, device=device)
         if node.names is not None:
             # Any: tensordict 0.14 and 0.15 annotate these private members differently
