@@ -40,7 +40,7 @@ from tdckpt._restore.plan import (
 )
 from tdckpt.errors import RestoreError
 
-__all__ = ["restore_into_target"]
+__all__ = ["restore_into_target", "tensordict_order"]
 
 
 class _Plan:
@@ -535,20 +535,20 @@ class _Preparer:
             if isinstance(sub, NonTensorNode):
                 self.plan.non_tensors.append((value, sub.path))
             new[key] = value
-        mapped = dict(zip(leaf_keys, self.mapper.leaves(leaves), strict=True)) if leaves else {}
+        mapped = dict(zip(leaf_keys, self.mapper.leaves(leaves), strict=True))
         self.plan.items.append(
-            (target._tensordict, _in_place_order(target._tensordict, mapped, new))
+            (target._tensordict, tensordict_order(target._tensordict, mapped, new))
         )
         self.plan.prefixes.append((target, self.mapper.dir_path(node.path)))
         self.plan.levels.append(target)
 
 
-def _in_place_order(
+def tensordict_order(
     current: dict[str, Any], tensors: dict[str, Any], levels: dict[str, Any]
 ) -> dict[str, Any]:
-    """A level's new items in the order tensordict's ``load_memmap_`` leaves them: the
-    target's keys where they were, then the saved tensors, then the saved sub-levels and
-    non-tensor data (each in saved order; ``tensors`` and ``levels`` are)."""
+    """A level's items in the order tensordict leaves them: the target's keys where they were
+    (``current``; empty for a new object), then the saved tensors, then the saved sub-levels
+    and non-tensor data (each in saved order; ``tensors`` and ``levels`` are)."""
     ordered = {}
     for key in current:
         if key in tensors:

@@ -41,7 +41,7 @@ from tdckpt._read.storage import MapMode
 from tdckpt._read.views import node_batch
 from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import ValidationReport
-from tdckpt._restore.apply import restore_into_target
+from tdckpt._restore.apply import restore_into_target, tensordict_order
 from tdckpt._restore.plan import (
     Mapper,
     check_tensorclass_fields,
@@ -341,23 +341,17 @@ class _Builder:
         from tensordict import TensorDict
 
         device = self._device(node.device)
-        # tensordict's order: the saved tensors (mapped together), then the saved sub-levels
-        # and non-tensor data, each in saved order.
-        leaves: list[tuple[str, LeafNode]] = []
+        leaf_keys: list[str] = []
+        leaves: list[LeafNode] = []  # mapped together, below
         levels: dict[str, Any] = {}
         for k, v in node.entries.items():
             if type(v) is LeafNode:
-                leaves.append((k, v))
+                leaf_keys.append(k)
+                leaves.append(v)
             else:
                 levels[k] = self.build(v, node.batch_size, device)
-        entries = (
-            dict(
-                zip((k for k, _ in leaves), self.mapper.leaves([v for _, v in leaves]), strict=True)
-            )
-            if leaves
-            else {}
-        )
-        entries.update(levels)
+        tensors = dict(zip(leaf_keys, self.mapper.leaves(leaves), strict=True))
+        entries = tensordict_order({}, tensors, levels)
         td = TensorDict(batch_size=node.batch_size, device=device)
         if node.names is not None:
             # Any: tensordict 0.14 and 0.15 annotate these private members differently
