@@ -80,3 +80,20 @@ def test_every_page_is_in_the_toctree() -> None:
     listed = set(re.findall(r"^   ([\w-]+)$", index, re.M))
     pages = {p.stem for p in DOCS.glob("*.rst")} - {"index"}
     assert pages <= listed, f"pages missing from docs/index.rst's toctree: {pages - listed}"
+
+
+def _first_bash_block(text: str, marker: str) -> list[str]:
+    """The lines of the first ``bash`` code block after ``marker`` (Markdown or reST)."""
+    rest = text[text.index(marker) :]
+    fenced = re.search(r"```bash\n(.*?)```", rest, re.S)
+    indented = re.search(r"\.\. code-block:: bash\n\n((?:   .*\n)+)", rest)
+    block = fenced.group(1) if fenced else indented.group(1) if indented else ""
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
+def test_getting_started_gives_the_readme_two_commands() -> None:
+    readme = (DOCS.parent / "README.md").read_text(encoding="utf-8")
+    page = (DOCS / "getting-started.rst").read_text(encoding="utf-8")
+    commands = _first_bash_block(readme, "# tdckpt")
+    assert len(commands) == 2, commands
+    assert _first_bash_block(page, "Install and run the demo") == commands
