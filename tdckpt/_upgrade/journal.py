@@ -48,12 +48,13 @@ import zipfile
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tdckpt import schema
 from tdckpt._read.storage import Storage
 from tdckpt._read.tree import VFile
 from tdckpt._report import Problem
+from tdckpt._upgrade.plan import Progress, UpgradePlan, UpgradeReport
 from tdckpt._write.atomic import fsync_dir, remove_tree
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt.errors import (
@@ -64,9 +65,6 @@ from tdckpt.errors import (
     TdckptError,
     UnsafePathError,
 )
-
-if TYPE_CHECKING:
-    from tdckpt._upgrade.upgrade import Progress, UpgradePlan, UpgradeReport
 
 __all__ = [
     "BACKUP_MARK",
