@@ -56,6 +56,7 @@ from tdckpt._shard.group import DEFAULT_TIMEOUT as _SHARD_TIMEOUT
 from tdckpt._shard.group import resolve_group
 from tdckpt._state import holds_live_objects, is_state_mapping, restore_state, to_tensordict
 from tdckpt._write import atomic as _atomic
+from tdckpt._write.archive_write import commit_archive
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.lock import RootLock
 from tdckpt._write.save import check_json_data, prepare_checkpoint, write_checkpoint
@@ -677,7 +678,7 @@ class CheckpointManager:
             )
 
         if self.archive:
-            path, _ = _atomic.commit_archive(
+            path, _ = commit_archive(
                 self.root,
                 step,
                 write,

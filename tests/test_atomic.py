@@ -18,8 +18,8 @@ from conftest import subprocess_env
 from tensordict import TensorDict
 
 from tdckpt._write import atomic as _atomic
+from tdckpt._write.archive_write import commit_archive
 from tdckpt._write.atomic import (
-    commit_archive,
     commit_directory,
     is_tmp_name,
     parse_step_name,

@@ -47,7 +47,7 @@ from tensordict import TensorDict  # noqa: E402
 
 import tdckpt  # noqa: E402
 from tdckpt._read.detect import detect, gen_name, gen_number  # noqa: E402
-from tdckpt._read.storage import open_storage  # noqa: E402
+from tdckpt._read.opener import open_storage  # noqa: E402
 from tdckpt._read.tree import read_tree  # noqa: E402
 from tdckpt.errors import ValidationError  # noqa: E402
 from tdckpt.warnings import TdckptWarning  # noqa: E402

@@ -22,7 +22,7 @@ from tdckpt._read.detect import (
     parse_type,
     type_name,
 )
-from tdckpt._read.storage import open_storage
+from tdckpt._read.opener import open_storage
 from tdckpt._read.tree import VDir, VFile, read_tree
 from tdckpt.errors import UnsupportedFormatError
 

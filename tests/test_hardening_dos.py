@@ -30,7 +30,8 @@ from conftest import TESTS_DIR, copy_case, subprocess_env, tree_digest
 from tensordict import TensorDict
 
 import tdckpt
-from tdckpt._read.storage import MAX_JSON_BYTES, open_storage
+from tdckpt._read.opener import open_storage
+from tdckpt._read.storage import MAX_JSON_BYTES
 from tdckpt._read.tree import read_tree
 from tdckpt.errors import MetadataError, ValidationError
 from tdckpt.warnings import TdckptWarning

@@ -25,7 +25,7 @@ from tdckpt._read.migrate import (
     migrations_dir,
 )
 from tdckpt._read.names import normalize_names
-from tdckpt._read.storage import open_storage
+from tdckpt._read.opener import open_storage
 from tdckpt._read.tree import VDir, VFile, read_tree
 from tdckpt._read.validate import build_nodes
 from tdckpt.errors import MigrationChainError, MigrationError

@@ -15,6 +15,7 @@ import torch
 from _unprivileged import run_unprivileged
 from conftest import tree_digest
 
+from tdckpt._read.opener import open_storage
 from tdckpt._read.storage import (
     _MAX_DIR_FDS,
     MAX_JSON_BYTES,
@@ -22,7 +23,6 @@ from tdckpt._read.storage import (
     DirectoryStorage,
     check_component,
     join,
-    open_storage,
     parse_json,
 )
 from tdckpt.errors import (

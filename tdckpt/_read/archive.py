@@ -32,10 +32,9 @@ import torch
 
 from tdckpt._read.archive_index import FLAG_LZMA_EOS, METHOD_NAMES, Entry, read_index, where
 from tdckpt._read.storage import MAX_JSON_BYTES, Listing, MapMode, Storage, check_component
-from tdckpt._write.archive_write import ALIGNMENT, write_archive
 from tdckpt.errors import CheckpointNotFoundError, MetadataError
 
-__all__ = ["ALIGNMENT", "ArchiveStorage", "write_archive"]
+__all__ = ["ArchiveStorage"]
 
 #: Opening the archive: a FIFO opens at once (fstat refuses it), a tty never controls us.
 _OPEN_FLAGS = sum(getattr(os, flag, 0) for flag in ("O_CLOEXEC", "O_NONBLOCK", "O_NOCTTY"))

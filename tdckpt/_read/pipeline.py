@@ -19,7 +19,8 @@ from tdckpt import schema
 from tdckpt._read.migrate import migrate_tree
 from tdckpt._read.names import normalize_names
 from tdckpt._read.nodes import Node
-from tdckpt._read.storage import Storage, open_storage
+from tdckpt._read.opener import open_storage
+from tdckpt._read.storage import Storage
 from tdckpt._read.tree import VDir, read_tree
 from tdckpt._read.validate import build_nodes
 from tdckpt._report import Problem

@@ -13,7 +13,7 @@ touches the file system for reading, and it guarantees:
   (a regular file, large enough) is mapped. A leaf truncated, or swapped for a symlink, a
   FIFO or a directory, between validation and mapping is refused, never regrown or followed.
 
-``open_storage(path)`` picks the implementation. Archives live in ``archive.py``.
+``opener.open_storage(path)`` picks the implementation. Archives live in ``archive.py``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ __all__ = [
     "Storage",
     "check_component",
     "join",
-    "open_storage",
     "parse_json",
 ]
 
@@ -935,31 +934,3 @@ def _read_upto(fd: int, size: int) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
-
-
-def open_storage(prefix: str | os.PathLike[str], *, defer_leaf_sizes: bool = False) -> Storage:
-    """Open a checkpoint prefix: a directory, or a ``.tdz`` zip archive.
-
-    ``defer_leaf_sizes``: a restore's open - a directory lists its ``*.memmap`` files
-    without a stat (their sizes :data:`UNKNOWN_SIZE`; see :class:`DirectoryStorage`).
-    """
-    try:
-        # Listing the prefix is the first thing a read does: opening it here tells a
-        # directory from an archive without a separate stat.
-        scan = os.scandir(prefix)
-    except OSError:
-        pass  # not a directory (or not listable: the reader says so when it lists it)
-    else:
-        return DirectoryStorage(prefix, defer_leaf_sizes=defer_leaf_sizes, _scan=scan)
-    if os.path.isdir(prefix):
-        return DirectoryStorage(prefix, defer_leaf_sizes=defer_leaf_sizes)
-    path = Path(prefix)
-    if path.is_file():
-        from tdckpt._read.archive import ArchiveStorage
-
-        return ArchiveStorage(path)
-    raise CheckpointNotFoundError(
-        f"{path}: no checkpoint here (neither a directory nor a .tdz archive). Check the "
-        "path; a checkpoint is the directory that holds meta.json, or a .tdz file.",
-        path=str(path),
-    )

@@ -10,7 +10,7 @@ arguments - and turned into nodes. The source itself is validated by ``validate.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,9 +23,23 @@ from tdckpt._read.nodes import (
 )
 from tdckpt._read.storage import join
 from tdckpt._read.tree import VDir
+from tdckpt._report import Problem
 
-if TYPE_CHECKING:
-    from tdckpt._read.validate import Ctx
+
+class Ctx(Protocol):
+    """What this module needs of a validation run (``validate.Ctx`` is one): problems to
+    append to, ``add`` to report one, and ``build`` to validate a view's ``_source``."""
+
+    problems: list[Problem]
+
+    def build(
+        self, vdir: VDir, key: tuple[str, ...], parent_batch: tuple[int, ...] | None
+    ) -> Node | None: ...
+
+    def add(
+        self, code: str, path: str, key: tuple[str, ...], message: str, sev: str = "error"
+    ) -> None: ...
+
 
 __all__ = [
     "MAX_INDEX_DEPTH",

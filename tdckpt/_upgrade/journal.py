@@ -55,6 +55,7 @@ from tdckpt._read.storage import Storage
 from tdckpt._read.tree import VFile
 from tdckpt._report import Problem
 from tdckpt._upgrade.plan import Progress, UpgradePlan, UpgradeReport
+from tdckpt._write.archive_write import write_archive
 from tdckpt._write.atomic import fsync_dir, remove_tree
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt.errors import (
@@ -408,8 +409,6 @@ def execute(plan: UpgradePlan, *, keep_backup: bool, progress: Progress | None) 
     try:
         _build_staging(plan, staging, runner)
         if archive:
-            from tdckpt._read.archive import write_archive
-
             write_archive(staging, new_archive, compression="stored", fsync=True)
             runner.step("write")
             state["new"] = _ino(new_archive)

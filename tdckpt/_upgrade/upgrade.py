@@ -32,7 +32,8 @@ from tdckpt._keys import encode_key
 from tdckpt._progress import progress_bar
 from tdckpt._read.detect import class_id_for, level_kind
 from tdckpt._read.migrate import migrate_tree
-from tdckpt._read.storage import Storage, join, open_storage
+from tdckpt._read.opener import open_storage
+from tdckpt._read.storage import Storage, join
 from tdckpt._read.tree import VDir, read_tree
 from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import Problem, ValidationReport

@@ -6,7 +6,8 @@ A step of a checkpoint root is committed when, and only when, its final name exi
   fsyncs every file, then the directories bottom-up, writes the manifest last and fsyncs it;
   then the staging folder is renamed to ``<root>/<step>`` and ``<root>`` is fsynced;
 * an archive step ``<root>/<step>.tdz`` is staged the same way, then packed by
-  :func:`tdckpt._read.archive.write_archive`, whose own ``os.replace`` is the commit.
+  :func:`tdckpt._write.archive_write.write_archive`, whose own ``os.replace`` is the commit
+  (:func:`tdckpt._write.archive_write.commit_archive`).
 
 So a crash at any instant leaves either the old state or the new one, plus names that
 :func:`is_tmp_name` recognises and ``gc`` removes. Names are plain decimal step numbers
@@ -36,7 +37,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from tdckpt.errors import CheckpointExistsError
 
@@ -44,14 +45,15 @@ __all__ = [
     "ARCHIVE_SUFFIX",
     "TMP_MARKER",
     "StepKind",
-    "commit_archive",
     "commit_directory",
     "fsync_dir",
     "is_tmp_name",
     "parse_step_name",
+    "raise_exists",
     "recover_or_remove",
     "remove_tree",
     "retire",
+    "staging_dir",
     "start_writeback",
     "step_archive_name",
     "step_name",
@@ -72,7 +74,7 @@ StepKind = str  # "dir" | "archive"
 _STEP_RE = re.compile(r"(0|[1-9][0-9]*)")
 # <step>[.tdz].tmp-<32 hex>[.<tag>]: staging, retired and replaced folders of this module.
 _TMP_RE = re.compile(r"(0|[1-9][0-9]*)(\.tdz)?\.tmp-[0-9a-f]{32}(\.[a-z]+)?")
-# .<step>.tdz.<hex>.tmp: the temporary file of tdckpt._read.archive.write_archive.
+# .<step>.tdz.<hex>.tmp: the temporary file of tdckpt._write.archive_write.write_archive.
 _ARCHIVE_TMP_RE = re.compile(r"\.(0|[1-9][0-9]*)\.tdz\.[0-9a-f]+\.tmp")
 
 
@@ -261,13 +263,14 @@ def rename_noreplace(src: Path, dst: Path) -> None:
         if _rename2(src, dst, _RENAME_NOREPLACE):
             return
     except FileExistsError:
-        _raise_exists(dst)
+        raise_exists(dst)
     if os.path.lexists(dst):
-        _raise_exists(dst)
+        raise_exists(dst)
     os.rename(src, dst)
 
 
-def _raise_exists(dst: Path) -> None:
+def raise_exists(dst: Path) -> NoReturn:
+    """Refuse to overwrite ``dst``, a committed step (CheckpointExistsError)."""
     raise CheckpointExistsError(
         f"{dst}: already exists; a committed step is never overwritten unless asked. "
         "Pass overwrite=True to replace it, or save under another step.",
@@ -315,7 +318,8 @@ def remove_tree(path: str | os.PathLike[str], *, ignore_errors: bool = False) ->
 # -- commits -----------------------------------------------------------------------------------
 
 
-def _staging(root: Path, step: int) -> Path:
+def staging_dir(root: Path, step: int) -> Path:
+    """Create the staging folder of ``step`` in ``root`` (a temporary name ``gc`` knows)."""
     staging = root / tmp_name(step)
     staging.mkdir()
     return staging
@@ -348,8 +352,8 @@ def commit_directory(
     """
     final = root / step_name(step)
     if not overwrite and os.path.lexists(final):
-        _raise_exists(final)
-    staging = _staging(root, step)
+        raise_exists(final)
+    staging = staging_dir(root, step)
     try:
         result = write(staging)
         if overwrite and os.path.lexists(final):
@@ -389,39 +393,6 @@ def _replace(root: Path, step: int, staging: Path, final: Path, *, fsync: bool) 
     if fsync:
         fsync_dir(root)
     remove_tree(aside)
-
-
-def commit_archive(
-    root: Path,
-    step: int,
-    write: Callable[[Path], T],
-    *,
-    overwrite: bool = False,
-    fsync: bool = True,
-    compression: str = "stored",
-) -> tuple[Path, T]:
-    """Stage and write a directory, then pack it into the archive step ``<root>/<step>.tdz``.
-
-    The archive writer's own temp-file-then-``os.replace`` is the commit. The staging folder
-    is removed afterwards (or by ``gc`` after a crash).
-
-    Raises:
-        CheckpointExistsError: the archive exists and ``overwrite`` is False.
-    """
-    from tdckpt._read.archive import write_archive
-
-    final = root / step_archive_name(step)
-    if not overwrite and os.path.lexists(final):
-        _raise_exists(final)
-    staging = _staging(root, step)
-    try:
-        result = write(staging)
-        if not overwrite and os.path.lexists(final):  # re-check: writing took a while
-            _raise_exists(final)
-        write_archive(staging, final, compression=compression, fsync=fsync)
-    finally:
-        remove_tree(staging, ignore_errors=True)
-    return final, result
 
 
 def retire(root: Path, path: Path, step: int, *, fsync: bool = True) -> Path:
