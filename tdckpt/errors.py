@@ -9,8 +9,7 @@
     ├─ IncompleteCheckpointError                 no commit / leftover tmp folder
     ├─ UnsafePathError(.., ValueError)           a name that would leave the prefix
     ├─ MetadataError(.., ValueError)             unreadable or invalid metadata; .path .field
-    │  ├─ UnsupportedFormatError                 written by a newer tensordict / tdckpt
-    │  └─ AmbiguousKeyEncodingError              robust and legacy names both on disk
+    │  └─ UnsupportedFormatError                 written by a newer tensordict / tdckpt
     ├─ ValidationError(.., ValueError)           a checkpoint with problems; .report
     ├─ UnsupportedContentError(.., ValueError)   a value the format cannot store (on save)
     ├─ PickleNotAllowedError(.., RuntimeError)   pickled data under allow_pickle=False
@@ -32,7 +31,6 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "AmbiguousKeyEncodingError",
     "AsyncSaveError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
@@ -103,10 +101,6 @@ class MetadataError(TdckptError, ValueError):
 
 class UnsupportedFormatError(MetadataError):
     """Metadata written by a newer format than this tdckpt reads."""
-
-
-class AmbiguousKeyEncodingError(MetadataError):
-    """A key's robust and legacy file names both exist, so the right one is unknown."""
 
 
 class ValidationError(TdckptError, ValueError):

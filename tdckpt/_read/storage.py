@@ -761,10 +761,6 @@ class DirectoryStorage(Storage):
         # ``rel`` is a checked, normalised relative POSIX path: no os.path.join needed.
         return f"{self._abs_root}/{rel}" if rel else self._abs_root
 
-    def physical_str(self, rel: str) -> str:
-        """``physical_path`` as a plain string (no pathlib cost on hot paths)."""
-        return self._open_checked(rel)
-
 
 #: errnos of an O_RDWR open refused for want of write access (not for a missing file).
 _NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ETXTBSY})

@@ -470,12 +470,3 @@ def _check_expanded(value: Any, where: str) -> None:
         "meta.pt holds a few sizes, dtypes and devices. The file is damaged or hostile.",
         path=where,
     )
-
-
-def missing_meta_error(storage: Storage, rel: str) -> MetadataError:
-    """The error for a collection directory that has no metadata at all."""
-    return MetadataError(
-        f"{storage.display(join(rel, 'meta.json'))}: missing. Every saved collection "
-        "has one; the checkpoint is incomplete.",
-        path=storage.display(rel),
-    )
