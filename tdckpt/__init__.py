@@ -5,6 +5,7 @@ Restore (any tensordict release, validated, all or nothing)::
     tdckpt.load_memmap_(td, prefix, robust_key=None, allow_pickle=False)
     td = tdckpt.load_memmap(prefix)
     tdckpt.validate(prefix); tdckpt.inspect(prefix); tdckpt.upgrade(prefix, dry_run=True)
+    tdckpt.diff(prefix_a, prefix_b)  # what changed, key by key
 
 Manage a run's checkpoints::
 
@@ -13,6 +14,7 @@ Manage a run's checkpoints::
         mgr.restore_into(td)
 """
 
+from tdckpt._read.diff import DiffEntry, DiffReport, diff
 from tdckpt._read.inspect import inspect, validate
 from tdckpt._report import Inspection, NodeInfo, Problem, ValidationReport
 from tdckpt._restore.engine import load_memmap, load_memmap_
@@ -34,6 +36,8 @@ from tdckpt.retention import (
 __all__ = [
     "AnyOf",
     "CheckpointManager",
+    "DiffEntry",
+    "DiffReport",
     "Inspection",
     "KeepAll",
     "KeepBest",
@@ -50,6 +54,7 @@ __all__ = [
     "VerifyProblem",
     "VerifyReport",
     "__version__",
+    "diff",
     "inspect",
     "load_memmap",
     "load_memmap_",

@@ -590,6 +590,61 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_PROBLEM
 
 
+def _cmd_diff(args: argparse.Namespace) -> int:
+    """Exit 0 when equal, 1 when they differ, 2 when either side cannot be read (as diff(1))."""
+    from tdckpt._read.diff import diff
+    from tdckpt._shard.inspect import describe_sharded
+
+    try:
+        if args.root is not None:
+            mgr = _manager(args.root, args)
+            a, b = str(mgr.path(args.a)), str(mgr.path(args.b))
+        else:
+            a, b = args.a, args.b
+        for prefix in (a, b):
+            if describe_sharded(prefix) is not None:
+                raise CheckpointNotFoundError(
+                    f"{prefix}: a sharded step (one prefix per rank), not one checkpoint. "
+                    f"Compare the shards' prefixes (`tdckpt inspect {prefix}` lists them).",
+                    path=prefix,
+                )
+        with _prefix_hints(a), _prefix_hints(b):
+            report = diff(a, b, robust_key=_robust(args.robust_key))
+    except TdckptError as exc:
+        _, kind, message, path, details = _describe(exc)
+        if args.json:
+            _print_json_error(kind, message, path, EXIT_USAGE, details)
+        _print_error(message)
+        return EXIT_USAGE
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        for entry in report.entries:
+            _out(_clean(str(entry)))
+        _out(report.summary())
+    return EXIT_OK if report.equal else EXIT_PROBLEM
+
+
+def _check_diff_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``tdckpt diff --root ROOT A B``: A and B are step numbers of a local root."""
+    if getattr(args, "command", None) != "diff":
+        return
+    if args.root is None:
+        try:
+            args.a, args.b = _path_arg(args.a), _path_arg(args.b)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(str(exc))
+        return
+    from tdckpt._remote.urls import is_url
+
+    if is_url(args.root):
+        parser.error(f"--root {args.root!r}: diff compares steps of local roots only")
+    try:
+        args.a, args.b = _step_arg(args.a), _step_arg(args.b)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"with --root, A and B are steps: {exc}")
+
+
 def _cmd_gc(args: argparse.Namespace) -> int:
     with _manager(args.root, args) as mgr:
         removed = mgr.gc() if args.grace_period is None else mgr.gc(grace_period=args.grace_period)
@@ -692,6 +747,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("root", type=_path_arg)
     p.add_argument("--step", type=_step_arg, default=None, help="the step (default: the latest)")
     add_json(p)
+    p = add(
+        "diff",
+        "Compare two checkpoints key by key: exit 0 when equal, 1 when they differ, 2 when "
+        "either cannot be read (as diff).",
+        _cmd_diff,
+    )
+    p.add_argument("a", help="the first prefix (with --root: a step number)")
+    p.add_argument("b", help="the second prefix (with --root: a step number)")
+    p.add_argument(
+        "--root", type=_path_arg, default=None, help="compare two steps of this checkpoint root"
+    )
+    p.add_argument("--robust-key", choices=["auto", "true", "false"], default="auto")
+    p.add_argument("--json", action="store_true", help="print JSON (errors too)")
     p = add("gc", "Remove stale temporary folders left by crashed saves.", _cmd_gc)
     p.add_argument("root", type=_path_arg)
     p.add_argument(
@@ -734,6 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser = _parser()
                 args = parser.parse_args(arguments)
                 _check_storage_args(parser, args)
+                _check_diff_args(parser, args)
             except _UsageError as exc:
                 _usage_error(exc, want_json)
             want_json = bool(getattr(args, "json", False))
