@@ -6,6 +6,7 @@ Restore (any tensordict release, validated, all or nothing)::
     td = tdckpt.load_memmap(prefix)
     tdckpt.validate(prefix); tdckpt.inspect(prefix); tdckpt.upgrade(prefix, dry_run=True)
     tdckpt.diff(prefix_a, prefix_b)  # what changed, key by key
+    tdckpt.export_safetensors(prefix, out); tdckpt.load_safetensors(out)
 
 Manage a run's checkpoints::
 
@@ -14,6 +15,7 @@ Manage a run's checkpoints::
         mgr.restore_into(td)
 """
 
+from tdckpt._interop.safetensors import ExportReport, export_safetensors, load_safetensors
 from tdckpt._read.diff import DiffEntry, DiffReport, diff
 from tdckpt._read.inspect import inspect, validate
 from tdckpt._report import Inspection, NodeInfo, Problem, ValidationReport
@@ -38,6 +40,7 @@ __all__ = [
     "CheckpointManager",
     "DiffEntry",
     "DiffReport",
+    "ExportReport",
     "Inspection",
     "KeepAll",
     "KeepBest",
@@ -55,9 +58,11 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "diff",
+    "export_safetensors",
     "inspect",
     "load_memmap",
     "load_memmap_",
+    "load_safetensors",
     "save",
     "upgrade",
     "validate",

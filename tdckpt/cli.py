@@ -645,6 +645,83 @@ def _check_diff_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"with --root, A and B are steps: {exc}")
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from tdckpt._interop.safetensors import export_safetensors
+
+    source = args.source
+    if args.root is not None:
+        source = str(_manager(args.root, args).path(args.source))
+    with _prefix_hints(source):
+        report = export_safetensors(
+            source,
+            args.out,
+            max_shard_bytes=args.max_shard_bytes,
+            overwrite=args.overwrite,
+            allow_pickle=args.allow_pickle,
+        )
+    doc = {
+        "files": [str(p) for p in report.files],
+        "index": None if report.index is None else str(report.index),
+        "tensors": len(report.tensors),
+        "tied": report.tied,
+        "skipped": report.skipped,
+        "bytes": report.total_bytes,
+    }
+    if args.json:
+        _print_json(doc)
+        return EXIT_OK
+    for path in report.files:
+        _out(f"wrote {_clean(str(path))}")
+    if report.index is not None:
+        _out(f"wrote {_clean(str(report.index))}")
+    _out(f"{len(report.tensors)} tensor(s), {report.total_bytes} bytes")
+    for alias, name in sorted(report.tied.items()):
+        _out(f"tied {_clean(alias)} = {_clean(name)} (written once)")
+    for key in report.skipped:
+        _out(f"skipped {_clean(key)} (not a tensor: safetensors holds tensors only)")
+    return EXIT_OK
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    from tdckpt._interop.safetensors import load_safetensors
+    from tdckpt._write.export import save
+
+    data = load_safetensors(args.source, nested=not args.flat)
+    manifest = save(data, args.prefix, overwrite=args.overwrite)
+    count = sum(1 for record in manifest.files if record.key is not None)
+    if args.json:
+        _print_json({"prefix": args.prefix, "leaves": count})
+    else:
+        _out(f"saved {_clean(args.prefix)} ({count} {'leaf' if count == 1 else 'leaves'})")
+    return EXIT_OK
+
+
+def _check_export_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``tdckpt export --root ROOT STEP OUT``: STEP is a step number of a local root."""
+    if getattr(args, "command", None) != "export" or args.root is None:
+        return
+    try:
+        args.source = _step_arg(args.source)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"with --root, SOURCE is a step: {exc}")
+
+
+def _size_arg(text: str) -> int:
+    match = re.fullmatch(r"([0-9]+)\s*([KMGT]?I?B?)?", text.strip().upper())
+    if match is None or int(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: a number of bytes > 0, optionally with a unit: 500MB, 5GB, "
+            "2GiB"
+        )
+    unit = (match.group(2) or "B").rstrip("B") or ""
+    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    binary = {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    factor = scale.get(unit) or binary.get(unit)
+    if factor is None:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: unknown unit")
+    return int(match.group(1)) * factor
+
+
 def _cmd_gc(args: argparse.Namespace) -> int:
     with _manager(args.root, args) as mgr:
         removed = mgr.gc() if args.grace_period is None else mgr.gc(grace_period=args.grace_period)
@@ -760,6 +837,41 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--robust-key", choices=["auto", "true", "false"], default="auto")
     p.add_argument("--json", action="store_true", help="print JSON (errors too)")
+    p = add(
+        "export",
+        "Export a checkpoint (or a step of a root) as safetensors: one file, or Hugging Face "
+        "shards and their index.",
+        _cmd_export,
+    )
+    p.add_argument("source", help="a checkpoint prefix (with --root: a step number)")
+    p.add_argument("out", type=_path_arg, help="a .safetensors file name, or a folder")
+    p.add_argument("--format", choices=["safetensors"], default="safetensors")
+    p.add_argument("--root", type=_path_arg, default=None, help="export a step of this root")
+    p.add_argument(
+        "--max-shard-size",
+        dest="max_shard_bytes",
+        type=_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="split into shards of at most SIZE tensor bytes (5GB, 500MiB); OUT is a folder",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace existing files")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="read a source that holds pickled values (trusted data only; they are skipped)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON (errors too)")
+    p = add(
+        "import",
+        "Import safetensors (a file, or a folder with its index) as a tdckpt checkpoint.",
+        _cmd_import,
+    )
+    p.add_argument("source", type=_path_arg, help="a .safetensors file or a folder")
+    p.add_argument("prefix", type=_path_arg, help="the checkpoint to write (folder or .tdz)")
+    p.add_argument("--flat", action="store_true", help="keep dotted names flat (no nesting)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint")
+    p.add_argument("--json", action="store_true", help="print JSON (errors too)")
     p = add("gc", "Remove stale temporary folders left by crashed saves.", _cmd_gc)
     p.add_argument("root", type=_path_arg)
     p.add_argument(
@@ -803,6 +915,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args = parser.parse_args(arguments)
                 _check_storage_args(parser, args)
                 _check_diff_args(parser, args)
+                _check_export_args(parser, args)
             except _UsageError as exc:
                 _usage_error(exc, want_json)
             want_json = bool(getattr(args, "json", False))

@@ -1,0 +1,1 @@
+"""Other tools' formats: safetensors out and in (:mod:`tdckpt._interop.safetensors`)."""
