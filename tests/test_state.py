@@ -615,3 +615,31 @@ def test_every_file_is_fsynced_before_the_manifest(
     # Every listed file was fsynced, all before the staging directories and the manifest.
     assert {Path(events[i][5:]).name for i in leaf_syncs} == names
     assert staging_dirs and max(leaf_syncs) < min(staging_dirs) < at_manifest
+
+
+class _LongKeys:
+    """A stateful object whose state_dict is keyed by long file paths (Lightning's top-k)."""
+
+    def __init__(self) -> None:
+        self.state = {
+            ("/very/long/path/" * 20) + f"epoch={i}.ckpt": torch.tensor(float(i)) for i in range(3)
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = dict(state)
+
+
+def test_tensors_under_keys_too_long_for_a_file_name_are_saved(tmp_path: Path) -> None:
+    # Each tensor is a leaf named after its path in the state_dict; a path too long for a
+    # file name gets a short leaf name (the saved structure records which), not a refusal.
+    live = _LongKeys()
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"paths": live})
+        fresh = _LongKeys()
+        fresh.state = {k: torch.zeros(()) for k in fresh.state}
+        mgr.restore_into({"paths": fresh})
+    assert list(fresh.state) == list(live.state)
+    assert all(torch.equal(fresh.state[k], live.state[k]) for k in live.state)

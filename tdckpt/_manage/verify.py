@@ -215,16 +215,24 @@ def manifest_problem(step: int, path: Path, message: str) -> VerifyReport:
 
 
 def verify_files(
-    step: int, path: Path, manifest: Manifest, progress: Progress | None = None
+    step: int,
+    path: Path,
+    manifest: Manifest,
+    progress: Progress | None = None,
+    *,
+    archive: bool | None = None,
 ) -> VerifyReport:
     """Re-read every file of the step at ``path`` (folder or archive) against ``manifest``.
 
     ``progress`` is called as ``progress(bytes_done, bytes_total)`` while reading.
+    ``archive``: whether ``path`` is an archive (None: a ``.tdz`` file is one).
     """
     report = VerifyReport(step=step, path=path)
     hashing = _Hashing(progress, sum(r.size for r in manifest.files))
+    if archive is None:
+        archive = path.name.endswith(_atomic.ARCHIVE_SUFFIX) and path.is_file()
     try:
-        if path.name.endswith(_atomic.ARCHIVE_SUFFIX) and path.is_file():
+        if archive:
             _verify_archive(path, manifest, report, hashing)
         else:
             _verify_dir(path, manifest, report, hashing)

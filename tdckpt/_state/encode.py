@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from tdckpt._keys import LEAF_SUFFIX, encode_key
 from tdckpt.errors import UnsupportedContentError
 from tdckpt.schema import STATE_KINDS, StateEntryRecord, StateRecord
 
@@ -63,6 +64,8 @@ STRUCTURE_KEY = "__state__"
 _TAKEN = frozenset({STRUCTURE_KEY, "shape", "device", "_type"})
 #: The dict classes stored as JSON, each under its tag.
 _DICT_TAGS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter"}
+#: The longest file name a file system takes (a leaf's encoded name plus its suffix).
+_MAX_FILE_NAME = 255
 #: How deep a state_dict may nest.
 _MAX_DEPTH = 100
 
@@ -143,8 +146,12 @@ class _Encoder:
 
     def _leaf_name(self, path: str) -> str:
         # The structure records the leaf's name, so any unique name restores: a path that
-        # is taken, or that tensordict keeps for its own meta.json fields, gets a suffix.
+        # is taken, or that tensordict keeps for its own meta.json fields, gets a suffix,
+        # and one whose file name would be too long (a dict keyed by file paths, say) a
+        # short one.
         name = path or "value"
+        if len(encode_key(name).encode()) + len(LEAF_SUFFIX) > _MAX_FILE_NAME - 8:
+            name = "leaf"
         if name in _TAKEN or name in self.leaves:
             n = 1
             while f"{name}#{n}" in self.leaves:
