@@ -1,0 +1,106 @@
+"""A real training run preempted with SIGTERM saves a step, and resumes from it bit-exactly.
+
+The child (tests/_preempt_child.py) trains a small model with dropout, Adam, a scheduler,
+a shuffled sampler and NumPy/Python noise, with ``SaveEvery(5) | SaveOnPreemption()``; the
+test sends SIGTERM in the middle of a training step, or while a ``save_async`` is in
+flight, then resumes the run in a fresh process from the step committed on the way out.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import subprocess_env
+
+from tdckpt.manager import CheckpointManager
+
+TESTS = Path(__file__).resolve().parent
+CHILD = TESTS / "_preempt_child.py"
+WAIT = 120
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Equal bit for bit: tensors by torch.equal, containers element by element."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where}: tensors differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _preempt(root: Path, when: str, wait_for: str) -> tuple[str, str]:
+    """Run the child, send SIGTERM once it prints ``wait_for``; return its stdout, stderr."""
+    child = subprocess.Popen(
+        [sys.executable, str(CHILD), "run", str(root), when],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    lines = []
+    try:
+        for line in child.stdout:
+            lines.append(line)
+            if line.strip() == wait_for:
+                child.send_signal(signal.SIGTERM)
+                break
+        out, err = child.communicate(timeout=WAIT)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, f"child failed ({child.returncode}):\n{err}"
+    return "".join(lines) + out, err
+
+
+def _resume(root: Path, tmp_path: Path) -> dict[str, Any]:
+    out = tmp_path / "resume.pt"
+    subprocess.run(
+        [sys.executable, str(CHILD), "resume", str(root), str(out)],
+        env=subprocess_env(),
+        timeout=WAIT,
+        check=True,
+    )
+    loaded: dict[str, Any] = torch.load(out, weights_only=True)
+    return loaded
+
+
+@pytest.mark.parametrize(
+    ("when", "wait_for", "stopped", "steps"),
+    [
+        ("mid-step", "mid-step 7", 7, [5, 7]),
+        ("mid-save", "mid-step 6", 6, [5, 6]),
+    ],
+)
+def test_sigterm_saves_a_step_and_the_run_resumes_from_it_bit_exactly(
+    tmp_path: Path, when: str, wait_for: str, stopped: int, steps: list[int]
+) -> None:
+    root = tmp_path / "run"
+    out, err = _preempt(root, when, wait_for)
+    assert "previous handler ran" in out  # the manager's handler chained the script's own
+    assert f"stopped at {stopped}" in out
+    if when == "mid-save":
+        assert "save of 5 in flight at the signal: True" in out
+    assert err == ""
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == steps
+        assert mgr.metadata(stopped) == {"step": stopped}
+    resumed = _resume(root, tmp_path)
+    assert resumed["from"] == stopped
+    assert_same(resumed["resumed"], resumed["full"])
