@@ -104,3 +104,98 @@ def test_sigterm_saves_a_step_and_the_run_resumes_from_it_bit_exactly(
     resumed = _resume(root, tmp_path)
     assert resumed["from"] == stopped
     assert_same(resumed["resumed"], resumed["full"])
+
+
+# -- two gloo ranks, the signal on rank 1 only ---------------------------------------------------
+
+RANK_CHILD = TESTS / "_preempt_rank_child.py"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ranks(mode: str, root: Path, tmp_path: Path) -> list[subprocess.Popen[str]]:
+    port = _free_port()
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(RANK_CHILD),
+                mode,
+                str(rank),
+                "2",
+                str(port),
+                str(root),
+                str(tmp_path / f"{mode}{rank}.out"),
+            ],
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+
+
+def _finish(ranks: list[subprocess.Popen[str]]) -> list[str]:
+    outs = []
+    try:
+        for rank, proc in enumerate(ranks):
+            out, err = proc.communicate(timeout=WAIT)
+            assert proc.returncode == 0, f"rank {rank} failed ({proc.returncode}):\n{err}"
+            outs.append(out)
+    finally:
+        _cleanup(ranks)
+    return outs
+
+
+def _cleanup(ranks: list[subprocess.Popen[str]]) -> None:
+    for proc in ranks:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_one_ranks_sigterm_makes_every_rank_save_the_same_step(tmp_path: Path) -> None:
+    import json
+
+    from _preempt_rank_child import reference
+
+    root = tmp_path / "run"
+    ranks = _ranks("run", root, tmp_path)
+    try:
+        stdout = ranks[1].stdout
+        assert stdout is not None
+        first = stdout.readline()
+        assert first.strip() == "mid-step 7", first
+        ranks[1].send_signal(signal.SIGTERM)  # rank 1 alone
+    except BaseException:
+        _cleanup(ranks)
+        raise
+    outs = _finish(ranks)
+    results = [json.loads((tmp_path / f"run{rank}.out").read_text()) for rank in range(2)]
+    # both stopped at step 7, after saving it together; rank 0 learnt of the signal
+    assert results == [{"stopped": 7, "preempted": True}] * 2, outs
+    with CheckpointManager(root, group=False) as mgr:
+        assert mgr.steps() == [5, 7]
+        assert mgr.verify(7).ok
+        whole = mgr.restore(7)
+    expected = [reference(rank, 7) for rank in range(2)]
+    assert torch.equal(whole["w"], torch.cat([e["w"] for e in expected]))
+    assert torch.equal(whole["n"], torch.cat([e["n"] for e in expected]))
+    # both ranks resume from step 7 and reach the uninterrupted run's step 20 bit-exactly
+    _finish(_ranks("resume", root, tmp_path))
+    for rank in range(2):
+        resumed = torch.load(tmp_path / f"resume{rank}.out", weights_only=True)
+        assert resumed["from"] == 7
+        full = reference(rank, 20)
+        assert torch.equal(resumed["w"], full["w"])
+        assert torch.equal(resumed["n"], full["n"])
