@@ -8,6 +8,8 @@
     SaveOnPreemption()`` and ``save_async``. Rank 1 prints ``mid-step 7`` in the middle of
     step 7 and waits there for its SIGTERM; rank 0 gets no signal. Each rank prints
     ``stopped at N preempted=<bool>`` and ``json.dump``s its result to OUT.
+``mismatch``
+    rank r asks ``should_save(5 + r)``; write the error every rank gets to OUT (JSON).
 ``resume``
     restore this rank's rows of the latest step (a collective restore), train to step 20 and
     ``torch.save`` the shard to OUT.
@@ -89,13 +91,27 @@ def resume(rank: int, root: str, out: str) -> None:
     torch.save({"from": start, "w": shard["w"], "n": shard["n"]}, out)
 
 
+def mismatch(rank: int, root: str, out: str) -> None:
+    from tdckpt.errors import CollectiveError
+
+    with CheckpointManager(root, save_policy=SaveEvery(1), timeout=60) as mgr:
+        try:
+            mgr.should_save(5 + rank)
+        except CollectiveError as exc:
+            result = {"error": type(exc).__name__, "message": str(exc)}
+        else:
+            result = {"error": None}
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
 def main() -> None:
     mode, rank, world, port, root, out = sys.argv[1:7]
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=int(world)
     )
     try:
-        (run if mode == "run" else resume)(int(rank), root, out)
+        {"run": run, "resume": resume, "mismatch": mismatch}[mode](int(rank), root, out)
     finally:
         dist.destroy_process_group()
 

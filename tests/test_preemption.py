@@ -199,3 +199,16 @@ def test_one_ranks_sigterm_makes_every_rank_save_the_same_step(tmp_path: Path) -
         full = reference(rank, 20)
         assert torch.equal(resumed["w"], full["w"])
         assert torch.equal(resumed["n"], full["n"])
+
+
+def test_ranks_asking_about_different_steps_all_get_an_error(tmp_path: Path) -> None:
+    import json
+
+    _finish(_ranks("mismatch", tmp_path / "run", tmp_path))
+    for rank in range(2):
+        result = json.loads((tmp_path / f"mismatch{rank}.out").read_text())
+        assert result["error"] == "CollectiveError"
+        assert (
+            f"rank {rank} of 2: should_save was called for different steps" in (result["message"])
+        )
+        assert "rank 0: 5, rank 1: 6" in result["message"]

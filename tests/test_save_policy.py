@@ -385,3 +385,36 @@ def test_wait_raises_an_unretrieved_failure_once(tmp_path: Path) -> None:
         assert isinstance(info.value.__cause__, OSError)
         assert mgr.wait() is None  # delivered: not raised again (nor by close)
         assert mgr.steps() == []
+
+
+# -- an object-storage root ----------------------------------------------------------------------
+
+
+def test_should_save_on_an_object_storage_root(saved_handlers: None) -> None:
+    import uuid
+
+    fsspec = pytest.importorskip("fsspec")
+    name = f"t{uuid.uuid4().hex[:12]}"
+    clock = FakeClock()
+    policy = SaveEverySeconds(10) | SaveOnPreemption([signal.SIGUSR1])
+    try:
+        mgr = CheckpointManager(f"memory://{name}/run", save_policy=policy, clock=clock)
+        assert type(mgr).__name__ == "RemoteCheckpointManager"
+        assert not mgr.should_save(1)
+        clock.advance(10)
+        assert mgr.should_save(2)
+        mgr.save(2, state(2))
+        clock.advance(5)
+        assert not mgr.should_save(3)
+        _raise_signal(signal.SIGUSR1)
+        assert mgr.should_save(3)
+        mgr.save_async(3, state(3))
+        assert not mgr.should_save(4)
+        assert mgr.wait() is not None
+        assert mgr.steps() == [2, 3]
+        assert mgr.preempted
+        mgr.close()
+        assert signal.getsignal(signal.SIGUSR1) is not None
+        assert not callable(signal.getsignal(signal.SIGUSR1))  # the default is back
+    finally:
+        fsspec.filesystem("memory").rm(f"/{name}", recursive=True)
