@@ -53,7 +53,7 @@ def train_step(state: dict[str, Any], pause: Callable[[], None] | None = None) -
     scale = 1.0 + random.uniform(-0.1, 0.1)
     loss = torch.nn.functional.cross_entropy(model((x[idx] + noise) * scale), y[idx])
     optimizer.zero_grad()
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     if pause is not None:
         pause()
     optimizer.step()

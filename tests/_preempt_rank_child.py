@@ -95,6 +95,7 @@ def mismatch(rank: int, root: str, out: str) -> None:
     from tdckpt.errors import CollectiveError
 
     with CheckpointManager(root, save_policy=SaveEvery(1), timeout=60) as mgr:
+        result: dict[str, str | None]
         try:
             mgr.should_save(5 + rank)
         except CollectiveError as exc:

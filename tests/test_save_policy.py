@@ -136,15 +136,15 @@ def test_every_policy_of_a_union_is_asked() -> None:
         (lambda: SaveEvery(True), ValueError, "got True"),
         (lambda: SaveEverySeconds(0), ValueError, r"finite number > 0, got 0"),
         (lambda: SaveEverySeconds(float("inf")), ValueError, "got inf"),
-        (lambda: SaveEverySeconds("60"), ValueError, "got '60'"),
-        (lambda: SaveAtSteps(5), TypeError, "iterable of ints, got 5"),
-        (lambda: SaveAtSteps("12"), TypeError, "iterable of ints, got '12'"),
+        (lambda: SaveEverySeconds("60"), ValueError, "got '60'"),  # type: ignore[arg-type]
+        (lambda: SaveAtSteps(5), TypeError, "iterable of ints, got 5"),  # type: ignore[arg-type]
+        (lambda: SaveAtSteps("12"), TypeError, "iterable of ints, got '12'"),  # type: ignore[arg-type]
         (lambda: SaveAtSteps([1, -2]), ValueError, "ints >= 0, got -2"),
         (lambda: SaveOnPreemption([signal.SIGKILL]), ValueError, "SIGKILL cannot be caught"),
         (lambda: SaveOnPreemption([999]), ValueError, "signal numbers, got 999"),
         (lambda: SaveOnPreemption([]), ValueError, "at least one signal"),
         (lambda: SaveAnyOf(), ValueError, "at least one policy"),
-        (lambda: SaveAnyOf(SaveEvery(1), 5), TypeError, "objects with should_save"),
+        (lambda: SaveAnyOf(SaveEvery(1), 5), TypeError, "objects with should_save"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_policy_arguments_are_refused(make: Any, error: type[Exception], match: str) -> None:
