@@ -167,6 +167,10 @@ class CheckpointManager:
                 f"retention must be a retention policy (an object with select_to_keep), got "
                 f"{retention!r}; see tdckpt.retention."
             )
+        # should_save: the save policy, its clock, the last save, the preemption handlers
+        # (checked here, before any collective; joined and installed at the end).
+        self._schedule = SaveSchedule(save_policy, clock)
+        self._schedule.check_thread(str(self.root))
         self.archive = bool(archive)
         self.fsync = bool(fsync)
         new_hasher(checksum)  # refuse an unknown algorithm now, not at the first save
@@ -196,8 +200,6 @@ class CheckpointManager:
         self._background = BackgroundSaver(self.root)
         self._staging = StagingBuffers()
         self._staging_lock = threading.Lock()
-        # should_save: the save policy, its clock, the last save, the preemption handlers.
-        self._schedule = SaveSchedule(save_policy, clock)
         if self._shard is not None and save_policy is not None:
             self._schedule.join_group(self._shard.pg, timeout)  # collective, as the above
         self._schedule.install(str(self.root))

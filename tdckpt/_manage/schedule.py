@@ -70,16 +70,20 @@ class SaveSchedule:
         self._pid = os.getpid()
 
     # -- preemption handlers ---------------------------------------------------------------
-    def install(self, where: str) -> None:
-        """Install the handlers of the policy's signals (main thread only)."""
-        if not self.signals:
-            return
-        if threading.current_thread() is not threading.main_thread():
+    def check_thread(self, where: str) -> None:
+        """Refuse (ValueError) to install handlers off the main thread, before anything else."""
+        if self.signals and threading.current_thread() is not threading.main_thread():
             raise ValueError(
                 f"{where}: a save policy with SaveOnPreemption installs signal handlers, which "
                 "Python allows only on the main thread; make this manager on the main thread "
                 "(or drop SaveOnPreemption from its save_policy)."
             )
+
+    def install(self, where: str) -> None:
+        """Install the handlers of the policy's signals (main thread only)."""
+        self.check_thread(where)
+        if not self.signals:
+            return
         self._active = True
         for sig in self.signals:
             previous = signal.getsignal(sig)
