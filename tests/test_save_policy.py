@@ -418,3 +418,31 @@ def test_should_save_on_an_object_storage_root(saved_handlers: None) -> None:
         assert not callable(signal.getsignal(signal.SIGUSR1))  # the default is back
     finally:
         fsspec.filesystem("memory").rm(f"/{name}", recursive=True)
+
+
+def test_a_default_action_still_ends_the_process_after_a_close_off_the_main_thread(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import os, signal, threading, time
+        from tdckpt import CheckpointManager, SaveOnPreemption
+        mgr = CheckpointManager({str(tmp_path)!r}, save_policy=SaveOnPreemption([signal.SIGUSR1]))
+        closer = threading.Thread(target=mgr.close)
+        closer.start()
+        closer.join()
+        print("closed", flush=True)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(5)
+        print("still alive", flush=True)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.stdout == "closed\n", done.stderr
+    assert done.returncode == -signal.SIGUSR1
