@@ -13,6 +13,13 @@ Manage a run's checkpoints::
     with tdckpt.CheckpointManager("runs/exp1", retention=tdckpt.KeepLast(3)) as mgr:
         mgr.save(step, td, metadata={"loss": loss})
         mgr.restore_into(td)
+
+Decide when to save (and save on preemption)::
+
+    policy = tdckpt.SaveEvery(1000) | tdckpt.SaveOnPreemption()
+    with tdckpt.CheckpointManager("runs/exp1", save_policy=policy) as mgr:
+        if mgr.should_save(step):
+            mgr.save_async(step, td)
 """
 
 from tdckpt._interop.safetensors import ExportReport, export_safetensors, load_safetensors
@@ -30,9 +37,21 @@ from tdckpt.retention import (
     KeepAll,
     KeepBest,
     KeepEvery,
+    KeepEverySeconds,
     KeepLast,
+    KeepYoungerThan,
     RetentionPolicy,
     StepInfo,
+)
+from tdckpt.save_policy import (
+    SaveAnyOf,
+    SaveAtSteps,
+    SaveContext,
+    SaveEvery,
+    SaveEverySeconds,
+    SaveFirst,
+    SaveOnPreemption,
+    SavePolicy,
 )
 
 __all__ = [
@@ -45,11 +64,21 @@ __all__ = [
     "KeepAll",
     "KeepBest",
     "KeepEvery",
+    "KeepEverySeconds",
     "KeepLast",
+    "KeepYoungerThan",
     "NodeInfo",
     "Problem",
     "RandomState",
     "RetentionPolicy",
+    "SaveAnyOf",
+    "SaveAtSteps",
+    "SaveContext",
+    "SaveEvery",
+    "SaveEverySeconds",
+    "SaveFirst",
+    "SaveOnPreemption",
+    "SavePolicy",
     "StepInfo",
     "StepStatus",
     "UpgradeReport",

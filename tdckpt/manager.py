@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tdckpt._manage import background as _background
 from tdckpt._manage.background import BackgroundSaver, SaveFuture
+from tdckpt._manage.schedule import SaveSchedule
 from tdckpt._manage.steps import StepIndex, StepStatus, preferred
 from tdckpt._manage.verify import (
     Progress,
@@ -72,6 +73,7 @@ from tdckpt.errors import (
     UnsupportedContentError,
 )
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
+from tdckpt.save_policy import SavePolicy
 from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest, StateRecord
 from tdckpt.warnings import TdckptWarning
 
@@ -115,6 +117,13 @@ class CheckpointManager:
             filesystem's options (credentials, ``client_kwargs``...). A URL root is kept in
             object storage (``pip install 'tdckpt[remote]'``; see the remote guide and
             :class:`tdckpt._remote.manager.RemoteCheckpointManager`).
+        save_policy: when :meth:`should_save` says "save this step" (default: never; see
+            :mod:`tdckpt.save_policy`). A policy holding
+            :class:`~tdckpt.save_policy.SaveOnPreemption` installs its signal handlers
+            now (the manager must be made on the main thread) and :meth:`close` puts the
+            previous ones back.
+        clock: the time source of the save policies, in seconds (default
+            :func:`time.monotonic`; a fake clock in tests).
 
     Example:
         >>> import tempfile, torch
@@ -148,6 +157,8 @@ class CheckpointManager:
         group: Any = None,
         timeout: float = _SHARD_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
+        save_policy: SavePolicy | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         require_local_options(root, storage_options)
         self.root = Path(root)
@@ -157,6 +168,10 @@ class CheckpointManager:
                 f"retention must be a retention policy (an object with select_to_keep), got "
                 f"{retention!r}; see tdckpt.retention."
             )
+        # should_save: the save policy, its clock, the last save, the preemption handlers
+        # (checked here, before any collective; joined and installed at the end).
+        self._schedule = SaveSchedule(save_policy, clock)
+        self._schedule.check_thread(str(self.root))
         self.archive = bool(archive)
         self.fsync = bool(fsync)
         new_hasher(checksum)  # refuse an unknown algorithm now, not at the first save
@@ -186,6 +201,9 @@ class CheckpointManager:
         self._background = BackgroundSaver(self.root)
         self._staging = StagingBuffers()
         self._staging_lock = threading.Lock()
+        if self._shard is not None and save_policy is not None:
+            self._schedule.join_group(self._shard.pg, timeout)  # collective, as the above
+        self._schedule.install(str(self.root))
 
     def __repr__(self) -> str:
         return (
@@ -218,7 +236,8 @@ class CheckpointManager:
 
         Waits for a save, retention or gc running in another thread to finish first - the
         background save of :meth:`save_async` included - so the lock is never released in
-        the middle of a write. Frees the staging buffer of :meth:`save_async`.
+        the middle of a write. Frees the staging buffer of :meth:`save_async`. Puts back
+        the signal handlers that a ``SaveOnPreemption`` policy replaced.
 
         Raises:
             AsyncSaveError: the last :meth:`save_async` failed and nobody retrieved its
@@ -232,6 +251,7 @@ class CheckpointManager:
     def _close(self, *, stacklevel: int) -> None:
         # stacklevel: of the kept background warnings, from this method (3: close's caller).
         failure = self._background.shutdown(stacklevel=stacklevel)
+        self._schedule.uninstall()
         with self._staging_lock:
             self._staging.release()
         with self._writing, self._state:
@@ -433,7 +453,8 @@ class CheckpointManager:
                     problems=["a training state given to a collective save"],
                     keys=[()],
                 )
-            return collective_save(
+            answered = self._schedule.save_started()
+            path = collective_save(
                 self,
                 step,
                 obj,
@@ -441,16 +462,21 @@ class CheckpointManager:
                 overwrite=overwrite,
                 replicated=replicated,
             )
+            self._schedule.saved(step, answered)
+            return path
         step = _atomic.check_step(step)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
         obj, state = self._saveable(obj)
         self._background.drain(before=f"this save of step {step} started", stacklevel=2)
+        answered = self._schedule.save_started()
         with self._writing:
             self._ensure_lock()
-            return self._save_locked(
+            path = self._save_locked(
                 step, obj, metadata, overwrite=overwrite, progress=progress, state=state
             )
+        self._schedule.saved(step, answered)
+        return path
 
     def save_async(
         self,
@@ -529,11 +555,14 @@ class CheckpointManager:
             with self._writing:
                 self._ensure_lock()
                 self._refuse_existing(step, self._index.entries().get(step, {}))
+            answered = self._schedule.save_started()
             prepared = prepare_checkpoint(obj, self.root / _atomic.step_name(step))
             snapshot = self._staging.stage(prepared)
-            return self._background.submit(
+            future = self._background.submit(
                 step, lambda: self._save_in_background(step, snapshot, metadata, record)
             )
+        self._schedule.saved(step, answered)
+        return future
 
     def _save_async_collective(
         self, step: int, obj: Any, metadata: dict[str, Any] | None, replicated: Any
@@ -550,6 +579,7 @@ class CheckpointManager:
         replicated = tuple(replicated)
         with self._staging_lock:
             self._background.drain(before=f"this save of step {step} started", stacklevel=3)
+            answered = self._schedule.save_started()
             snapshot = detached_copy(obj)  # errors (bad shard, ...) surface in the protocol
 
             def job() -> Path:
@@ -562,7 +592,89 @@ class CheckpointManager:
                     replicated=replicated,
                 )
 
-            return self._background.submit(step, job)
+            future = self._background.submit(step, job)
+        self._schedule.saved(step, answered)
+        return future
+
+    # -- when to save ----------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Whether to save ``step`` now, by the manager's ``save_policy``.
+
+        The loop becomes ``if mgr.should_save(step): mgr.save(step, state)`` (or
+        ``save_async``). Never True without a ``save_policy``, and never twice for one step:
+        not for the step this manager saved last, nor - before its first save - for the
+        newest step committed in the root when the loop began (a resumed run). Any
+        ``save``/``save_async`` counts as "the last save" for
+        :class:`~tdckpt.save_policy.SaveEverySeconds`.
+
+        With :class:`~tdckpt.save_policy.SaveOnPreemption`, True at the first call after
+        a preemption signal arrived (see :attr:`preempted`): save, then leave the loop.
+
+        In a collective manager every rank must call it for every step it asks about, in
+        the same order: the ranks' answers are gathered (one small gloo collective on a
+        group of tdckpt's own, so it never waits for a background save) and every rank
+        gets True when any rank's policy says so - one rank's signal is enough.
+
+        Raises:
+            CollectiveError: in a group, the ranks asked about different steps, or one did
+                not ask within the manager's ``timeout``.
+        """
+        step = _atomic.check_step(step)
+        return self._schedule.decide(step, self.latest_step)
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption signal of the ``SaveOnPreemption`` policy arrived.
+
+        In a collective manager also once another rank's signal was learnt at a
+        :meth:`should_save` or :meth:`save_if_preempted`. It stays True: the job is being
+        stopped, so leave the loop after the save :meth:`should_save` asked for.
+        """
+        return self._schedule.preempted
+
+    def save_if_preempted(
+        self, step: int, state: Any, *, metadata: dict[str, Any] | None = None
+    ) -> Path | None:
+        """Save ``state`` as ``step`` now (synchronously) if a preemption signal is pending.
+
+        For long stretches without a step boundary (an evaluation pass, a data pass): call
+        it at points where ``state`` is consistent. Returns the committed path, or None
+        when no signal is pending (or ``step`` was just saved). In a collective manager
+        every rank must call it at the same points (one rank's signal is enough, as for
+        :meth:`should_save`).
+
+        Raises:
+            ValueError: the manager's ``save_policy`` has no
+                :class:`~tdckpt.save_policy.SaveOnPreemption` (nothing would ever be
+                pending).
+        """
+        step = _atomic.check_step(step)
+        if not self._schedule.signals:
+            raise ValueError(
+                f"{self.root}: save_if_preempted needs a save_policy holding "
+                "SaveOnPreemption (no signal handler is installed); pass e.g. "
+                "save_policy=SaveEvery(1000) | SaveOnPreemption()."
+            )
+        if not self._schedule.preemption_due(step, self.latest_step):
+            return None
+        return self.save(step, state, metadata=metadata)
+
+    def wait(self) -> Path | None:
+        """Wait for the :meth:`save_async` in flight; return its committed path.
+
+        Returns None when no save was started, or when the last one failed and its error
+        was already retrieved (``result()``, ``exception()``). Does not release anything:
+        training and saving go on.
+
+        Raises:
+            AsyncSaveError: the save in flight failed and nobody retrieved its error (it
+                counts as retrieved from then on).
+        """
+        self._background.drain(before="wait() returned", stacklevel=2)
+        future = self._background.inflight
+        if future is None or future._future.exception() is not None:
+            return None
+        return future._future.result()
 
     def _save_in_background(
         self,

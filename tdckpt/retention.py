@@ -6,6 +6,7 @@ ones to keep; the manager deletes the others. Policies compose with :class:`AnyO
 
     from tdckpt.retention import KeepBest, KeepEvery, KeepLast
     policy = KeepLast(3) | KeepEvery(10_000) | KeepBest(2, "val_loss")
+    policy = KeepLast(3) | KeepEverySeconds(3600) | KeepYoungerThan(86400)
 
 Whatever a policy says, the manager applies it only after a new save has committed and
 never deletes the newest committed step, the step that save just wrote, nor a step being
@@ -15,8 +16,10 @@ restored or verified at that moment.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -25,7 +28,9 @@ __all__ = [
     "KeepAll",
     "KeepBest",
     "KeepEvery",
+    "KeepEverySeconds",
     "KeepLast",
+    "KeepYoungerThan",
     "RetentionPolicy",
     "StepInfo",
 ]
@@ -190,3 +195,105 @@ class AnyOf(_Composable):
 
     def __repr__(self) -> str:
         return f"AnyOf({', '.join(map(repr, self.policies))})"
+
+
+def created_at(info: StepInfo) -> float | None:
+    """When the step was written (POSIX seconds, from its manifest), or None if unknown.
+
+    >>> created_at(StepInfo(1, Path("1"), created="1970-01-01T00:01:00+00:00"))
+    60.0
+    >>> created_at(StepInfo(1, Path("1"), created="yesterday")) is None
+    True
+    """
+    if not isinstance(info.created, str):
+        return None
+    try:
+        when = datetime.fromisoformat(info.created)
+    except ValueError:
+        return None
+    if when.tzinfo is None:  # tdckpt writes UTC with its offset; anything else is unknown
+        return None
+    return when.timestamp()
+
+
+def _seconds(name: str, value: object) -> float:
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"{name} must be a finite number of seconds > 0 (or a timedelta), got {value!r}"
+        )
+    return float(value)
+
+
+class KeepEverySeconds(_Composable):
+    """Keep one step every ``seconds`` of training time, by when each step was written.
+
+    Walking the steps oldest first, a step is kept when it was written at least
+    ``seconds`` after the last one kept (the oldest step with a known time is kept). A
+    step's answer depends only on older steps, so it never changes as newer steps come and
+    go: e.g. ``KeepLast(3) | KeepEverySeconds(3600)`` keeps the last three and one an hour.
+    Steps whose manifest time cannot be read are not kept by this policy.
+
+    >>> def at(step, second):
+    ...     return StepInfo(step, Path(str(step)), created=f"2026-01-01T00:00:{second:02d}+00:00")
+    >>> sorted(KeepEverySeconds(10).select_to_keep([at(1, 0), at(2, 6), at(3, 11), at(4, 20)]))
+    [1, 3]
+    """
+
+    def __init__(self, seconds: float | timedelta) -> None:
+        self.seconds = _seconds("KeepEverySeconds(seconds)", seconds)
+
+    def select_to_keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        keep: set[int] = set()
+        last: float | None = None
+        for info in sorted(steps, key=lambda i: i.step):
+            when = created_at(info)
+            if when is None:
+                continue
+            if last is None or when - last >= self.seconds:
+                keep.add(info.step)
+                last = when
+        return keep
+
+    def __repr__(self) -> str:
+        return f"KeepEverySeconds({self.seconds:g})"
+
+
+class KeepYoungerThan(_Composable):
+    """Keep every step written less than ``seconds`` ago (e.g. everything of the last day).
+
+    ``clock`` gives the current time in POSIX seconds (default :func:`time.time`; a fake
+    clock in tests). Steps whose manifest time cannot be read are not kept by this policy.
+
+    >>> info = StepInfo(1, Path("1"), created="1970-01-01T00:01:00+00:00")  # at 60 s
+    >>> KeepYoungerThan(30, clock=lambda: 80.0).select_to_keep([info])
+    {1}
+    >>> KeepYoungerThan(30, clock=lambda: 95.0).select_to_keep([info])
+    set()
+    """
+
+    def __init__(
+        self, seconds: float | timedelta, *, clock: Callable[[], float] | None = None
+    ) -> None:
+        self.seconds = _seconds("KeepYoungerThan(seconds)", seconds)
+        if clock is not None and not callable(clock):
+            raise TypeError(f"KeepYoungerThan(clock) must be a callable, got {clock!r}")
+        self.clock: Callable[[], float] = time.time if clock is None else clock
+
+    def select_to_keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        now = self.clock()
+        keep = set()
+        for info in steps:
+            when = created_at(info)
+            if when is not None and now - when < self.seconds:
+                keep.add(info.step)
+        return keep
+
+    def __repr__(self) -> str:
+        return f"KeepYoungerThan({self.seconds:g})"

@@ -20,6 +20,7 @@ MODULES = [
     "tdckpt._remote.manager",
     "tdckpt._remote.urls",
     "tdckpt.retention",
+    "tdckpt.save_policy",
 ]
 
 

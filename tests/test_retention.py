@@ -221,3 +221,127 @@ def test_retention_covers_both_forms_of_a_step(tmp_path: Path) -> None:
         _save_all(mgr, [2])
         assert mgr.steps() == [2]
     assert sorted(os.listdir(tmp_path)) == ["2"]
+
+
+# -- time-based retention ------------------------------------------------------------------------
+
+
+def timed(*pairs: tuple[int, float | None]) -> list[StepInfo]:
+    """StepInfos whose manifest time is ``seconds`` after 2026-01-01 00:00 UTC (None: unknown)."""
+    from datetime import datetime, timedelta, timezone
+
+    base = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    return [
+        StepInfo(
+            step=step,
+            path=Path(str(step)),
+            created=None if seconds is None else (base + timedelta(seconds=seconds)).isoformat(),
+        )
+        for step, seconds in pairs
+    ]
+
+
+BASE = 1767225600.0  # 2026-01-01 00:00 UTC, POSIX seconds
+
+
+def test_keep_every_seconds_keeps_one_step_per_interval() -> None:
+    from tdckpt.retention import KeepEverySeconds
+
+    steps = timed((1, 0), (2, 30), (3, 59), (4, 61), (5, 100), (6, 130), (7, 300))
+    # 1 kept; 4 is the first 60 s after 1; 6 the first 60 s after 4; 7 after 6
+    assert KeepEverySeconds(60).select_to_keep(steps) == {1, 4, 6, 7}
+    assert repr(KeepEverySeconds(60)) == "KeepEverySeconds(60)"
+
+
+def test_keep_every_seconds_is_stable_as_steps_go() -> None:
+    """A kept step stays kept while newer steps come and unkept ones are deleted."""
+    from tdckpt.retention import KeepEverySeconds
+
+    policy = KeepLast(2) | KeepEverySeconds(100)
+    present: list[StepInfo] = []
+    kept_once: set[int] = set()
+    for step in range(1, 40):  # a step every 17 s; the manager deletes what is not kept
+        present.append(timed((step, step * 17.0))[0])
+        keep = policy.select_to_keep(present)
+        by_time = KeepEverySeconds(100).select_to_keep(present)
+        assert kept_once <= by_time, "a step kept for its time was dropped later"
+        kept_once |= by_time
+        present = [i for i in present if i.step in keep]
+    assert kept_once == {1, 7, 13, 19, 25, 31, 37}  # 102 s apart: the first after 100 s
+    assert [i.step for i in present] == [1, 7, 13, 19, 25, 31, 37, 38, 39]
+
+
+def test_keep_every_seconds_skips_unknown_times_and_takes_a_timedelta() -> None:
+    from datetime import timedelta
+
+    from tdckpt.retention import KeepEverySeconds
+
+    steps = timed((1, None), (2, 10), (3, 50), (4, 75))
+    steps.append(StepInfo(step=5, path=Path("5"), created="not a time"))
+    steps.append(StepInfo(step=6, path=Path("6"), created="2026-01-01T00:09:00"))  # no offset
+    assert KeepEverySeconds(timedelta(minutes=1)).select_to_keep(steps) == {2, 4}
+
+
+def test_keep_younger_than_with_a_fake_clock() -> None:
+    from datetime import timedelta
+
+    from tdckpt.retention import KeepYoungerThan
+
+    steps = timed((1, 0), (2, 3000), (3, 3500), (4, None))
+    now = BASE + 3600
+    assert KeepYoungerThan(601, clock=lambda: now).select_to_keep(steps) == {2, 3}
+    assert KeepYoungerThan(600, clock=lambda: now).select_to_keep(steps) == {3}
+    assert KeepYoungerThan(timedelta(hours=2), clock=lambda: now).select_to_keep(steps) == {
+        1,
+        2,
+        3,
+    }
+    assert repr(KeepYoungerThan(600)) == "KeepYoungerThan(600)"
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        ("KeepEverySeconds(0)", ValueError, r"KeepEverySeconds\(seconds\) must be a finite"),
+        ("KeepEverySeconds(float('nan'))", ValueError, "got nan"),
+        ("KeepYoungerThan(-1)", ValueError, r"KeepYoungerThan\(seconds\) must be a finite"),
+        ("KeepYoungerThan('1h')", ValueError, "got '1h'"),
+        ("KeepYoungerThan(5, clock=5)", TypeError, r"KeepYoungerThan\(clock\) must be a callable"),
+    ],
+)
+def test_time_policies_refuse_bad_arguments(make: str, error: type[Exception], match: str) -> None:
+    from tdckpt.retention import KeepEverySeconds, KeepYoungerThan
+
+    names = {"KeepEverySeconds": KeepEverySeconds, "KeepYoungerThan": KeepYoungerThan}
+    with pytest.raises(error, match=match):
+        eval(make, names)
+
+
+def test_time_retention_uses_the_real_creation_times(tmp_path: Path) -> None:
+    import time
+    from datetime import datetime
+
+    from tdckpt.retention import KeepEverySeconds, KeepYoungerThan
+
+    td = TensorDict(w=torch.zeros(2))
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, td)
+        mgr.save(2, td)
+        time.sleep(1.2)
+        mgr.save(3, td)
+        created = {
+            i.step: datetime.fromisoformat(i.created or "").timestamp() for i in mgr.step_infos()
+        }
+    assert created[3] - created[1] >= 1.2
+    expect = {1, 3} | ({2} if created[2] - created[1] >= 1.0 else set())
+    with CheckpointManager(tmp_path, retention=KeepEverySeconds(1.0)) as mgr:
+        mgr.prune()
+        assert set(mgr.steps()) == expect
+    # an hour later by the clock, only the newest step (always kept) is left; now, all stay
+    with CheckpointManager(tmp_path, retention=KeepYoungerThan(600)) as mgr:
+        mgr.prune()
+        assert set(mgr.steps()) == expect
+    later = KeepYoungerThan(600, clock=lambda: time.time() + 3600)
+    with CheckpointManager(tmp_path, retention=later) as mgr:
+        mgr.prune()
+        assert mgr.steps() == [3]

@@ -20,15 +20,23 @@ with the training loop (the main thread's collectives would race them, and both 
 :attr:`BackgroundSaver.context` is the hook for that: a callable returning a context
 manager the background thread enters around every save, e.g. one that directs the shard
 protocol to a gloo group tdckpt made for it with ``dist.new_group(backend="gloo")``.
+
+A save in flight when the interpreter exits (a script that ends right after ``save_async``,
+without ``close()``) is finished first: :func:`_finish_at_exit` runs before Python joins
+its threads and shuts its thread pools down, waits for every manager's save in flight, and
+prints to stderr the step of any that failed, so a step is never lost silently.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.thread  # its exit hook is registered before ours (_finish_at_exit)
 import contextlib
 import os
+import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -39,6 +47,9 @@ from tdckpt.errors import AsyncSaveError
 __all__ = ["BackgroundSaver", "SaveFuture", "warn"]
 
 _local = threading.local()
+
+#: Every BackgroundSaver of this process, for :func:`_finish_at_exit`.
+_savers: weakref.WeakSet[BackgroundSaver] = weakref.WeakSet()
 
 
 def warn(message: str, category: type[Warning], *, stacklevel: int) -> None:
@@ -152,6 +163,7 @@ class BackgroundSaver:
         self._inflight: SaveFuture | None = None
         self._guard = threading.Lock()
         self._pid = os.getpid()
+        _savers.add(self)
 
     def _forked(self) -> None:
         # A forked child has none of its parent's threads: the parent's save in flight is
@@ -254,3 +266,58 @@ class BackgroundSaver:
             path=str(self.root),
             step=step,
         )
+
+    def finish_at_exit(self) -> None:
+        """Wait for the save in flight; print its failure (the step) to stderr, if any.
+
+        Called by :func:`_finish_at_exit` while the interpreter shuts down, when nobody is
+        left to raise an error to.
+        """
+        if self._pid != os.getpid():
+            return  # a forked child: the parent's save is the parent's to finish
+        future = self.wait()
+        if future is None:
+            return
+        error = future._undelivered_error()
+        with future._lock:
+            kept, future._warnings = future._warnings, []
+        for message, category in kept:
+            print(f"tdckpt: {category.__name__}: {message}", file=sys.stderr, flush=True)
+        if error is not None:
+            print(
+                f"tdckpt: {self.root}: the background save of step {future.step} failed "
+                f"while the interpreter was exiting ({type(error).__name__}: {error}); step "
+                f"{future.step} was NOT committed (the steps committed before it are intact). "
+                "Call result() on the SaveFuture, wait() or close() before the script ends "
+                "to get this error as an exception.",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _finish_at_exit() -> None:
+    """Finish every save in flight before the interpreter exits (a step is never lost).
+
+    ``threading`` runs the hooks of ``threading._register_atexit`` in reverse order of
+    registration, before it joins the non-daemon threads. concurrent.futures registered its
+    own hook - which makes every thread pool refuse new work, and a save's writer submits
+    to pools - when this module imported it, so this one runs first: the save in flight
+    still has its pools. (``atexit`` hooks run only after the threads are joined: too late.)
+    """
+    for saver in list(_savers):
+        try:
+            saver.finish_at_exit()
+        except Exception as exc:  # shutting down: report it, and go on with the other savers
+            print(
+                f"tdckpt: {saver.root}: could not finish a save at exit: {exc!r}",
+                file=sys.stderr,
+            )
+
+
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_finish_at_exit)
+else:  # pragma: no cover - every CPython tdckpt supports has it (3.9+)
+    import atexit
+
+    atexit.register(_finish_at_exit)

@@ -31,11 +31,12 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from tdckpt._manage.background import BackgroundSaver, SaveFuture
+from tdckpt._manage.schedule import SaveSchedule
 from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
 from tdckpt._progress import ProgressArg, progress_bar
@@ -59,6 +60,7 @@ from tdckpt.errors import (
 )
 from tdckpt.manager import CheckpointManager, _same_keys
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
+from tdckpt.save_policy import SavePolicy
 from tdckpt.schema import FileRecord, StateRecord
 
 __all__ = ["DEFAULT_GRACE_S", "RemoteCheckpointManager"]
@@ -116,6 +118,8 @@ class RemoteCheckpointManager(CheckpointManager):
         storage_options: dict[str, Any] | None = None,
         lease_ttl: float = DEFAULT_TTL_S,
         cache_dir: str | Path | None = None,
+        save_policy: SavePolicy | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if archive:
             raise ValueError(
@@ -148,6 +152,8 @@ class RemoteCheckpointManager(CheckpointManager):
         # save_async: one save in flight on one background thread (uploads and the commit).
         self._background = BackgroundSaver(self.root)
         self._staging_lock = threading.Lock()
+        self._schedule = SaveSchedule(save_policy, clock)  # should_save (as the base class)
+        self._schedule.install(self.root)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, retention={self.retention!r})"
@@ -159,6 +165,7 @@ class RemoteCheckpointManager(CheckpointManager):
 
     def _close(self, *, stacklevel: int) -> None:
         failure = self._background.shutdown(stacklevel=stacklevel)
+        self._schedule.uninstall()
         with self._writing, self._state:
             self._lease.release()
         if failure is not None:
@@ -359,7 +366,10 @@ class RemoteCheckpointManager(CheckpointManager):
             check_json_data(metadata)
         obj, state = self._saveable(obj)  # a training state: one TensorDict of its entries
         self._background.drain(before=f"this save of step {step} started", stacklevel=2)
-        return self._save_prepared(step, obj, metadata, state)
+        answered = self._schedule.save_started()
+        url = self._save_prepared(step, obj, metadata, state)
+        self._schedule.saved(step, answered)
+        return url
 
     def _save_prepared(
         self, step: int, obj: Any, metadata: dict[str, Any] | None, state: StateRecord | None
@@ -647,11 +657,14 @@ class RemoteCheckpointManager(CheckpointManager):
                         path=where,
                         step=step,
                     )
+            answered = self._schedule.save_started()
             snapshot = detached_copy(obj)
-            return self._background.submit(
+            future = self._background.submit(
                 step,
                 lambda: self._save_prepared(step, snapshot, metadata, record),  # type: ignore[arg-type,return-value]
             )
+        self._schedule.saved(step, answered)
+        return future
 
     def restore(
         self,

@@ -1,0 +1,224 @@
+"""The state behind :meth:`tdckpt.CheckpointManager.should_save`: policy, clock, preemption.
+
+:class:`SaveSchedule` asks the manager's save policy (:mod:`tdckpt.save_policy`) with a
+:class:`~tdckpt.save_policy.SaveContext`, remembers the manager's last save, and owns the
+preemption signal handlers of a policy holding
+:class:`~tdckpt.save_policy.SaveOnPreemption`:
+
+* a handler only counts the signal (nothing else is safe in a signal handler: the main
+  thread may be anywhere, inside a save included) and then calls the handler that was
+  installed before it, if that was a Python callable;
+* a signal is *pending* from its arrival until a save starts after it; ``should_save``
+  returns True while one is pending;
+* :meth:`SaveSchedule.uninstall` (the manager's ``close()``) puts the previous handlers
+  back. Where it cannot (a ``close()`` off the main thread, or a handler installed over
+  ours since) ours stays installed but only passes the signal on - for a previous default
+  action, by restoring it and raising the signal again, so the process still ends.
+
+In a group of ranks the answer is agreed: every rank's step, answer and pending flag are
+gathered over a gloo group of the schedule's own (never the one a background save uses),
+and every rank saves when any rank wants to - one rank's signal is enough.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from tdckpt.errors import CollectiveError
+from tdckpt.save_policy import SaveContext, SavePolicy, preemption_signals
+
+__all__ = ["SaveSchedule"]
+
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+class SaveSchedule:
+    """One manager's save policy, its clock, its last save and its preemption handlers."""
+
+    def __init__(self, policy: SavePolicy | None, clock: Callable[[], float] | None) -> None:
+        if policy is not None and not callable(getattr(policy, "should_save", None)):
+            raise TypeError(
+                f"save_policy must be a save policy (an object with should_save), got "
+                f"{policy!r}; see tdckpt.save_policy."
+            )
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        self.policy = policy
+        self.clock: Callable[[], float] = time.monotonic if clock is None else clock
+        self.signals = preemption_signals(policy)
+        self._started: float | None = None
+        self._baseline = False  # last_step initialised from the root
+        self._last_step: int | None = None
+        self._last_time: float | None = None
+        self._received = 0  # signals counted by the handlers (only ever incremented)
+        self._handled = 0  # the count when the last save started
+        self._agreed = False  # another rank's signal, learnt in an agreement
+        self.signal: int | None = None  # the last preemption signal received (number)
+        self._installed: list[tuple[int, _Handler, Callable[[int, FrameType | None], None]]] = []
+        self._active = False
+        self._pg: Any = None
+        self._rank = 0
+        self._size = 1
+        self._timeout = 0.0
+        self._pid = os.getpid()
+
+    # -- preemption handlers ---------------------------------------------------------------
+    def check_thread(self, where: str) -> None:
+        """Refuse (ValueError) to install handlers off the main thread, before anything else."""
+        if self.signals and threading.current_thread() is not threading.main_thread():
+            raise ValueError(
+                f"{where}: a save policy with SaveOnPreemption installs signal handlers, which "
+                "Python allows only on the main thread; make this manager on the main thread "
+                "(or drop SaveOnPreemption from its save_policy)."
+            )
+
+    def install(self, where: str) -> None:
+        """Install the handlers of the policy's signals (main thread only)."""
+        self.check_thread(where)
+        if not self.signals:
+            return
+        self._active = True
+        for sig in self.signals:
+            previous = signal.getsignal(sig)
+            handler = self._handler(previous)
+            signal.signal(sig, handler)
+            self._installed.append((sig, previous, handler))
+
+    def _handler(self, previous: _Handler) -> Callable[[int, FrameType | None], None]:
+        def handler(signum: int, frame: FrameType | None) -> None:
+            if self._active:
+                self._received += 1
+                self.signal = signum
+            if callable(previous):
+                previous(signum, frame)
+            elif not self._active and previous == signal.SIG_DFL:
+                # Uninstalled but still in place: the default action, as if we were gone.
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        return handler
+
+    def uninstall(self) -> None:
+        """Stop counting signals; put the previous handlers back where that is possible."""
+        self._active = False
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous, handler in reversed(self._installed):
+                if signal.getsignal(sig) is handler:
+                    signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._installed = []
+
+    # -- collective agreement --------------------------------------------------------------
+    def join_group(self, shard_pg: Any, timeout: float) -> None:
+        """Agree with the ranks of ``shard_pg`` over a new gloo group (collective)."""
+        import torch.distributed as dist
+
+        delta = datetime.timedelta(seconds=float(timeout))
+        ranks = dist.get_process_group_ranks(shard_pg)
+        if len(ranks) == dist.get_world_size():
+            pg = dist.new_group(backend="gloo", timeout=delta)
+        else:
+            pg = dist.new_group(
+                ranks=ranks, backend="gloo", timeout=delta, use_local_synchronization=True
+            )
+        self._pg = pg
+        self._rank = dist.get_rank(pg)
+        self._size = dist.get_world_size(pg)
+        self._timeout = timeout
+
+    def _agree(self, step: int, answer: bool, pending: bool, what: str) -> tuple[bool, bool]:
+        if self._pg is None:
+            return answer, pending
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self._size
+        try:
+            dist.all_gather_object(out, (step, answer, pending), group=self._pg)
+        except Exception as exc:
+            raise CollectiveError(
+                f"rank {self._rank} of {self._size}: the collective '{what}' failed "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+                f"Every rank must call {what} for the same steps, within {self._timeout:g} s "
+                "of each other; another rank may have died. Restart the job from the last "
+                "committed step.",
+                rank=self._rank,
+                phase=what,
+                broken=True,
+            ) from exc
+        steps = sorted({entry[0] for entry in out})
+        if len(steps) > 1:
+            raise CollectiveError(
+                f"rank {self._rank} of {self._size}: {what} was called for different steps "
+                f"on different ranks ({', '.join(f'rank {r}: {e[0]}' for r, e in enumerate(out))}"
+                "); every rank must ask about the same step, in the same order.",
+                rank=self._rank,
+                phase=what,
+            )
+        return any(entry[1] for entry in out), any(entry[2] for entry in out)
+
+    # -- the questions ---------------------------------------------------------------------
+    @property
+    def preempted(self) -> bool:
+        """A preemption signal arrived here (or, as agreed, on another rank)."""
+        return self._received > 0 or self._agreed
+
+    def pending(self) -> bool:
+        """A signal arrived and no save started since."""
+        return self._received > self._handled
+
+    def _begin(self, latest: Callable[[], int | None]) -> float:
+        now = self.clock()
+        if self._started is None:
+            self._started = now
+        if not self._baseline:
+            self._baseline = True
+            if self._last_step is None:
+                self._last_step = latest()
+        return now
+
+    def decide(self, step: int, latest: Callable[[], int | None]) -> bool:
+        """The answer of ``should_save(step)`` (agreed between ranks in a group)."""
+        now = self._begin(latest)
+        pending = self.pending()
+        answer = False
+        if self.policy is not None and step != self._last_step:
+            assert self._started is not None
+            context = SaveContext(
+                step=step,
+                now=now,
+                started=self._started,
+                last_step=self._last_step,
+                last_time=self._last_time,
+                preempted=pending,
+            )
+            answer = bool(self.policy.should_save(context))
+        answer, anyone = self._agree(step, answer, pending, "should_save")
+        if anyone and not pending:
+            self._agreed = True
+        return answer
+
+    def preemption_due(self, step: int, latest: Callable[[], int | None]) -> bool:
+        """The answer of ``save_if_preempted(step, ...)`` (agreed between ranks in a group)."""
+        self._begin(latest)
+        pending = self.pending()
+        _, anyone = self._agree(step, pending, pending, "save_if_preempted")
+        if anyone and not pending:
+            self._agreed = True
+        return anyone and step != self._last_step
+
+    def save_started(self) -> int:
+        """Call when a save starts: the signal count it answers (for :meth:`saved`)."""
+        return self._received
+
+    def saved(self, step: int, answered: int) -> None:
+        """A save of ``step`` went through (committed, or staged by ``save_async``)."""
+        self._last_step = step
+        self._last_time = self.clock()
+        self._baseline = True
+        self._handled = max(self._handled, answered)
