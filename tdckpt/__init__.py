@@ -27,6 +27,7 @@ from tdckpt._read.diff import DiffEntry, DiffReport, diff
 from tdckpt._read.inspect import inspect, validate
 from tdckpt._report import Inspection, NodeInfo, Problem, ValidationReport
 from tdckpt._restore.engine import load_memmap, load_memmap_
+from tdckpt._restore.select import RestoreReport
 from tdckpt._state.rng import RandomState
 from tdckpt._upgrade.upgrade import UpgradeReport, upgrade
 from tdckpt._version import __version__
@@ -70,6 +71,7 @@ __all__ = [
     "NodeInfo",
     "Problem",
     "RandomState",
+    "RestoreReport",
     "RetentionPolicy",
     "SaveAnyOf",
     "SaveAtSteps",

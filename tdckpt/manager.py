@@ -1069,6 +1069,10 @@ class CheckpointManager:
         mode: Literal["r", "r+"] | None = "r",
         verify: bool = False,
         rows: slice | None = None,
+        keys: Any = None,
+        exclude: Any = None,
+        strict: bool = True,
+        report: bool = False,
     ) -> Any:
         """Load a committed step into a new object (TensorDict, tensorclass, lazy stack, ...).
 
@@ -1078,28 +1082,48 @@ class CheckpointManager:
         returned are read, as views of the mapped files where they lie in one shard.
 
         ``mode="r"`` (default) maps the files copy-on-write: writes into the result never
-        reach the checkpoint. See :meth:`restore_into` for the other arguments.
+        reach the checkpoint. ``keys`` / ``exclude`` / ``strict`` / ``report`` restore a part
+        of the step, as :func:`tdckpt.load_memmap` does (only its bytes are mapped; a
+        training state's entries are its top-level keys: ``keys="model"``). See
+        :meth:`restore_into` for the other arguments.
 
         Raises:
             CheckpointNotFoundError: no such step.
             IntegrityError: ``verify=True`` and the step is damaged.
+            RestoreError: ``strict`` and a pattern of ``keys`` selects nothing.
         """
         from tdckpt._restore.engine import _check_args, load_local
+        from tdckpt._restore.select import RestoreReport, Selection
 
+        selection = Selection.of_report(keys, exclude, report)
         if self._sharded_path(step, rows):
             from tdckpt._shard.restore import restore_rows
 
+            if selection is not None:
+                raise NotImplementedError(
+                    f"{self.root}: keys=, exclude= and report= do not apply to sharded steps "
+                    "yet; restore the rows and select keys from the result."
+                )
             return restore_rows(
                 self, step, rows, allow_pickle=allow_pickle, mode=mode, verify=verify
             )
         _check_args(True, allow_pickle, mode)
+        done = RestoreReport()
         with self._using(step) as (resolved, path, manifest):
             if verify:
                 self._verified(resolved, path, manifest)
             # _using validated the manifest (cached by file identity): not read again
-            return load_local(
-                path, robust_key=True, allow_pickle=allow_pickle, mode=mode, manifest_checked=True
+            obj = load_local(
+                path,
+                robust_key=True,
+                allow_pickle=allow_pickle,
+                mode=mode,
+                manifest_checked=True,
+                selection=selection,
+                strict=strict,
+                report=done,
             )
+        return (obj, done) if report else obj
 
     def _sharded_path(self, step: int | None, rows: Any) -> bool:
         """Whether a restore is collective, of a sharded step, or of some rows."""

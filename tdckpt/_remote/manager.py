@@ -674,8 +674,16 @@ class RemoteCheckpointManager(CheckpointManager):
         mode: Literal["r", "r+"] | None = "r",
         verify: bool = False,
         rows: slice | None = None,
+        keys: Any = None,
+        exclude: Any = None,
+        strict: bool = True,
+        report: bool = False,
     ) -> Any:
-        """As :meth:`CheckpointManager.restore`, from the store (checksums always verified)."""
+        """As :meth:`CheckpointManager.restore`, from the store (checksums always verified).
+
+        With ``keys`` / ``exclude`` the whole step is still downloaded (then only the
+        selected part is restored).
+        """
         from tdckpt._restore.engine import load_memmap
 
         if rows is not None:
@@ -686,4 +694,13 @@ class RemoteCheckpointManager(CheckpointManager):
 
         local_mode = self._mode(mode)
         with self._local_copy(step) as (_, local, url), relabel_warnings(local, url):
-            return load_memmap(local, robust_key=True, allow_pickle=allow_pickle, mode=local_mode)
+            return load_memmap(
+                local,
+                robust_key=True,
+                allow_pickle=allow_pickle,
+                mode=local_mode,
+                keys=keys,
+                exclude=exclude,
+                strict=strict,
+                report=report,
+            )

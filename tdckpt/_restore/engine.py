@@ -52,6 +52,7 @@ from tdckpt._restore.plan import (
     tensorclass_fields,
 )
 from tdckpt._restore.policy import check_allow_pickle, resolve_pickle_policy, user_stacklevel
+from tdckpt._restore.select import RestoreReport, Selection, prune
 from tdckpt.errors import RestoreError, TdckptError, ValidationError
 from tdckpt.warnings import TdckptWarning
 
@@ -126,11 +127,16 @@ def open_for_restore(
     allow_pickle: bool | None,
     defer_leaf_sizes: bool = False,
     manifest_checked: bool = False,
+    selection: Selection | None = None,
+    strict: bool = True,
+    report: RestoreReport | None = None,
 ) -> tuple[OpenedCheckpoint, bool]:
     """Open and validate ``prefix``, apply the pickle policy: (opened, may_unpickle).
 
-    ``defer_leaf_sizes``, ``manifest_checked``: see :func:`open_checkpoint`. The caller
-    closes ``opened``; on any error it is closed here.
+    ``defer_leaf_sizes``, ``manifest_checked``: see :func:`open_checkpoint`. ``selection``:
+    the keys to keep (:func:`~tdckpt._restore.select.prune`, before the pickle policy; what
+    it did goes into ``report``). The caller closes ``opened``; on any error it is closed
+    here.
     """
     opened = open_checkpoint(
         prefix,
@@ -145,13 +151,14 @@ def open_for_restore(
         opened = open_checkpoint(prefix, robust_key=robust_key, manifest_checked=manifest_checked)
     try:
         if opened.root is None or (opened.problems and opened.errors):
-            report = ValidationReport(
+            validation = ValidationReport(
                 prefix=opened.prefix,
                 problems=opened.problems,
                 generation=opened.generation,
                 key_encoding=opened.key_encoding,
             )
-            raise ValidationError(_format_errors(opened), report=report, prefix=opened.prefix)
+            raise ValidationError(_format_errors(opened), report=validation, prefix=opened.prefix)
+        _select(opened, selection, strict, report)
         pickled = [
             (n.key, n.pickle.source or n.path) for n in pickled_nodes(opened.root) if n.pickle
         ]
@@ -170,6 +177,20 @@ def open_for_restore(
         opened.close()
         raise
     return opened, bool(pickled)
+
+
+def _select(
+    opened: OpenedCheckpoint,
+    selection: Selection | None,
+    strict: bool,
+    report: RestoreReport | None,
+) -> None:
+    """Prune ``opened.root`` to ``selection`` (in place), recording what was kept."""
+    if selection is None or opened.root is None:
+        return
+    opened.root, done = prune(opened.root, selection, where=opened.prefix, strict=strict)
+    if report is not None:
+        report.loaded, report.skipped, report.missing = done.loaded, done.skipped, done.missing
 
 
 # -- building new objects ------------------------------------------------------------------
@@ -454,6 +475,10 @@ def load_memmap(
     mode: str | None = None,
     device: torch.device | str | None = None,
     storage_options: dict[str, Any] | None = None,
+    keys: Any = None,
+    exclude: Any = None,
+    strict: bool = True,
+    report: bool = False,
 ) -> Any:
     """Load a saved tensordict of any tensordict release into a new object.
 
@@ -470,10 +495,19 @@ def load_memmap(
         storage_options: for a ``prefix`` that is an fsspec URL (``s3://...``): the
             filesystem's options. A URL prefix is read into a private local copy first
             (``mode="r"``; see the remote guide).
+        keys: restore only these keys (and what is below them): a nested key as a tuple,
+            or a string split on ``.``, each name possibly with shell wildcards
+            (``"model"``, ``"layers.*.weight"``), or a list of them. Only the selected
+            leaves are mapped, and a pickled value left out needs no ``allow_pickle``.
+        exclude: leave these keys out (same patterns), even where ``keys`` selects them.
+        strict: a pattern of ``keys`` that selects nothing is an error (False: reported
+            as ``missing``).
+        report: also return a :class:`~tdckpt.RestoreReport` (loaded, skipped, missing).
 
     Returns:
         The saved object - TensorDict, LazyStackedTensorDict, tensorclass instance - with
         tensordict installed; nested dicts and lists of tensors and values without it.
+        With ``report=True``: ``(object, report)``.
 
     Raises:
         tdckpt.errors.ValidationError: the checkpoint has problems (all listed).
@@ -488,6 +522,7 @@ def load_memmap(
         [0, 1, 2]
     """
     _check_args(robust_key, allow_pickle, mode)
+    selection = Selection.of_report(keys, exclude, report)
     if is_url(prefix):
         from tdckpt._remote.prefix import local_prefix, relabel_warnings
 
@@ -501,11 +536,24 @@ def load_memmap(
                 allow_pickle=allow_pickle,
                 mode=_url_mode(mode),
                 device=device,
+                keys=keys,
+                exclude=exclude,
+                strict=strict,
+                report=report,
             )
     require_local_options(prefix, storage_options)
-    return load_local(
-        prefix, robust_key=robust_key, allow_pickle=allow_pickle, mode=mode, device=device
+    done = RestoreReport()
+    obj = load_local(
+        prefix,
+        robust_key=robust_key,
+        allow_pickle=allow_pickle,
+        mode=mode,
+        device=device,
+        selection=selection,
+        strict=strict,
+        report=done,
     )
+    return (obj, done) if report else obj
 
 
 def load_local(
@@ -516,14 +564,20 @@ def load_local(
     mode: str | None,
     device: torch.device | str | None = None,
     manifest_checked: bool = False,
+    selection: Selection | None = None,
+    strict: bool = True,
+    report: RestoreReport | None = None,
 ) -> Any:
     """:func:`load_memmap` of a local prefix (arguments already checked).
 
     ``manifest_checked``: the caller validated the prefix's manifest (see
-    :func:`open_checkpoint`).
+    :func:`open_checkpoint`). ``selection``: the keys to restore; what it kept and left out
+    is recorded into ``report``.
     """
     dev = torch.device(device) if device is not None else None
-    reading = _Reading(prefix, robust_key, allow_pickle, manifest_checked)
+    reading = _Reading(prefix, robust_key, allow_pickle, manifest_checked, selection, strict)
+    if report is not None:
+        reading.report = report
     with _gc_paused():
         while True:  # inline: warnings keep their stack level
             try:
@@ -562,11 +616,16 @@ class _Reading:
         robust_key: bool | None,
         allow_pickle: bool | None,
         manifest_checked: bool,
+        selection: Selection | None = None,
+        strict: bool = True,
     ) -> None:
         self.prefix = prefix
         self.robust_key = robust_key
         self.allow_pickle = allow_pickle
         self.manifest_checked = manifest_checked
+        self.selection = selection
+        self.strict = strict
+        self.report = RestoreReport()
         self.lane = robust_key is True
         self.defer = True
         self.swaps = 0
@@ -585,6 +644,11 @@ class _Reading:
             )
             if opened is not None:  # TensorDict levels and tensors only: nothing pickled
                 self.opened, self.from_lane = opened, True
+                try:
+                    _select(opened, self.selection, self.strict, self.report)
+                except BaseException:
+                    opened.close()
+                    raise
                 return opened, False
         opened, unpickle = open_for_restore(
             self.prefix,
@@ -592,6 +656,9 @@ class _Reading:
             allow_pickle=self.allow_pickle,
             defer_leaf_sizes=self.defer,
             manifest_checked=self.manifest_checked,
+            selection=self.selection,
+            strict=self.strict,
+            report=self.report,
         )
         self.opened = opened
         return opened, unpickle

@@ -1,0 +1,237 @@
+"""Selective restore: keep the part of a validated node tree that ``keys`` / ``exclude`` name.
+
+A pattern is a nested key - a tuple of names, or a string split on ``.`` - whose names may
+hold shell wildcards (``*``, ``?``, ``[...]``, matched per name with ``fnmatch``). A pattern
+selects the key it names and everything below it: ``"model"`` selects every leaf of the
+``model`` sub-tree, ``"*.weight"`` every ``weight`` one level down. A key is restored when
+``keys`` is None or a pattern of ``keys`` selects it, and no pattern of ``exclude`` does.
+
+Pruning runs on the node tree after validation and before the pickle policy and any
+mapping, so only the selected leaves' bytes are mapped, and a pickled value left out does
+not need ``allow_pickle``. The members of a lazy stack share their keys (a pattern applies
+to each member alike). A tensorclass, a lazy view, a sub-tensordict and a non-tensor value
+are kept or left out whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tdckpt._read.nodes import (
+    LazyStackNode,
+    LazyViewNode,
+    Node,
+    SubTensorDictNode,
+    TensorClassNode,
+    TensorDictNode,
+)
+from tdckpt.errors import RestoreError
+
+__all__ = ["RestoreReport", "Selection", "parse_patterns", "prune"]
+
+Key = tuple[str, ...]
+#: Nodes with keys below them that are kept or left out whole.
+_WHOLE = (TensorClassNode, SubTensorDictNode, LazyViewNode)
+
+
+@dataclass
+class RestoreReport:
+    """What a selective restore did, key by key.
+
+    Attributes:
+        loaded: the keys restored (leaves, and values kept whole).
+        skipped: the keys of the checkpoint left out (not selected, or excluded).
+        missing: the patterns of ``keys`` that selected nothing in the checkpoint.
+    """
+
+    loaded: list[Key] = field(default_factory=list)
+    skipped: list[Key] = field(default_factory=list)
+    missing: list[Key] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: [list(k) for k in getattr(self, name)] for name in _FIELDS}
+
+
+_FIELDS = ("loaded", "skipped", "missing")
+
+
+def parse_patterns(arg: Any, what: str) -> list[Key] | None:
+    """``keys`` / ``exclude`` as a list of patterns (None stays None)."""
+    if arg is None:
+        return None
+    items: Iterable[Any] = arg if isinstance(arg, (list, set, frozenset)) else [arg]
+    out: list[Key] = []
+    for item in items:
+        if isinstance(item, str) and item:
+            out.append(tuple(item.split(".")))
+        elif (
+            isinstance(item, tuple)
+            and item
+            and all(isinstance(part, str) and part for part in item)
+        ):
+            out.append(item)
+        else:
+            raise TypeError(
+                f"{what}: each pattern is a non-empty str ('model.encoder', 'layers.*') or a "
+                f"tuple of non-empty str ('a.b', 'c') for names holding a dot; got {item!r}"
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which keys a restore keeps."""
+
+    keys: list[Key] | None = None
+    exclude: list[Key] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, keys: Any, exclude: Any) -> Selection | None:
+        """The selection of ``keys`` / ``exclude`` (None when both are None: keep all)."""
+        parsed_keys = parse_patterns(keys, "keys")
+        parsed_exclude = parse_patterns(exclude, "exclude") or []
+        if parsed_keys is None and not parsed_exclude:
+            return None
+        return cls(parsed_keys, parsed_exclude)
+
+    @classmethod
+    def of_report(cls, keys: Any, exclude: Any, report: bool) -> Selection | None:
+        """As :meth:`of`; a selection of everything when only a report is asked for."""
+        selection = cls.of(keys, exclude)
+        return cls() if selection is None and report else selection
+
+    def selects(self, key: Key) -> bool:
+        """Whether ``key`` (and everything below it) is restored."""
+        if any(_covers(p, key) for p in self.exclude):
+            return False
+        return self.keys is None or any(_covers(p, key) for p in self.keys)
+
+    def reaches_below(self, key: Key) -> bool:
+        """Whether a pattern of ``keys`` names something below ``key`` (not excluded itself)."""
+        if self.keys is None or any(_covers(p, key) for p in self.exclude):
+            return False
+        return any(len(p) > len(key) and _covers(p[: len(key)], key) for p in self.keys)
+
+
+def _covers(pattern: Key, key: Key) -> bool:
+    """Whether ``pattern`` names ``key`` or a key above it."""
+    return len(pattern) <= len(key) and all(
+        fnmatch.fnmatchcase(name, part) for name, part in zip(key, pattern, strict=False)
+    )
+
+
+def prune(
+    root: Node, selection: Selection, *, where: str, strict: bool
+) -> tuple[Node, RestoreReport]:
+    """The part of ``root`` that ``selection`` keeps, and the report.
+
+    Raises:
+        RestoreError: ``strict`` and a pattern of ``keys`` selects nothing (every such
+            pattern named, with the checkpoint's top-level keys).
+    """
+    report = RestoreReport()
+    used: set[Key] = set()
+    pruned = _prune(root, (), selection, report, used)
+    # lazy-stack members record their (shared) keys once each: keep each key once
+    report.loaded = list(dict.fromkeys(report.loaded))
+    report.skipped = list(dict.fromkeys(report.skipped))
+    if selection.keys is not None:
+        report.missing = [p for p in selection.keys if p not in used]
+    if strict and report.missing:
+        top = sorted(root.entries) if isinstance(root, TensorDictNode) else []
+        raise RestoreError(
+            f"{where}: {len(report.missing)} pattern(s) of keys= select nothing: "
+            f"{', '.join('.'.join(p) for p in report.missing)}. The checkpoint's top-level "
+            f"keys: {', '.join(top[:20]) or '(none)'}. Fix the pattern, or pass strict=False "
+            "to restore what the others select.",
+            path=where,
+        )
+    if pruned is None:  # nothing selected: an empty level of the same kind
+        pruned = _emptied(root)
+    return pruned, report
+
+
+def _prune(
+    node: Node, key: Key, selection: Selection, report: RestoreReport, used: set[Key]
+) -> Node | None:
+    if selection.selects(key):
+        _mark(key, selection, used)
+        if not selection.exclude:
+            _leaves(node, key, report.loaded)
+            return node
+    if isinstance(node, TensorDictNode):
+        entries = {}
+        for name, child in node.entries.items():
+            kept = _prune(child, (*key, name), selection, report, used)
+            if kept is not None:
+                entries[name] = kept
+        if not entries and not selection.selects(key) and key:
+            return None
+        return dataclasses.replace(node, entries=entries)
+    if isinstance(node, LazyStackNode):
+        kept_members = [_prune(m, key, selection, report, used) for m in node.members]
+        if key and not selection.selects(key) and all(_is_empty(m) for m in kept_members):
+            return None
+        members = [
+            m if m is not None else _emptied(o)
+            for m, o in zip(kept_members, node.members, strict=True)
+        ]
+        return dataclasses.replace(node, members=members)
+    # A leaf, a non-tensor value, a tensorclass, a view: kept or left out whole (a pattern
+    # that names a field of a tensorclass, or a key of a view's source, keeps all of it).
+    below = isinstance(node, _WHOLE) and selection.reaches_below(key)
+    if selection.selects(key) or below:
+        if below:
+            _mark_below(key, selection, used)
+        _leaves(node, key, report.loaded)
+        return node
+    _leaves(node, key, report.skipped)
+    return None
+
+
+def _mark(key: Key, selection: Selection, used: set[Key]) -> None:
+    for pattern in selection.keys or []:
+        if _covers(pattern, key):
+            used.add(pattern)
+
+
+def _mark_below(key: Key, selection: Selection, used: set[Key]) -> None:
+    for pattern in selection.keys or []:
+        if len(pattern) > len(key) and _covers(pattern[: len(key)], key):
+            used.add(pattern)
+
+
+def _leaves(node: Node, key: Key, out: list[Key]) -> None:
+    """Record ``node``'s leaf keys (a container's leaves; other nodes as one key)."""
+    if isinstance(node, TensorDictNode):
+        for name, child in node.entries.items():
+            _leaves(child, (*key, name), out)
+    elif isinstance(node, LazyStackNode):
+        seen: list[Key] = []
+        for member in node.members:
+            _leaves(member, key, seen)
+        out.extend(dict.fromkeys(seen))  # each key once, whatever the number of members
+    else:
+        out.append(key)
+
+
+def _emptied(node: Node) -> Node:
+    if isinstance(node, TensorDictNode):
+        return dataclasses.replace(node, entries={})
+    if isinstance(node, LazyStackNode):
+        return dataclasses.replace(node, members=[_emptied(m) for m in node.members])
+    return node
+
+
+def _is_empty(node: Node | None) -> bool:
+    if node is None:
+        return True
+    if isinstance(node, TensorDictNode):
+        return not node.entries
+    if isinstance(node, LazyStackNode):
+        return all(_is_empty(m) for m in node.members)
+    return False

@@ -1,0 +1,199 @@
+"""Selective restore: ``keys=`` / ``exclude=`` on ``load_memmap`` and the manager's restore."""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import copy_case
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict
+
+import tdckpt
+from tdckpt._read.storage import DirectoryStorage
+from tdckpt.errors import PickleNotAllowedError, RestoreError
+
+
+def _td() -> TensorDict:
+    return TensorDict(
+        model=TensorDict(
+            enc=TensorDict(weight=torch.ones(2), bias=torch.zeros(2)),
+            dec=TensorDict(weight=torch.full((3,), 2.0)),
+        ),
+        buffer=TensorDict(obs=torch.arange(8.0).reshape(4, 2), batch_size=[4]),
+        step=torch.tensor(5),
+    )
+
+
+@pytest.fixture
+def prefix(tmp_path: Path) -> Path:
+    _td().memmap(tmp_path / "p")
+    return tmp_path / "p"
+
+
+def _leaf_keys(td: Any) -> set[tuple[str, ...]]:
+    return {(k,) if isinstance(k, str) else k for k in td.keys(True, True)}
+
+
+@pytest.fixture
+def mapped(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The leaf files every restore maps (both of the directory storage's ways)."""
+    seen: list[str] = []
+    real_listed, real_map = DirectoryStorage.map_listed, DirectoryStorage.map
+
+    def map_listed(self: DirectoryStorage, specs: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.extend(rel for rel, *_ in specs)
+        return real_listed(self, specs, *args, **kwargs)
+
+    def map_one(self: DirectoryStorage, rel: str, *args: Any, **kwargs: Any) -> Any:
+        seen.append(rel)
+        return real_map(self, rel, *args, **kwargs)
+
+    monkeypatch.setattr(DirectoryStorage, "map_listed", map_listed)
+    monkeypatch.setattr(DirectoryStorage, "map", map_one)
+    return seen
+
+
+def test_keys_select_a_subtree_and_only_its_bytes_are_mapped(
+    prefix: Path, mapped: list[str]
+) -> None:
+    out, report = tdckpt.load_memmap(prefix, keys="model", report=True)
+    assert _leaf_keys(out) == {
+        ("model", "enc", "weight"),
+        ("model", "enc", "bias"),
+        ("model", "dec", "weight"),
+    }
+    assert torch.equal(out["model", "dec", "weight"], torch.full((3,), 2.0))
+    assert sorted(mapped) == [
+        "model/dec/weight.memmap",
+        "model/enc/bias.memmap",
+        "model/enc/weight.memmap",
+    ]
+    assert set(report.loaded) == _leaf_keys(out)
+    assert set(report.skipped) == {("buffer", "obs"), ("step",)} and report.missing == []
+    assert "buffer" not in out.keys()  # noqa: SIM118 (a TensorDict has no 'in')
+
+
+def test_globs_exclude_and_tuples(prefix: Path) -> None:
+    out = tdckpt.load_memmap(prefix, keys=["model.*.weight", ("step",)], exclude="model.dec")
+    assert _leaf_keys(out) == {("model", "enc", "weight"), ("step",)}
+    out = tdckpt.load_memmap(prefix, exclude=["buffer", "model.enc.b*"])
+    assert _leaf_keys(out) == {("model", "enc", "weight"), ("model", "dec", "weight"), ("step",)}
+    # batch sizes are kept where a level stays
+    assert tdckpt.load_memmap(prefix, keys="buffer")["buffer"].batch_size == torch.Size([4])
+
+
+def test_a_pattern_that_selects_nothing(prefix: Path) -> None:
+    with pytest.raises(
+        RestoreError, match=r"select nothing: modle\..*top-level keys: buffer, model, step"
+    ):
+        tdckpt.load_memmap(prefix, keys=["modle", "step"])
+    out, report = tdckpt.load_memmap(prefix, keys=["modle", "step"], strict=False, report=True)
+    assert _leaf_keys(out) == {("step",)} and report.missing == [("modle",)]
+
+
+def test_a_pickled_value_left_out_needs_no_allow_pickle(tmp_path: Path) -> None:
+    TensorDict(w=torch.ones(2), extra=NonTensorData({1, 2})).memmap(tmp_path / "p")
+    with pytest.raises(PickleNotAllowedError):
+        tdckpt.load_memmap(tmp_path / "p", allow_pickle=False)
+    out = tdckpt.load_memmap(tmp_path / "p", allow_pickle=False, exclude="extra")
+    assert _leaf_keys(out) == {("w",)}
+    with pytest.raises(PickleNotAllowedError):
+        tdckpt.load_memmap(tmp_path / "p", allow_pickle=False, keys="extra")
+
+
+def test_lazy_stacks_apply_the_pattern_to_every_member(tmp_path: Path) -> None:
+    stack = LazyStackedTensorDict.lazy_stack(
+        [
+            TensorDict(a=torch.zeros(2), b=torch.ones(2)),
+            TensorDict(a=torch.ones(2), b=torch.zeros(2)),
+        ]
+    )
+    stack.memmap(tmp_path / "s")
+    out, report = tdckpt.load_memmap(tmp_path / "s", keys="a", report=True)
+    assert isinstance(out, LazyStackedTensorDict) and len(out.tensordicts) == 2
+    assert [sorted(m.keys()) for m in out.tensordicts] == [["a"], ["a"]]
+    assert torch.equal(out.tensordicts[1]["a"], torch.ones(2))
+    assert report.loaded == [("a",)] and report.skipped == [("b",)]
+
+
+def test_an_old_release_restores_in_part(tmp_path: Path) -> None:
+    prefix = copy_case(tmp_path, "0.3.2", "nested")
+    whole = tdckpt.load_memmap(prefix)
+    top = sorted(whole.keys())
+    part = tdckpt.load_memmap(prefix, keys=top[0])
+    assert sorted(part.keys()) == [top[0]]
+    for key in _leaf_keys(part):
+        assert torch.equal(part[key], whole[key])
+
+
+def test_bad_patterns_are_type_errors(prefix: Path) -> None:
+    for bad in ("", ("a", ""), 3, ["ok", None]):
+        with pytest.raises(TypeError, match="each pattern is a non-empty str"):
+            tdckpt.load_memmap(prefix, keys=bad)
+
+
+def test_manager_restores_one_entry_of_a_training_state(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    with tdckpt.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"model": model, "opt": opt})
+        part, report = mgr.restore(1, keys="model", report=True)
+        assert sorted(part.keys()) == ["model"]
+        assert all(k[0] == "opt" for k in report.skipped) and report.skipped
+        from tdckpt._state import to_state_dicts
+
+        state = to_state_dicts(part)["model"]
+        assert torch.equal(state["weight"], model.weight.detach())
+        with pytest.raises(RestoreError, match="select nothing"):
+            mgr.restore(1, keys="optimizer")
+
+
+KEYS = sorted(_leaf_keys(_td()))
+NAMES = sorted({name for key in KEYS for name in key} | {"*", "?ec", "x"})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    keys=st.one_of(
+        st.none(),
+        st.lists(st.lists(st.sampled_from(NAMES), min_size=1, max_size=3), min_size=1, max_size=3),
+    ),
+    exclude=st.lists(st.lists(st.sampled_from(NAMES), min_size=1, max_size=3), max_size=2),
+)
+def test_what_is_restored_is_exactly_what_the_patterns_select(
+    tmp_path_factory: pytest.TempPathFactory, keys: Any, exclude: Any
+) -> None:
+    # The invariant, against a direct reading of the rule: a leaf is restored iff some
+    # pattern of keys (or no keys=) names it or a key above it, and no exclude pattern does.
+    prefix = tmp_path_factory.mktemp("sel") / "p"
+    if not prefix.exists():
+        _td().memmap(prefix)
+    key_patterns = None if keys is None else [tuple(p) for p in keys]
+    ex_patterns = [tuple(p) for p in exclude]
+
+    def covers(p: tuple[str, ...], k: tuple[str, ...]) -> bool:
+        return len(p) <= len(k) and all(
+            fnmatch.fnmatchcase(n, q) for n, q in zip(k, p, strict=False)
+        )
+
+    expected = {
+        k
+        for k in KEYS
+        if (key_patterns is None or any(covers(p, k) for p in key_patterns))
+        and not any(covers(p, k) for p in ex_patterns)
+    }
+    out, report = tdckpt.load_memmap(
+        prefix, keys=key_patterns, exclude=ex_patterns or None, strict=False, report=True
+    )
+    assert _leaf_keys(out) == expected
+    assert set(report.loaded) == expected and set(report.skipped) == set(KEYS) - expected
+    full = _td()
+    for k in expected:
+        assert torch.equal(out[k], full[k])
