@@ -21,6 +21,7 @@ files load with ``safetensors.torch.load_file``, and Hugging Face's sharded layo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -31,7 +32,7 @@ import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -351,36 +352,35 @@ def _write_file(
     path: Path, entries: dict[str, torch.Tensor], meta: dict[str, str], *, fsync: bool
 ) -> int:
     header, order = _header(entries, meta)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     total = 0
-    try:
-        with open(tmp, "xb") as fh:
-            fh.write(struct.pack("<Q", len(header)))
-            fh.write(header)
-            for name in order:
-                flat = entries[name].detach().contiguous().reshape(-1)
-                raw = (
-                    flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
-                )
-                data = raw.numpy()
-                for start in range(0, data.nbytes, _COPY_CHUNK):
-                    fh.write(data[start : start + _COPY_CHUNK].data)
-                total += data.nbytes
-            if fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with _replacing(path, fsync=fsync) as fh:
+        fh.write(struct.pack("<Q", len(header)))
+        fh.write(header)
+        for name in order:
+            flat = entries[name].detach().contiguous().reshape(-1)
+            raw = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+            data = raw.numpy()
+            for start in range(0, data.nbytes, _COPY_CHUNK):
+                fh.write(data[start : start + _COPY_CHUNK].data)
+            total += data.nbytes
     return total
 
 
 def _write_bytes(path: Path, data: bytes, *, fsync: bool) -> None:
+    with _replacing(path, fsync=fsync) as fh:
+        fh.write(data)
+
+
+@contextlib.contextmanager
+def _replacing(path: Path, *, fsync: bool) -> Iterator[BinaryIO]:
+    """A new file beside ``path``, synced and renamed onto it when the block ends.
+
+    If the block fails, the new file is removed and ``path`` is left as it was.
+    """
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     try:
         with open(tmp, "xb") as fh:
-            fh.write(data)
+            yield fh
             if fsync:
                 fh.flush()
                 os.fsync(fh.fileno())

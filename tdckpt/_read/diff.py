@@ -165,13 +165,13 @@ def diff(
         report = DiffReport(a=left.prefix, b=right.prefix)
         entries_a = dict(_flatten(left.root, ()))
         entries_b = dict(_flatten(right.root, ()))
-        sums_a, sums_b = _checksums(left), _checksums(right)
+        side_a, side_b = _Side(left, _checksums(left)), _Side(right, _checksums(right))
         for key, node_a in entries_a.items():
             node_b = entries_b.get(key)
             if node_b is None:
                 report.entries.append(DiffEntry(key, "removed", a=_info(node_a)))
                 continue
-            fields = _compare(node_a, node_b, left, right, sums_a, sums_b)
+            fields = _compare(node_a, node_b, side_a, side_b)
             if fields:
                 report.entries.append(
                     DiffEntry(key, "changed", tuple(fields), a=_info(node_a), b=_info(node_b))
@@ -318,14 +318,15 @@ def _describe(info: dict[str, Any] | None) -> str:
     return f"{info['kind']} {info.get('class') or ''}{extra}".replace("  ", " ")
 
 
-def _compare(
-    a: Node,
-    b: Node,
-    left: OpenedCheckpoint,
-    right: OpenedCheckpoint,
-    sums_a: dict[str, str],
-    sums_b: dict[str, str],
-) -> list[str]:
+@dataclass(frozen=True)
+class _Side:
+    """One checkpoint being compared, with the checksums its manifest records."""
+
+    opened: OpenedCheckpoint
+    sums: dict[str, str]
+
+
+def _compare(a: Node, b: Node, left: _Side, right: _Side) -> list[str]:
     if type(a) is not type(b):
         return ["kind"]
     fields = []
@@ -339,14 +340,14 @@ def _compare(
             fields.append("dtype")
         if a.shape != b.shape:
             fields.append("shape")
-        if not fields and not _same_leaf_bytes(a, b, left, right, sums_a, sums_b):
+        if not fields and not _same_leaf_bytes(a, b, left, right):
             fields.append("bytes")
     elif isinstance(a, LazyStackNode):
         assert isinstance(b, LazyStackNode)
         if (a.stack_dim, len(a.members)) != (b.stack_dim, len(b.members)):
             fields.append("shape")
     elif isinstance(a, (NonTensorNode, NonTensorStackNode)):
-        if not _same_value(_value(a, left), _value(b, right)):  # type: ignore[arg-type]
+        if not _same_value(_value(a, left.opened), _value(b, right.opened)):  # type: ignore[arg-type]
             fields.append("value")
     elif isinstance(a, (SubTensorDictNode, LazyViewNode)) and _view_op(a) != _view_op(b):
         fields.append("value")
@@ -383,14 +384,7 @@ def _checksums(opened: OpenedCheckpoint) -> dict[str, str]:
     return {r.path: r.checksum for r in model.files if r.checksum is not None}
 
 
-def _same_leaf_bytes(
-    a: LeafNode,
-    b: LeafNode,
-    left: OpenedCheckpoint,
-    right: OpenedCheckpoint,
-    sums_a: dict[str, str],
-    sums_b: dict[str, str],
-) -> bool:
+def _same_leaf_bytes(a: LeafNode, b: LeafNode, left: _Side, right: _Side) -> bool:
     if a.nbytes != b.nbytes:
         return False
     if a.is_nested and not torch.equal(a.sizes, b.sizes):  # type: ignore[arg-type]
@@ -400,10 +394,10 @@ def _same_leaf_bytes(
     src_a = a.file.source if a.file is not None and a.file.data is None else None
     src_b = b.file.source if b.file is not None and b.file.data is None else None
     if src_a is not None and src_b is not None:
-        sum_a, sum_b = sums_a.get(src_a), sums_b.get(src_b)
+        sum_a, sum_b = left.sums.get(src_a), right.sums.get(src_b)
         if sum_a and sum_b and sum_a.split(":", 1)[0] == sum_b.split(":", 1)[0]:
             return sum_a == sum_b
-    bytes_a, bytes_b = _leaf_bytes(a, left), _leaf_bytes(b, right)
+    bytes_a, bytes_b = _leaf_bytes(a, left.opened), _leaf_bytes(b, right.opened)
     for start in range(0, a.nbytes, _CHUNK):
         if not torch.equal(bytes_a[start : start + _CHUNK], bytes_b[start : start + _CHUNK]):
             return False
