@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from tdckpt._manage import background as _background
 from tdckpt._manage.background import BackgroundSaver, SaveFuture
 from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
@@ -43,7 +44,7 @@ from tdckpt._remote import layout
 from tdckpt._remote.encode import encode_checkpoint
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
 from tdckpt._remote.prefix import relabel_warnings
-from tdckpt._remote.store import Store, mtime, open_store
+from tdckpt._remote.store import Store, mtime, open_store, shorten
 from tdckpt._remote.transfer import check_uploaded, download_step, plan_objects, upload_encoded
 from tdckpt._state import holds_live_objects, restore_state
 from tdckpt._write import atomic as _atomic
@@ -60,6 +61,7 @@ from tdckpt.errors import (
 from tdckpt.manager import CheckpointManager, _same_keys
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
 from tdckpt.schema import FileRecord, StateRecord
+from tdckpt.warnings import TdckptWarning
 
 __all__ = ["DEFAULT_GRACE_S", "RemoteCheckpointManager"]
 
@@ -312,10 +314,14 @@ class RemoteCheckpointManager(CheckpointManager):
             rows.append((step, 1, StepStatus(step, where, "remote", "damaged", detail=reason)))
         named = {layout.attempt_name(s, r.attempt) for s, r in committed.items()}
         for name, (step, _, _) in attempts.items():
-            if name not in named:
-                rows.append(
-                    (step, 2, StepStatus(step, self._store.show(name), "tmp", "incomplete"))
-                )
+            if name in named:
+                continue
+            if step in damaged:  # an unreadable record may name it: gc keeps it
+                detail = "kept by gc: the step's commit record cannot be read and may name it"
+                row = StepStatus(step, self._store.show(name), "tmp", "damaged", detail=detail)
+            else:
+                row = StepStatus(step, self._store.show(name), "tmp", "incomplete")
+            rows.append((step, 2, row))
         return [row for _, _, row in sorted(rows, key=lambda r: (r[0], r[1], str(r[2].path)))]
 
     @contextlib.contextmanager
@@ -456,12 +462,19 @@ class RemoteCheckpointManager(CheckpointManager):
             raise ValueError(f"grace_period must be >= 0 seconds, got {grace_period!r}")
         with self._writing:
             self._ensure_lock()
-            committed, _, attempts = self._scan()
+            committed, damaged, attempts = self._scan()
             named = {layout.attempt_name(s, r.attempt) for s, r in committed.items()}
             now = time.time()
             removed = []
+            kept: dict[int, list[str]] = {}
             for name in sorted(attempts):
                 if name in named:
+                    continue
+                step = attempts[name][0]
+                if step in damaged:
+                    # A record this tdckpt cannot read (a newer writer's, a damaged one) may
+                    # name any attempt of its step: all of them stay, whatever their age.
+                    kept.setdefault(step, []).append(self._store.show(name))
                     continue
                 objects = self._store.find(name)
                 times = [t for t in (mtime(i) for i in objects.values()) if t is not None]
@@ -469,7 +482,17 @@ class RemoteCheckpointManager(CheckpointManager):
                     continue
                 self._store.rm_tree(name)
                 removed.append(self._store.show(name))
-            return removed  # type: ignore[return-value]
+        for step, names in sorted(kept.items()):
+            _background.warn(
+                f"{self._store.show(layout.commit_name(step))}: gc kept {len(names)} attempt(s) "
+                f"of step {step} ({shorten(', '.join(names), 300)}): the step's commit record "
+                f"cannot be read ({shorten(damaged[step], 300)}), so it may name any of them. "
+                "Nothing a record may name is deleted. Read it with a newer tdckpt, or delete "
+                "the record and run gc() again if the step is not wanted.",
+                TdckptWarning,
+                stacklevel=2,
+            )
+        return removed  # type: ignore[return-value]
 
     # -- verifying and restoring ---------------------------------------------------------
     def _tmp_parent(self) -> str | None:
