@@ -18,6 +18,7 @@ pytest.importorskip("fsspec")
 from _remote_fixtures import Remote, _timeout, moto_s3, remote, s3_remote  # noqa: F401
 
 from tdckpt import CheckpointManager
+from tdckpt._remote import store as _store
 from tdckpt.errors import IncompleteCheckpointError
 from tdckpt.warnings import TdckptWarning
 
@@ -137,3 +138,83 @@ def test_gc_still_collects_attempts_of_readable_steps(remote: Remote) -> None:
     (w,) = caught
     assert w.category is TdckptWarning and "gc kept 2 attempt(s) of step 2" in str(w.message)
     assert "version 99 is newer" in str(w.message)
+
+
+# -- retention failing after the commit is a warning ----------------------------------------
+
+
+def _fast_failures(s3_remote: Remote, monkeypatch: pytest.MonkeyPatch) -> Remote:
+    """``s3_remote`` with retries cut short: a failing store fails in a second, not 40."""
+    monkeypatch.setattr(_store, "BACKOFF_S", 0.001)
+    monkeypatch.setattr("s3fs.S3FileSystem.retries", 1)
+    options = {
+        **(s3_remote.storage_options or {}),
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    return Remote(s3_remote.kind, s3_remote.url, options, s3_remote.s3)
+
+
+def _deletes_fail(s3_remote: Remote) -> None:
+    assert s3_remote.s3 is not None
+    s3_remote.s3.failing = lambda method, path: (
+        method in ("DELETE", "POST") and (".tdckpt-lease" not in path)
+    )
+
+
+def test_retention_failing_after_the_commit_warns_and_the_save_returns(
+    s3_remote: Remote, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store refuses every delete after step 2's commit: save() returns the step's URL
+    (committed, listed, restorable) with a TdckptWarning pointing at the caller, instead of
+    a RemoteError claiming "Nothing was committed by this call"."""
+    from tdckpt import KeepLast
+
+    s3_remote = _fast_failures(s3_remote, monkeypatch)
+    with _mgr(s3_remote, retention=KeepLast(1)) as mgr:
+        mgr.save(1, _td(1))
+        _deletes_fail(s3_remote)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+                url = mgr.save(2, _td(2))
+        finally:
+            assert s3_remote.s3 is not None
+            s3_remote.s3.failing = None
+        (w,) = caught
+        text = str(w.message)
+        assert w.category is TdckptWarning
+        assert text.startswith(f"{s3_remote.url}/2.tdckpt.json: step 2 is committed, but ")
+        assert "retention policy after it failed" in text and "prune() and gc()" in text
+        assert "Nothing was committed" not in text.split("(", 1)[0]
+        assert (w.filename, w.lineno) == (__file__, line)
+        assert url.startswith(f"{s3_remote.url}/2.attempt-")
+        assert mgr.steps() == [1, 2]  # the delete never happened: step 1 is still there
+        assert _equal(mgr.restore(2), _td(2))
+        # once the store answers again, prune finishes the job
+        assert [str(p) for p in mgr.prune()] and mgr.steps() == [2]
+
+
+def test_retention_failing_after_an_async_commit_warns_at_result(
+    s3_remote: Remote, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same on save_async's thread: the warning is issued where the result is asked."""
+    from tdckpt import KeepLast
+
+    s3_remote = _fast_failures(s3_remote, monkeypatch)
+    with _mgr(s3_remote, retention=KeepLast(1)) as mgr:
+        mgr.save(1, _td(1))
+        _deletes_fail(s3_remote)
+        try:
+            future = mgr.save_async(2, _td(2))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+                url = future.result(timeout=60)
+        finally:
+            assert s3_remote.s3 is not None
+            s3_remote.s3.failing = None
+        (w,) = caught
+        assert w.category is TdckptWarning and "step 2 is committed, but" in str(w.message)
+        assert (w.filename, w.lineno) == (__file__, line)
+        assert str(url).startswith(f"{s3_remote.url}/2.attempt-") and mgr.steps() == [1, 2]

@@ -57,6 +57,7 @@ from tdckpt.errors import (
     IncompleteCheckpointError,
     MetadataError,
     RemoteError,
+    TdckptError,
 )
 from tdckpt.manager import CheckpointManager, _same_keys
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
@@ -420,7 +421,21 @@ class RemoteCheckpointManager(CheckpointManager):
                     path=self._store.show(commit),
                     step=step,
                 ) from None
-            self._apply_retention(just_saved=step)
+            # The step is committed: from here on nothing may make the save look failed.
+            try:
+                self._apply_retention(just_saved=step)
+            except (OSError, TdckptError) as exc:
+                # stacklevel, counted from _background.warn: _save_prepared, save, caller.
+                # On save_async's thread the warning is kept and issued on the caller's.
+                _background.warn(
+                    f"{self._store.show(commit)}: step {step} is committed, but applying the "
+                    f"retention policy after it failed ({shorten(str(exc), 400)}); older steps it "
+                    "would have deleted may still be listed, and data of a deleted record "
+                    "is left for gc. Run prune() and gc() (or `tdckpt gc`) again once the "
+                    "store answers.",
+                    TdckptWarning,
+                    stacklevel=3,
+                )
         return self._store.show(prefix)
 
     def _apply_retention(self, *, just_saved: int | None, stacklevel: int = 5) -> list[Path]:
