@@ -218,3 +218,317 @@ def test_retention_failing_after_an_async_commit_warns_at_result(
         assert w.category is TdckptWarning and "step 2 is committed, but" in str(w.message)
         assert (w.filename, w.lineno) == (__file__, line)
         assert str(url).startswith(f"{s3_remote.url}/2.attempt-") and mgr.steps() == [1, 2]
+
+
+# -- commit records: whatever their bytes, a damaged step, never a crash -------------------
+
+
+RECORD_GARBAGE = {
+    "version-a-string": b'{"commit_version": "2"}',
+    "version-5000-digits": b'{"commit_version": ' + b"9" * 5000 + b"}",
+    "version-a-float": b'{"commit_version": 2.0}',
+    "nested-100000-deep": b"[" * 100_000 + b"]" * 100_000,
+    "not-utf8": b"\xff\xfe{}",
+    "a-list": b"[1, 2]",
+}
+
+
+@pytest.mark.parametrize("garbage", sorted(RECORD_GARBAGE))
+def test_a_garbage_record_is_a_damaged_step_not_a_crash(garbage: str) -> None:
+    """steps(), ls, gc and verify all go on: the record is listed damaged, its attempt kept."""
+    import uuid
+
+    r = Remote("memory", f"memory://t{uuid.uuid4().hex[:12]}/run", None)
+    with _mgr(r) as mgr:
+        mgr.save(1, _td(1))
+        mgr.save(2, _td(2))
+    r.fs().pipe_file(r.path("2.tdckpt.json"), RECORD_GARBAGE[garbage])
+    with _mgr(r) as mgr:
+        assert mgr.steps() == [1]
+        rows = [(row.step, row.kind, row.status) for row in mgr.list_steps()]
+        assert rows == [(1, "remote", "committed"), (2, "remote", "damaged"), (2, "tmp", "damaged")]
+        detail = mgr.list_steps()[1].detail
+        assert detail.startswith(f"{r.url}/2.tdckpt.json: ") and len(detail) < 600
+        if garbage == "version-a-float":  # 2.0 is version 2 to pydantic: newer, not valid
+            assert "version 2.0 is newer than this tdckpt reads" in detail
+        with pytest.warns(TdckptWarning, match="gc kept 1 attempt"):
+            assert mgr.gc(grace_period=0) == []
+        assert not mgr.verify(2).ok
+        assert _equal(mgr.restore(), _td(1))
+
+
+def test_an_oversized_record_is_damaged_and_not_read_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record over MAX_RECORD_BYTES is refused from its listed size, unread."""
+    import uuid
+
+    from tdckpt._remote import layout
+
+    monkeypatch.setattr(layout, "MAX_RECORD_BYTES", 4096)
+    r = Remote("memory", f"memory://t{uuid.uuid4().hex[:12]}/run", None)
+    with _mgr(r) as mgr:
+        mgr.save(1, _td(1))
+        r.fs().pipe_file(r.path("2.tdckpt.json"), b" " * 10_000)
+        (row,) = [row for row in mgr.list_steps() if row.status == "damaged"]
+        assert row.detail == (
+            f"{r.url}/2.tdckpt.json: 10000 bytes, more than 4096, too large for a commit "
+            "record; it was not read."
+        )
+        assert mgr.steps() == [1]
+
+
+def test_capped_read_never_reads_past_the_cap(remote: Remote) -> None:
+    """Store.cat_capped asks the store for at most cap + 1 bytes (one ranged read) and
+    refuses a larger object with an error naming its URL."""
+    from tdckpt._remote.store import open_store
+    from tdckpt.errors import MetadataError
+
+    store = open_store(remote.url, remote.storage_options)
+    store.put_bytes("big", b"x" * (3 << 20))
+    store.put_bytes("small", b"y" * 100)
+    seen: list[int] = []
+    cat_file = store.fs.cat_file
+
+    def counting(path: str, *args: Any, **kwargs: Any) -> Any:
+        out = cat_file(path, *args, **kwargs)
+        seen.append(len(out))
+        return out
+
+    store.fs.cat_file = counting
+    try:
+        with pytest.raises(MetadataError) as info:
+            store.cat_capped("big", 1 << 20, "lease record")
+        assert str(info.value) == (
+            f"{remote.url}/big: more than 1048576 bytes, too large for a lease record; it "
+            "was not read. It is not a lease record tdckpt wrote: delete or replace it."
+        )
+        assert info.value.path == f"{remote.url}/big"  # type: ignore[attr-defined]
+        assert store.cat_capped("small", 1 << 20, "lease record") == b"y" * 100
+    finally:
+        del store.fs.cat_file
+    assert seen == [(1 << 20) + 1, 100]
+
+
+# -- the lease: hostile records and names ---------------------------------------------------
+
+
+def _lease_record(**fields: Any) -> bytes:
+    import time
+
+    now = time.time()
+    record = {"owner": "f" * 32, "host": "h", "pid": 1, "written": now, "expires": now + 600}
+    return json.dumps({**record, **fields}).encode()
+
+
+def test_a_lease_with_a_20_mib_host_is_not_read_whole_nor_shown(remote: Remote) -> None:
+    """A lease record past MAX_CONTROL_BYTES is not a record tdckpt wrote: it is read up to
+    the cap only and treated as damaged (expired, as unparsable records are); the first save
+    takes the root. One under the cap but with a long host is refused with a short message."""
+    fs = remote.fs()
+    fs.pipe_file(
+        remote.path(".tdckpt-lease/000000000001.json"), _lease_record(host="h" * (20 << 20))
+    )
+    with _mgr(remote) as mgr:
+        mgr.save(1, _td(1))
+        assert mgr.steps() == [1]
+    fs.pipe_file(remote.path(".tdckpt-lease/000000000009.json"), _lease_record(host="x" * 500_000))
+    from tdckpt.errors import LockError
+
+    with pytest.raises(LockError) as info, _mgr(remote) as mgr:
+        mgr.save(2, _td(2))
+    text = str(info.value)
+    assert text.startswith(f"{remote.url}/.tdckpt-lease: another writer holds this root's lease")
+    assert len(text) < 800 and "x" * 61 not in text and "xxx..." in text
+    assert len(repr(info.value.holder)) < 400  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "expires",
+    ["1e999", "1" + "0" * 400, '"soon"', "true", "NaN", "[1]"],
+)
+def test_a_lease_expiry_that_is_no_time_is_expired(remote: Remote, expires: str) -> None:
+    if remote.kind == "s3" and expires != "1" + "0" * 400:
+        pytest.skip("one S3 case is enough")
+    import time
+
+    now = time.time()
+    fields = f'"owner": "other", "host": "h", "pid": 1, "written": {now!r}, "expires": {expires}'
+    raw = ("{" + fields + "}").encode()
+    remote.fs().pipe_file(remote.path(".tdckpt-lease/000000000003.json"), raw)
+    if expires == "1e999":  # json reads it as inf: a lease that never expires, honestly held
+        from tdckpt.errors import LockError
+
+        with pytest.raises(LockError, match="expires in inf s"), _mgr(remote) as mgr:
+            mgr.save(1, _td(1))
+        return
+    with _mgr(remote) as mgr:
+        mgr.save(1, _td(1))
+        assert mgr.steps() == [1]
+
+
+def test_a_lease_generation_at_the_12_digit_ceiling_does_not_lock_out(remote: Remote) -> None:
+    """Generation 999999999999 (an expired holder): the next is 1000000000000, named one digit
+    wider and compared as a number; saves, renewals and close all work."""
+    fs = remote.fs()
+    lease = remote.path(".tdckpt-lease")
+    fs.pipe_file(f"{lease}/999999999999.json", _lease_record(expires=1.0))
+    with _mgr(remote, lease_ttl=0.5) as mgr:
+        mgr.save(1, _td(1))
+        import time
+
+        time.sleep(0.3)  # past half the ttl: the next save renews into a new generation
+        mgr.save(2, _td(2))
+        names = sorted(n.rsplit("/", 1)[-1] for n in fs.ls(lease, detail=False))
+        assert names == ["1000000000001.json"]
+        assert mgr.steps() == [1, 2]
+    fs.invalidate_cache()
+    assert not fs.exists(lease) or fs.ls(lease, detail=False) == []  # released
+
+
+def test_the_largest_lease_generation_is_refused_clearly(remote: Remote) -> None:
+    fs = remote.fs()
+    top = "9" * 40
+    fs.pipe_file(remote.path(f".tdckpt-lease/{top}.json"), _lease_record(expires=1.0))
+    from tdckpt.errors import LockError
+
+    with pytest.raises(LockError) as info, _mgr(remote) as mgr:
+        mgr.save(1, _td(1))
+    assert str(info.value).startswith(
+        f"{remote.url}/.tdckpt-lease: the lease generation has reached the largest"
+    )
+    assert "delete the objects under" in str(info.value)
+
+
+def test_garbage_lease_names_are_ignored(remote: Remote) -> None:
+    """Names tdckpt never writes are ignored (not parsed into a crash, not deleted): other
+    suffixes, non-canonical or too long numbers, a folder named like a generation."""
+    fs = remote.fs()
+    lease = remote.path(".tdckpt-lease")
+    garbage = [
+        "notes.txt",
+        "abc.json",
+        "7.json",  # not zero-padded
+        "0000000000007.json",  # 13 digits with a leading zero: not canonical
+        "9" * 300 + ".json",
+        "٣٣٣٣٣٣٣٣٣٣٣٣.json",  # Arabic-Indic digits: str.isdigit, not ASCII
+        "000000000005.json/inner",  # a "folder" named like a generation
+    ]
+    for name in garbage:
+        fs.pipe_file(f"{lease}/{name}", _lease_record())
+    with _mgr(remote) as mgr:
+        mgr.save(1, _td(1))
+        mgr.save(2, _td(2))
+        assert mgr.steps() == [1, 2]
+    left = {n.rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(lease, detail=False)}
+    assert {g.split("/")[0] for g in garbage} <= left
+
+
+# -- every error names the URL, never the private local copy --------------------------------
+
+
+def _no_local(exc: BaseException, url: str) -> None:
+    text = str(exc) + repr(getattr(exc, "facts", ""))
+    assert url in text, text
+    for private in ("tdckpt-url-", "tdckpt-restore-", "/dev/shm", "/tmp/"):
+        assert private not in text, text
+
+
+def test_errors_reading_a_url_prefix_name_the_url(remote: Remote, tmp_path: Any) -> None:
+    import tdckpt
+    from tdckpt.errors import TdckptError
+
+    local = tmp_path / "td"
+    _td(1).memmap(local)
+    fs = remote.fs()
+    for f in local.iterdir():
+        fs.put_file(str(f), remote.path(f"x/{f.name}"))
+    fs.pipe_file(remote.path("x/meta.json"), b"{not json")
+    url = f"{remote.url}/x"
+    opts = remote.storage_options
+    with pytest.raises(TdckptError) as info:
+        tdckpt.load_memmap(url, storage_options=opts)
+    _no_local(info.value, url)
+    assert str(info.value).startswith(f"{url}: ")
+    assert getattr(info.value, "prefix", url) == url
+    target = _td(5)
+    with pytest.raises(TdckptError) as info:
+        tdckpt.load_memmap_(target, url, storage_options=opts)
+    _no_local(info.value, url)
+    assert _equal(target, _td(5))
+    report = tdckpt.validate(url, storage_options=opts)
+    assert not report.ok and str(report.prefix) == url
+
+
+def test_errors_restoring_a_step_name_its_url(remote: Remote) -> None:
+    """A step whose record and bytes agree (checksums pass) but whose meta.json is wrong:
+    the local engine's refusal names the step's URL, not the temporary download folder."""
+    from tdckpt._write.checksum import new_hasher
+    from tdckpt.errors import TdckptError
+
+    with _mgr(remote) as mgr:
+        mgr.save(1, _td(1))
+        step_url = mgr.path(1)
+    fs = remote.fs()
+    record_path = remote.path("1.tdckpt.json")
+    record = json.loads(fs.cat_file(record_path))
+    loc = record["locations"]["meta.json"]
+    data_path = remote.path(
+        f"1.attempt-{record['attempt']}/{record['objects'][loc['object']]['name']}"
+    )
+    blob = bytearray(fs.cat_file(data_path))
+    (entry,) = [f for f in record["manifest"]["files"] if f["path"] == "meta.json"]
+    meta = bytes(blob[loc["offset"] : loc["offset"] + entry["size"]])
+    assert b'"shape": [8, 4]' in meta
+    bad = meta.replace(b'"shape": [8, 4]', b'"shape": [9, 4]')
+    blob[loc["offset"] : loc["offset"] + entry["size"]] = bad
+    h = new_hasher(entry["checksum"].split(":")[0])
+    h.update(bad)
+    entry["checksum"] = f"{entry['checksum'].split(':')[0]}:{h.hexdigest()}"
+    fs.pipe_file(data_path, bytes(blob))
+    fs.pipe_file(record_path, json.dumps(record).encode())
+    with _mgr(remote) as mgr:
+        with pytest.raises(TdckptError) as info:
+            mgr.restore(1)
+        _no_local(info.value, step_url)
+        target = _td(3)
+        with pytest.raises(TdckptError) as info:
+            mgr.restore_into(target, 1)
+        _no_local(info.value, step_url)
+        assert _equal(target, _td(3))
+
+
+def test_an_oversized_metadata_file_at_a_url_is_refused_unfetched(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A meta.json over the reader's cap is never downloaded: a sparse stand-in of its
+    listed size goes to the local reader, which refuses it; the error names the URL."""
+    import uuid
+
+    import fsspec
+
+    import tdckpt
+    from tdckpt._read import storage
+    from tdckpt.errors import TdckptError
+
+    monkeypatch.setattr(storage, "MAX_JSON_BYTES", 4096)
+    local = tmp_path / "td"
+    _td(1).memmap(local)
+    url = f"memory://t{uuid.uuid4().hex[:12]}/x"
+    fs = fsspec.filesystem("memory")
+    for f in local.iterdir():
+        fs.put_file(str(f), f"{url[len('memory://') - 1 :]}/{f.name}")
+    meta = (local / "meta.json").read_bytes()
+    fs.pipe_file(f"{url[len('memory://') - 1 :]}/meta.json", meta.rstrip() + b" " * 10_000)
+    asked: list[str] = []
+    cat_ranges = fs.cat_ranges
+
+    def spy(paths: list[str], *args: Any, **kwargs: Any) -> Any:
+        asked.extend(paths)
+        return cat_ranges(paths, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_ranges", spy)
+    with pytest.raises(TdckptError) as info:
+        tdckpt.load_memmap(url)
+    _no_local(info.value, url)
+    assert asked and not [p for p in asked if p.endswith("meta.json")]

@@ -129,19 +129,24 @@ def parse_record(data: bytes, where: str, step: int) -> CommitRecord:
     """Parse and check a commit record; MetadataError naming what is wrong."""
     try:
         raw: Any = json.loads(data.decode("utf-8"))
-        if isinstance(raw, dict) and raw.get("commit_version", 0) > COMMIT_VERSION:
+        version: Any = raw.get("commit_version") if isinstance(raw, dict) else None
+        if type(version) in (int, float) and version > COMMIT_VERSION:  # 2.0 is 2 to pydantic
+            shown = version if abs(version) < 2**63 else "a huge number"
             raise MetadataError(
-                f"{where}: commit record version {raw['commit_version']} is newer than this "
-                f"tdckpt reads ({COMMIT_VERSION}); upgrade tdckpt.",
+                f"{where}: commit record version {shown} is newer than this tdckpt reads "
+                f"({COMMIT_VERSION}); upgrade tdckpt.",
                 path=where,
             )
         record = CommitRecord.model_validate(raw)
     except MetadataError:
         raise
-    except (UnicodeDecodeError, json.JSONDecodeError, ValidationError) as exc:
+    # ValueError: not UTF-8, not JSON, an integer past Python's digit limit, a schema error
+    # (pydantic's ValidationError is one); RecursionError: nesting too deep to parse.
+    except (ValidationError, ValueError, RecursionError, TypeError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise MetadataError(
-            f"{where}: not a valid tdckpt commit record ({str(exc).splitlines()[0]}); the step "
-            "cannot be restored. Restore another step; `tdckpt ls` lists it as damaged.",
+            f"{where}: not a valid tdckpt commit record ({first[:200]}); the step cannot be "
+            "restored. Restore another step; `tdckpt ls` lists it as damaged.",
             path=where,
         ) from exc
     if record.step != step:

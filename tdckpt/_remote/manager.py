@@ -206,10 +206,16 @@ class RemoteCheckpointManager(CheckpointManager):
         where = self._store.show(name)
         size = entry.get("size")
         if isinstance(size, int) and size > layout.MAX_RECORD_BYTES:
-            result = MetadataError(f"{where}: {size} bytes, too large for a commit record.")
+            result = MetadataError(
+                f"{where}: {size} bytes, more than {layout.MAX_RECORD_BYTES}, too large for a "
+                "commit record; it was not read.",
+                path=where,
+            )
         else:
             try:
-                result = layout.parse_record(self._store.cat(name), where, step)
+                # capped: the object may have grown since it was listed
+                data = self._store.cat_capped(name, layout.MAX_RECORD_BYTES, "commit record")
+                result = layout.parse_record(data, where, step)
             except FileNotFoundError:
                 result = MetadataError(f"{where}: deleted while being read.", path=where)
             except MetadataError as exc:
