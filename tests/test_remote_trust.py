@@ -532,3 +532,24 @@ def test_an_oversized_metadata_file_at_a_url_is_refused_unfetched(
         tdckpt.load_memmap(url)
     _no_local(info.value, url)
     assert asked and not [p for p in asked if p.endswith("meta.json")]
+
+
+# -- tdckpt.save of a URL -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url", ["memory://bucket/x", "s3://bucket/x", "file:///tmp/x"])
+def test_save_to_a_url_is_refused_before_anything_is_written(
+    url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It used to write a local folder literally named ``memory:`` (``s3:``, ``file:``) in
+    the working directory."""
+    import tdckpt
+    from tdckpt.errors import UnsafePathError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsafePathError) as info:
+        tdckpt.save(_td(1), url)
+    assert str(info.value).startswith(f"{url}: tdckpt.save writes a local path; ")
+    assert f"CheckpointManager({url!r}).save(step, obj)" in str(info.value)
+    assert info.value.path == url  # type: ignore[attr-defined]
+    assert list(tmp_path.iterdir()) == []
