@@ -186,7 +186,7 @@ def test_retention_failing_after_the_commit_warns_and_the_save_returns(
         assert w.category is TdckptWarning
         assert text.startswith(f"{s3_remote.url}/2.tdckpt.json: step 2 is committed, but ")
         assert "retention policy after it failed" in text and "prune() and gc()" in text
-        assert "Nothing was committed" not in text.split("(", 1)[0]
+        assert "Nothing was committed" not in text and "delete of " in text
         assert (w.filename, w.lineno) == (__file__, line)
         assert url.startswith(f"{s3_remote.url}/2.attempt-")
         assert mgr.steps() == [1, 2]  # the delete never happened: step 1 is still there
@@ -553,3 +553,125 @@ def test_save_to_a_url_is_refused_before_anything_is_written(
     assert f"CheckpointManager({url!r}).save(step, obj)" in str(info.value)
     assert info.value.path == url  # type: ignore[attr-defined]
     assert list(tmp_path.iterdir()) == []
+
+
+# -- reads are sized by the store's listing, not by the record -----------------------------
+
+
+def test_a_record_claiming_a_huge_object_is_refused_from_the_listing(remote: Remote) -> None:
+    """A record (checksums and all) claiming a 16 GiB object that holds 1 MiB: restore and
+    verify report the file short from one listing, without planning 16 GiB of reads."""
+    from tdckpt.errors import IntegrityError
+
+    with _mgr(remote) as mgr:
+        mgr.save(1, TensorDict(big=torch.zeros(1 << 18), batch_size=[]))  # 1 MiB: own object
+    fs = remote.fs()
+    record_path = remote.path("1.tdckpt.json")
+    record = json.loads(fs.cat_file(record_path))
+    loc = record["locations"]["big.memmap"]
+    (entry,) = [f for f in record["manifest"]["files"] if f["path"] == "big.memmap"]
+    entry["size"] = 1 << 34
+    record["objects"][loc["object"]]["size"] = loc["offset"] + (1 << 34)
+    fs.pipe_file(record_path, json.dumps(record).encode())
+    name = record["objects"][loc["object"]]["name"]
+    held = fs.info(remote.path(f"1.attempt-{record['attempt']}/{name}"))["size"]
+    with _mgr(remote) as mgr:
+        report = mgr.verify(1)
+        (p,) = report.problems
+        assert (p.path, p.kind) == ("big.memmap", "short")
+        assert (
+            p.found
+            == f"object {name} holds {held} bytes, the record says {(1 << 34) + loc['offset']}"
+        )
+        with pytest.raises(IntegrityError, match="step 1 is damaged in the store"):
+            mgr.restore(1)
+
+
+# -- gc: a record committed while gc runs, a store without times -----------------------------
+
+
+def test_gc_rereads_the_record_before_deleting(remote: Remote) -> None:
+    """A record that appears after gc listed the root (a commit landing meanwhile) is read
+    again just before the attempt is deleted: the attempt stays."""
+    with _mgr(remote) as mgr:
+        mgr.save(1, _td(1))
+    fs = remote.fs()
+    record_path = remote.path("1.tdckpt.json")
+    record = bytes(fs.cat_file(record_path))
+    fs.rm_file(record_path)  # as if the commit had not landed yet
+    (attempt,) = _attempts(remote, 1)
+    with _mgr(remote) as mgr:
+        find = mgr.store.find
+
+        def commit_lands(rel: str) -> Any:
+            out = find(rel)
+            if rel == attempt:  # gc is about to decide on the attempt: the commit lands
+                fs.pipe_file(record_path, record)
+            return out
+
+        mgr.store.find = commit_lands
+        assert mgr.gc(grace_period=0) == []
+        del mgr.store.find
+        assert _attempts(remote, 1) == [attempt] and mgr.steps() == [1]
+        assert _equal(mgr.restore(1), _td(1))
+
+
+def test_gc_keeps_attempts_of_unknown_age_until_grace_period_zero(remote: Remote) -> None:
+    """A store whose listing gives no modification times: an unnamed attempt's age is
+    unknown (it may be uploading), so only gc(grace_period=0) removes it."""
+    with _mgr(remote) as mgr:
+        mgr.save(1, _td(1))
+        stale = "5.attempt-" + "d" * 32
+        remote.fs().pipe_file(remote.path(f"{stale}/data-0"), b"x")
+        find = mgr.store.find
+        times = ("LastModified", "mtime", "created", "updated", "last_modified")
+
+        def timeless(rel: str) -> Any:
+            return {k: {f: x for f, x in v.items() if f not in times} for k, v in find(rel).items()}
+
+        mgr.store.find = timeless
+        assert mgr.gc(grace_period=3600) == []
+        assert mgr.gc(grace_period=0) == [f"{remote.url}/{stale}"]
+        del mgr.store.find
+
+
+def test_a_permission_refusal_names_the_url() -> None:
+    """A definite refusal (403, EACCES) is a RemoteError naming the object's URL and the
+    fix, not the filesystem library's bare PermissionError."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from _unprivileged import run_unprivileged
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop to another user")
+    base = Path(tempfile.mkdtemp(prefix="tdckpt-perm-"))  # under /tmp: others may traverse
+    os.chmod(base, 0o755)
+    root = base / "run"
+    url = f"file://{root}"
+    with CheckpointManager(url) as mgr:
+        mgr.save(1, _td(1))
+    for d in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+        os.chmod(d, 0o755)
+    (root / "1.tdckpt.json").chmod(0o000)
+
+    def read() -> object:
+        from tdckpt.errors import RemoteError
+
+        try:
+            CheckpointManager(url).steps()
+        except RemoteError as exc:
+            return (str(exc), exc.path)  # type: ignore[attr-defined]
+        return None
+
+    try:
+        result = run_unprivileged(read)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert result is not None
+    message, path = result  # type: ignore[misc]
+    assert path == f"{url}/1.tdckpt.json"
+    assert message.startswith(f"{url}/1.tdckpt.json: read refused by the store (PermissionError")
+    assert "credentials and permissions" in message

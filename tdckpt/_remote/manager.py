@@ -82,6 +82,16 @@ def _memory_tmp() -> str | None:
     return None
 
 
+def _why(exc: BaseException) -> str:
+    """What went wrong, for a warning issued after a commit: a store failure's operation,
+    object and cause (not its "Nothing was committed" advice, which is for failed saves)."""
+    if isinstance(exc, RemoteError) and "operation" in exc.facts:
+        cause = exc.__cause__
+        shown = repr(cause) if cause is not None else exc.message
+        return f"{exc.facts['operation']} of {exc.facts.get('path')}: {shorten(shown, 300)}"
+    return shorten(str(exc), 400)
+
+
 class RemoteCheckpointManager(CheckpointManager):
     """A :class:`~tdckpt.manager.CheckpointManager` whose root is an fsspec URL.
 
@@ -435,7 +445,7 @@ class RemoteCheckpointManager(CheckpointManager):
                 # On save_async's thread the warning is kept and issued on the caller's.
                 _background.warn(
                     f"{self._store.show(commit)}: step {step} is committed, but applying the "
-                    f"retention policy after it failed ({shorten(str(exc), 400)}); older steps it "
+                    f"retention policy after it failed ({_why(exc)}); older steps it "
                     "would have deleted may still be listed, and data of a deleted record "
                     "is left for gc. Run prune() and gc() (or `tdckpt gc`) again once the "
                     "store answers.",
@@ -501,6 +511,10 @@ class RemoteCheckpointManager(CheckpointManager):
                 times = [t for t in (mtime(i) for i in objects.values()) if t is not None]
                 if times and now - max(times) < grace_period:
                     continue
+                if objects and not times and grace_period > 0:
+                    continue  # the store gives no times: its age is unknown, it may be uploading
+                if self._named_now(step, name):
+                    continue
                 self._store.rm_tree(name)
                 removed.append(self._store.show(name))
         for step, names in sorted(kept.items()):
@@ -514,6 +528,22 @@ class RemoteCheckpointManager(CheckpointManager):
                 stacklevel=2,
             )
         return removed  # type: ignore[return-value]
+
+    def _named_now(self, step: int, name: str) -> bool:
+        """Whether the record of ``step``, read again just before gc deletes ``name``,
+        names it or cannot be read (a record committed since gc listed the root)."""
+        commit = layout.commit_name(step)
+        try:
+            data = self._store.cat_capped(commit, layout.MAX_RECORD_BYTES, "commit record")
+        except FileNotFoundError:
+            return False
+        except MetadataError:
+            return True
+        try:
+            record = layout.parse_record(data, self._store.show(commit), step)
+        except MetadataError:
+            return True
+        return layout.attempt_name(step, record.attempt) == name
 
     # -- verifying and restoring ---------------------------------------------------------
     def _tmp_parent(self) -> str | None:

@@ -50,6 +50,14 @@ _DEFINITE: tuple[type[BaseException], ...] = (
     NotADirectoryError,
 )
 
+#: Definite answers that are not facts a caller acts on (as it does on "not found" and
+#: "exists"): raised as RemoteError naming the URL, not as the library's bare error.
+_REFUSED: tuple[type[BaseException], ...] = (
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
+
 
 def _transient(exc: BaseException) -> bool:
     if isinstance(exc, _DEFINITE):
@@ -141,6 +149,14 @@ class Store:
                 return fn()
             except BaseException as exc:
                 if not _transient(exc) or attempt == ATTEMPTS - 1:
+                    if isinstance(exc, _REFUSED):
+                        raise RemoteError(
+                            f"{self.show(rel)}: {what} refused by the store "
+                            f"({shorten(repr(exc), 300)}). Check the credentials and "
+                            "permissions for this URL (storage_options).",
+                            path=self.show(rel),
+                            operation=what,
+                        ) from exc
                     if _transient(exc):
                         raise RemoteError(
                             f"{self.show(rel)}: {what} failed {ATTEMPTS} times ({exc!r}); the "
