@@ -675,3 +675,51 @@ def test_a_permission_refusal_names_the_url() -> None:
     assert path == f"{url}/1.tdckpt.json"
     assert message.startswith(f"{url}/1.tdckpt.json: read refused by the store (PermissionError")
     assert "credentials and permissions" in message
+
+
+def test_objects_under_a_record_name_protect_the_step(remote: Remote) -> None:
+    """``3.tdckpt.json/...`` (a prefix where step 3's record belongs) is not a record, but
+    gc cannot prove it names nothing: step 3's attempts are kept and it is listed damaged."""
+    with _mgr(remote) as mgr:
+        mgr.save(1, _td(1))
+    fs = remote.fs()
+    fs.pipe_file(remote.path("3.tdckpt.json/part-0"), b"{}")
+    fs.pipe_file(remote.path("3.attempt-" + "e" * 32 + "/data-0"), b"x")
+    with _mgr(remote) as mgr:
+        with pytest.warns(TdckptWarning, match="a prefix of objects where the step's commit"):
+            assert mgr.gc(grace_period=0) == []
+        assert [(r.step, r.status) for r in mgr.list_steps()] == [
+            (1, "committed"),
+            (3, "damaged"),
+            (3, "damaged"),
+        ]
+        assert mgr.steps() == [1]
+
+
+def test_cli_gc_reports_what_it_keeps(remote: Remote, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tdckpt gc URL --grace-period 0`: exit 0, nothing removed, one warning line naming the
+    kept attempt; `ls` shows it damaged, not incomplete."""
+    from tdckpt.cli import main
+
+    with _mgr(remote) as mgr:
+        mgr.save(1, _td(1))
+        mgr.save(2, _td(2))
+    fs = remote.fs()
+    record = remote.path("2.tdckpt.json")
+    fs.pipe_file(record, json.dumps(_newer_version(json.loads(fs.cat_file(record)))).encode())
+    flags: list[str] = []
+    for key, value in (remote.storage_options or {}).items():
+        flags += ["--storage-option", f"{key}={json.dumps(value)}"]
+    (attempt,) = _attempts(remote, 2)
+    assert main(["gc", remote.url, "--grace-period", "0", "--json", *flags]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out) == []
+    assert out.err.startswith(f"warning: {remote.url}/2.tdckpt.json: gc kept 1 attempt(s)")
+    assert f"{remote.url}/{attempt}" in out.err
+    assert main(["ls", remote.url, "--json", *flags]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["kind"], r["status"]) for r in rows][1:] == [
+        (2, "remote", "damaged"),
+        (2, "tmp", "damaged"),
+    ]
+    assert _attempts(remote, 2) == [attempt]

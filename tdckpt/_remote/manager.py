@@ -189,10 +189,19 @@ class RemoteCheckpointManager(CheckpointManager):
         committed: dict[int, layout.CommitRecord] = {}
         damaged: dict[int, str] = {}
         attempts: dict[str, tuple[int, str, Any]] = {}
+        folders: dict[int, str] = {}
         for entry in self._store.ls(""):
             name = self._store.rel(entry["name"]).rsplit("/", 1)[-1]
             step = layout.parse_commit(name)
-            if step is not None and entry.get("type") != "directory":
+            if step is not None and entry.get("type") == "directory":
+                # objects under a record's name: not a record tdckpt wrote, but it may be
+                # one's remains; like an unreadable record it protects the step's attempts
+                folders[step] = (
+                    f"{self._store.show(name)}: a prefix of objects where the step's commit "
+                    "record belongs, not a commit record."
+                )
+                continue
+            if step is not None:
                 result = self._record(name, step, entry)
                 if isinstance(result, MetadataError):
                     damaged[step] = result.message
@@ -202,6 +211,9 @@ class RemoteCheckpointManager(CheckpointManager):
             parsed = layout.parse_attempt(name)
             if parsed is not None:
                 attempts[name] = (parsed[0], parsed[1], entry)
+        for step, reason in folders.items():
+            if step not in committed:
+                damaged.setdefault(step, reason)
         return committed, damaged, attempts
 
     def _record(
