@@ -723,3 +723,37 @@ def test_cli_gc_reports_what_it_keeps(remote: Remote, capsys: pytest.CaptureFixt
         (2, "tmp", "damaged"),
     ]
     assert _attempts(remote, 2) == [attempt]
+
+
+@pytest.mark.parametrize("clash", ["manifest-itself", "file-and-folder"])
+def test_a_record_whose_files_cannot_all_exist_is_damaged(clash: str) -> None:
+    """Paths that cannot all be files of one folder (the manifest's own name among them, or
+    ``meta.json`` both a file and a folder) make the record invalid: listed damaged, its
+    attempt kept, never a raw OSError about the temporary download folder."""
+    import uuid
+
+    r = Remote("memory", f"memory://t{uuid.uuid4().hex[:12]}/run", None)
+    with _mgr(r) as mgr:
+        mgr.save(1, _td(1))
+    fs = r.fs()
+    path = r.path("1.tdckpt.json")
+    record = json.loads(fs.cat_file(path))
+    new = "tdckpt.manifest.json" if clash == "manifest-itself" else "meta.json/w.memmap"
+    for f in record["manifest"]["files"]:
+        if f["path"] == "w.memmap":
+            f["path"] = new
+    record["manifest"]["files"].sort(key=lambda f: f["path"])
+    record["locations"][new] = record["locations"].pop("w.memmap")
+    fs.pipe_file(path, json.dumps(record).encode())
+    with _mgr(r) as mgr:
+        (row,) = [row for row in mgr.list_steps() if row.kind == "remote"]
+        assert row.status == "damaged"
+        expected = (
+            "lists tdckpt.manifest.json itself"
+            if clash == "manifest-itself"
+            else ("['meta.json'] are listed as files and as folders of other files")
+        )
+        assert expected in row.detail, row.detail
+        with pytest.raises(IncompleteCheckpointError) as info:
+            mgr.restore(1)
+        _no_local(info.value, f"{r.url}/1.tdckpt.json")
