@@ -757,3 +757,24 @@ def test_a_record_whose_files_cannot_all_exist_is_damaged(clash: str) -> None:
         with pytest.raises(IncompleteCheckpointError) as info:
             mgr.restore(1)
         _no_local(info.value, f"{r.url}/1.tdckpt.json")
+
+
+def test_a_url_prefix_with_an_object_that_is_also_a_folder_is_refused(
+    s3_remote: Remote, tmp_path: Any
+) -> None:
+    """``meta.json`` and ``meta.json/x`` both exist (possible in S3, not in a folder):
+    refused up front, naming the URL, instead of an OSError about the download folder."""
+    import tdckpt
+    from tdckpt.errors import UnsafePathError
+
+    local = tmp_path / "td"
+    _td(1).memmap(local)
+    fs = s3_remote.fs()
+    for f in local.iterdir():
+        fs.put_file(str(f), s3_remote.path(f"x/{f.name}"))
+    fs.pipe_file(s3_remote.path("x/meta.json/stray"), b"x")
+    url = f"{s3_remote.url}/x"
+    with pytest.raises(UnsafePathError) as info:
+        tdckpt.load_memmap(url, storage_options=s3_remote.storage_options)
+    assert str(info.value).startswith(f"{url}/meta.json: an object that is also the prefix")
+    _no_local(info.value, url)

@@ -85,6 +85,15 @@ def local_prefix(url: str, storage_options: dict[str, Any] | None, *, data: bool
         dest.mkdir()
         for rel in found:
             _safe(rel, store.url)
+        folders = {rel.rsplit("/", i)[0] for rel in found for i in range(1, rel.count("/") + 1)}
+        clash = sorted(folders & set(found))
+        if clash:
+            raise UnsafePathError(
+                f"{store.show(clash[0])}: an object that is also the prefix of other objects "
+                f"({len(clash)} such name(s)); a tensordict prefix cannot hold it (a file and a "
+                "folder of one name). Nothing was read; remove the stray object.",
+                path=store.show(clash[0]),
+            )
         # A metadata file over the cap the local reader applies to it is never fetched: a
         # sparse file of its listed size stands in, which the reader refuses unread.
         oversized = {r for r in found if _size(found[r]) > _cap(r)}
