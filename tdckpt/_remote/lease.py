@@ -153,7 +153,7 @@ class Lease:
                         "for its lease to expire if it crashed.",
                         root=self.store.url,
                         path=self.store.show(self._name(top)),
-                        holder={**holder, "expires": expires},
+                        holder=_holder(current, expires),
                     )
             if self._create(self._next(top)):
                 self._cleanup(gens)
@@ -226,3 +226,14 @@ def _field(value: Any) -> str:
     if isinstance(value, int):
         return shorten(str(value) if value.bit_length() < 128 else "a huge integer", 60)
     return repr(shorten(value if isinstance(value, str) else type(value).__name__, 60))
+
+
+def _holder(record: dict[str, Any], expires: float) -> dict[str, Any]:
+    """The LockError's ``holder`` fact: the record's fields, each short or None."""
+    pid = record.get("pid")
+    return {
+        "host": shorten(record["host"], 60) if isinstance(record.get("host"), str) else None,
+        "pid": pid if type(pid) is int and pid.bit_length() < 64 else None,
+        "owner": shorten(record["owner"], 60) if isinstance(record.get("owner"), str) else None,
+        "expires": expires,
+    }

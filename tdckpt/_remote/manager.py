@@ -500,7 +500,10 @@ class RemoteCheckpointManager(CheckpointManager):
     def gc(self, *, grace_period: float = DEFAULT_GRACE_S) -> list[Path]:
         """Delete attempt prefixes that no commit record names and that nothing has written
         to for ``grace_period`` seconds (default an hour: a save may still be uploading);
-        return their URLs. Committed steps are never touched. Takes the lease."""
+        return their URLs. Committed steps are never touched, nor any attempt of a step
+        whose commit record cannot be read (a newer tdckpt's, a damaged one: it may name
+        them); those are reported with a :class:`~tdckpt.warnings.TdckptWarning`. The
+        step's record is read again just before an attempt is deleted. Takes the lease."""
         if not grace_period >= 0:
             raise ValueError(f"grace_period must be >= 0 seconds, got {grace_period!r}")
         with self._writing:
