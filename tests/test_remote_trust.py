@@ -778,3 +778,36 @@ def test_a_url_prefix_with_an_object_that_is_also_a_folder_is_refused(
         tdckpt.load_memmap(url, storage_options=s3_remote.storage_options)
     assert str(info.value).startswith(f"{url}/meta.json: an object that is also the prefix")
     _no_local(info.value, url)
+
+
+def test_a_retried_commit_reads_at_most_its_own_size(
+    remote: Remote, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer to the commit is lost and, meanwhile, a 3 MiB object took the record's
+    name: the retry compares at most len(record) + 1 bytes (not the whole object), finds it
+    is not this save's record, and the save is a CommitConflictError."""
+    from tdckpt.errors import CommitConflictError
+
+    monkeypatch.setattr(_store, "BACKOFF_S", 0.001)
+    original = _store.Store._create_once
+    read: list[int] = []
+
+    def taken_then_lost(self: Any, path: str, data: bytes) -> None:
+        if path.endswith("3.tdckpt.json") and not read:
+            self.fs.pipe_file(path, b" " * (3 << 20))  # another object took the name
+            cat_file = self.fs.cat_file
+
+            def spy(p: str, *args: Any, **kwargs: Any) -> Any:
+                out = cat_file(p, *args, **kwargs)
+                if p == path:
+                    read.append(len(out))
+                return out
+
+            monkeypatch.setattr(self.fs, "cat_file", spy)
+            raise OSError("connection reset after the request was sent (simulated)")
+        original(self, path, data)
+
+    monkeypatch.setattr(_store.Store, "_create_once", taken_then_lost)
+    with _mgr(remote) as mgr, pytest.raises(CommitConflictError):
+        mgr.save(3, _td(3))
+    assert read and max(read) < 64 << 10
