@@ -257,7 +257,7 @@ def test_a_garbage_record_is_a_damaged_step_not_a_crash(garbage: str) -> None:
         assert _equal(mgr.restore(), _td(1))
 
 
-def test_an_oversized_record_is_damaged_and_not_read_whole(
+def test_an_oversized_record_is_damaged_from_its_listed_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A record over MAX_RECORD_BYTES is refused from its listed size, unread."""
