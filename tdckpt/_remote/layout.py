@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tdckpt.errors import MetadataError
-from tdckpt.schema import Manifest
+from tdckpt.schema import MANIFEST_NAME, Manifest
 
 __all__ = [
     "COMMIT_SUFFIX",
@@ -106,6 +106,13 @@ class CommitRecord(_Model):
         if bad or len(set(names)) != len(names):
             raise ValueError(f"object names must be distinct data-N names, got {names[:5]}")
         files = {f.path: f for f in self.manifest.files}
+        if MANIFEST_NAME in files:
+            raise ValueError(f"the manifest lists {MANIFEST_NAME} itself among the step's files")
+        folders = {path.rsplit("/", 1)[0] for path in files if "/" in path}
+        folders |= {f.rsplit("/", i)[0] for f in list(folders) for i in range(1, f.count("/") + 1)}
+        clash = sorted(folders & set(files))[:5]
+        if clash:
+            raise ValueError(f"{clash} are listed as files and as folders of other files")
         if set(files) != set(self.locations):
             missing = sorted(set(files) - set(self.locations))[:5]
             extra = sorted(set(self.locations) - set(files))[:5]
@@ -129,19 +136,29 @@ def parse_record(data: bytes, where: str, step: int) -> CommitRecord:
     """Parse and check a commit record; MetadataError naming what is wrong."""
     try:
         raw: Any = json.loads(data.decode("utf-8"))
-        if isinstance(raw, dict) and raw.get("commit_version", 0) > COMMIT_VERSION:
+        version: Any = raw.get("commit_version") if isinstance(raw, dict) else None
+        if type(version) in (int, float) and version > COMMIT_VERSION:  # 2.0 is 2 to pydantic
+            shown = version if abs(version) < 2**63 else "a huge number"
             raise MetadataError(
-                f"{where}: commit record version {raw['commit_version']} is newer than this "
-                f"tdckpt reads ({COMMIT_VERSION}); upgrade tdckpt.",
+                f"{where}: commit record version {shown} is newer than this tdckpt reads "
+                f"({COMMIT_VERSION}); upgrade tdckpt.",
                 path=where,
             )
         record = CommitRecord.model_validate(raw)
     except MetadataError:
         raise
-    except (UnicodeDecodeError, json.JSONDecodeError, ValidationError) as exc:
+    # ValueError: not UTF-8, not JSON, an integer past Python's digit limit, a schema error
+    # (pydantic's ValidationError is one); RecursionError: nesting too deep to parse.
+    except (ValidationError, ValueError, RecursionError, TypeError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        if isinstance(exc, ValidationError) and exc.error_count():
+            error = exc.errors(include_url=False, include_input=False)[0]
+            where_in = ".".join(str(part) for part in error["loc"]) or "record"
+            more = exc.error_count() - 1
+            first = f"{where_in}: {error['msg']}" + (f"; and {more} more" if more else "")
         raise MetadataError(
-            f"{where}: not a valid tdckpt commit record ({str(exc).splitlines()[0]}); the step "
-            "cannot be restored. Restore another step; `tdckpt ls` lists it as damaged.",
+            f"{where}: not a valid tdckpt commit record ({first[:200]}); the step cannot be "
+            "restored. Restore another step; `tdckpt ls` lists it as damaged.",
             path=where,
         ) from exc
     if record.step != step:

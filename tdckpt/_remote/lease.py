@@ -38,13 +38,18 @@ import time
 from typing import Any
 
 from tdckpt._remote.layout import LEASE_DIR
-from tdckpt._remote.store import Store
-from tdckpt.errors import LockError
+from tdckpt._remote.store import MAX_CONTROL_BYTES, Store, shorten
+from tdckpt.errors import LockError, MetadataError
 
 __all__ = ["DEFAULT_TTL_S", "Lease"]
 
 DEFAULT_TTL_S = 600.0
+#: A generation's name is zero-padded to this many digits; larger ones are simply wider
+#: (generations are compared as numbers, never as names).
 _DIGITS = 12
+#: Widest generation read or written; a name past it is not a tdckpt lease and is ignored.
+_MAX_DIGITS = 40
+_MAX_GENERATION = 10**_MAX_DIGITS - 1
 
 
 class Lease:
@@ -65,22 +70,51 @@ class Lease:
         return f"{LEASE_DIR}/{gen:0{_DIGITS}d}.json"
 
     def _generations(self) -> list[int]:
+        """The generations listed, as numbers, in order. Only tdckpt's own names count
+        (``<digits>.json``, zero-padded to 12 digits, wider only when the number is):
+        anything else in the folder - a stray file, a sub-folder, a non-canonical or
+        absurdly long number - is ignored, never parsed into a crash."""
         gens = []
         for entry in self.store.ls(LEASE_DIR):
-            base = self.store.rel(entry["name"]).rsplit("/", 1)[-1]
+            if entry.get("type") == "directory":
+                continue
+            base = self.store.rel(str(entry.get("name", ""))).rsplit("/", 1)[-1]
             stem = base.removesuffix(".json")
-            if base.endswith(".json") and stem.isdigit() and len(stem) == _DIGITS:
+            if (
+                base.endswith(".json")
+                and _DIGITS <= len(stem) <= _MAX_DIGITS
+                and stem.isascii()
+                and stem.isdigit()
+                and base == self._name(int(stem)).rsplit("/", 1)[-1]
+            ):
                 gens.append(int(stem))
         return sorted(gens)
 
     def _read(self, gen: int) -> dict[str, Any] | None:
+        """The record of ``gen``; None if it is gone; ``{}`` (treated as expired) if it is
+        not a lease record tdckpt wrote: not JSON, not an object, or larger than
+        :data:`~tdckpt._remote.store.MAX_CONTROL_BYTES` (then not read past the cap)."""
         try:
-            raw = json.loads(self.store.cat(self._name(gen)))
+            raw = json.loads(
+                self.store.cat_capped(self._name(gen), MAX_CONTROL_BYTES, "lease record")
+            )
         except FileNotFoundError:
             return None
-        except (ValueError, UnicodeDecodeError):
+        except (MetadataError, ValueError, RecursionError):  # UnicodeDecodeError too
             return {}  # a damaged record: treated as expired
         return raw if isinstance(raw, dict) else {}
+
+    def _next(self, gen: int) -> int:
+        if gen >= _MAX_GENERATION:
+            raise LockError(
+                f"{self.store.show(LEASE_DIR)}: the lease generation has reached the largest "
+                f"this tdckpt writes ({_MAX_DIGITS} digits); the lease objects were not written "
+                "by tdckpt. Stop every writer of this root, delete the objects under "
+                f"{self.store.show(LEASE_DIR)}, and retry.",
+                root=self.store.url,
+                path=self.store.show(LEASE_DIR),
+            )
+        return gen + 1
 
     def _create(self, gen: int) -> bool:
         now = time.time()
@@ -107,23 +141,21 @@ class Lease:
                 current = self._read(top)
                 if current is None:
                     continue  # released meanwhile: list again
-                if (
-                    current.get("owner") != self.owner
-                    and isinstance(current.get("expires"), (int, float))
-                    and current["expires"] > time.time()
-                ):
+                expires = _expiry(current.get("expires"))
+                now = time.time()
+                if current.get("owner") != self.owner and expires is not None and expires > now:
+                    holder = {k: _field(current.get(k)) for k in ("host", "pid", "owner")}
                     raise LockError(
                         f"{self.store.show(LEASE_DIR)}: another writer holds this root's lease "
-                        f"(host {current.get('host')!r}, pid {current.get('pid')}, manager "
-                        f"{current.get('owner')}, expires in "
-                        f"{current['expires'] - time.time():.0f} s). Only one process saves to a "
-                        "root at a time: close the other manager, or wait for its lease to "
-                        "expire if it crashed.",
+                        f"(host {holder['host']}, pid {holder['pid']}, manager "
+                        f"{holder['owner']}, expires in {expires - now:.0f} s). Only one "
+                        "process saves to a root at a time: close the other manager, or wait "
+                        "for its lease to expire if it crashed.",
                         root=self.store.url,
                         path=self.store.show(self._name(top)),
-                        holder=current,
+                        holder=_holder(current, expires),
                     )
-            if self._create(top + 1):
+            if self._create(self._next(top)):
                 self._cleanup(gens)
                 return
         raise LockError(  # pragma: no cover - 20 lost races in a row
@@ -156,7 +188,7 @@ class Lease:
             )
         if self.expires - time.time() < self.ttl / 2:
             old = self.generation
-            if not self._create(old + 1):
+            if not self._create(self._next(old)):
                 self.generation = None
                 raise LockError(
                     f"{self.store.show(LEASE_DIR)}: another writer took the lease while it was "
@@ -173,3 +205,35 @@ class Lease:
         with contextlib.suppress(Exception):
             if (self._read(gen) or {}).get("owner") == self.owner:
                 self.store.rm_files([self._name(gen)])
+
+
+def _expiry(value: Any) -> float | None:
+    """A record's expiry as seconds, or None if it holds none a writer could have written
+    (not a number, a bool, NaN, or an integer too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return None
+    return None if seconds != seconds else seconds
+
+
+def _field(value: Any) -> str:
+    """A field of a lease record for a message: short whatever the record holds."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        return shorten(str(value) if value.bit_length() < 128 else "a huge integer", 60)
+    return repr(shorten(value if isinstance(value, str) else type(value).__name__, 60))
+
+
+def _holder(record: dict[str, Any], expires: float) -> dict[str, Any]:
+    """The LockError's ``holder`` fact: the record's fields, each short or None."""
+    pid = record.get("pid")
+    return {
+        "host": shorten(record["host"], 60) if isinstance(record.get("host"), str) else None,
+        "pid": pid if type(pid) is int and pid.bit_length() < 64 else None,
+        "owner": shorten(record["owner"], 60) if isinstance(record.get("owner"), str) else None,
+        "expires": expires,
+    }

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from tdckpt._manage import background as _background
 from tdckpt._manage.background import BackgroundSaver, SaveFuture
 from tdckpt._manage.schedule import SaveSchedule
 from tdckpt._manage.steps import StepStatus
@@ -44,7 +45,7 @@ from tdckpt._remote import layout
 from tdckpt._remote.encode import encode_checkpoint
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
 from tdckpt._remote.prefix import relabel_warnings
-from tdckpt._remote.store import Store, mtime, open_store
+from tdckpt._remote.store import Store, mtime, open_store, shorten
 from tdckpt._remote.transfer import check_uploaded, download_step, plan_objects, upload_encoded
 from tdckpt._state import holds_live_objects, restore_state
 from tdckpt._write import atomic as _atomic
@@ -57,11 +58,13 @@ from tdckpt.errors import (
     IncompleteCheckpointError,
     MetadataError,
     RemoteError,
+    TdckptError,
 )
 from tdckpt.manager import CheckpointManager, _same_keys
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
 from tdckpt.save_policy import SavePolicy
 from tdckpt.schema import FileRecord, StateRecord
+from tdckpt.warnings import TdckptWarning
 
 __all__ = ["DEFAULT_GRACE_S", "RemoteCheckpointManager"]
 
@@ -79,6 +82,16 @@ def _memory_tmp() -> str | None:
     except OSError:
         pass
     return None
+
+
+def _why(exc: BaseException) -> str:
+    """What went wrong, for a warning issued after a commit: a store failure's operation,
+    object and cause (not its "Nothing was committed" advice, which is for failed saves)."""
+    if isinstance(exc, RemoteError) and "operation" in exc.facts:
+        cause = exc.__cause__
+        shown = repr(cause) if cause is not None else exc.message
+        return f"{exc.facts['operation']} of {exc.facts.get('path')}: {shorten(shown, 300)}"
+    return shorten(str(exc), 400)
 
 
 class RemoteCheckpointManager(CheckpointManager):
@@ -183,10 +196,19 @@ class RemoteCheckpointManager(CheckpointManager):
         committed: dict[int, layout.CommitRecord] = {}
         damaged: dict[int, str] = {}
         attempts: dict[str, tuple[int, str, Any]] = {}
+        folders: dict[int, str] = {}
         for entry in self._store.ls(""):
             name = self._store.rel(entry["name"]).rsplit("/", 1)[-1]
             step = layout.parse_commit(name)
-            if step is not None and entry.get("type") != "directory":
+            if step is not None and entry.get("type") == "directory":
+                # objects under a record's name: not a record tdckpt wrote, but it may be
+                # one's remains; like an unreadable record it protects the step's attempts
+                folders[step] = (
+                    f"{self._store.show(name)}: a prefix of objects where the step's commit "
+                    "record belongs, not a commit record."
+                )
+                continue
+            if step is not None:
                 result = self._record(name, step, entry)
                 if isinstance(result, MetadataError):
                     damaged[step] = result.message
@@ -196,6 +218,9 @@ class RemoteCheckpointManager(CheckpointManager):
             parsed = layout.parse_attempt(name)
             if parsed is not None:
                 attempts[name] = (parsed[0], parsed[1], entry)
+        for step, reason in folders.items():
+            if step not in committed:
+                damaged.setdefault(step, reason)
         return committed, damaged, attempts
 
     def _record(
@@ -210,10 +235,16 @@ class RemoteCheckpointManager(CheckpointManager):
         where = self._store.show(name)
         size = entry.get("size")
         if isinstance(size, int) and size > layout.MAX_RECORD_BYTES:
-            result = MetadataError(f"{where}: {size} bytes, too large for a commit record.")
+            result = MetadataError(
+                f"{where}: {size} bytes, more than {layout.MAX_RECORD_BYTES}, too large for a "
+                "commit record; it was not read.",
+                path=where,
+            )
         else:
             try:
-                result = layout.parse_record(self._store.cat(name), where, step)
+                # capped: the object may have grown since it was listed
+                data = self._store.cat_capped(name, layout.MAX_RECORD_BYTES, "commit record")
+                result = layout.parse_record(data, where, step)
             except FileNotFoundError:
                 result = MetadataError(f"{where}: deleted while being read.", path=where)
             except MetadataError as exc:
@@ -319,10 +350,14 @@ class RemoteCheckpointManager(CheckpointManager):
             rows.append((step, 1, StepStatus(step, where, "remote", "damaged", detail=reason)))
         named = {layout.attempt_name(s, r.attempt) for s, r in committed.items()}
         for name, (step, _, _) in attempts.items():
-            if name not in named:
-                rows.append(
-                    (step, 2, StepStatus(step, self._store.show(name), "tmp", "incomplete"))
-                )
+            if name in named:
+                continue
+            if step in damaged:  # an unreadable record may name it: gc keeps it
+                detail = "kept by gc: the step's commit record cannot be read and may name it"
+                row = StepStatus(step, self._store.show(name), "tmp", "damaged", detail=detail)
+            else:
+                row = StepStatus(step, self._store.show(name), "tmp", "incomplete")
+            rows.append((step, 2, row))
         return [row for _, _, row in sorted(rows, key=lambda r: (r[0], r[1], str(r[2].path)))]
 
     @contextlib.contextmanager
@@ -424,7 +459,21 @@ class RemoteCheckpointManager(CheckpointManager):
                     path=self._store.show(commit),
                     step=step,
                 ) from None
-            self._apply_retention(just_saved=step)
+            # The step is committed: from here on nothing may make the save look failed.
+            try:
+                self._apply_retention(just_saved=step)
+            except (OSError, TdckptError) as exc:
+                # stacklevel, counted from _background.warn: _save_prepared, save, caller.
+                # On save_async's thread the warning is kept and issued on the caller's.
+                _background.warn(
+                    f"{self._store.show(commit)}: step {step} is committed, but applying the "
+                    f"retention policy after it failed ({_why(exc)}); older steps it "
+                    "would have deleted may still be listed, and data of a deleted record "
+                    "is left for gc. Run prune() and gc() (or `tdckpt gc`) again once the "
+                    "store answers.",
+                    TdckptWarning,
+                    stacklevel=3,
+                )
         return self._store.show(prefix)
 
     def _apply_retention(self, *, just_saved: int | None, stacklevel: int = 5) -> list[Path]:
@@ -461,25 +510,65 @@ class RemoteCheckpointManager(CheckpointManager):
     def gc(self, *, grace_period: float = DEFAULT_GRACE_S) -> list[Path]:
         """Delete attempt prefixes that no commit record names and that nothing has written
         to for ``grace_period`` seconds (default an hour: a save may still be uploading);
-        return their URLs. Committed steps are never touched. Takes the lease."""
+        return their URLs. Committed steps are never touched, nor any attempt of a step
+        whose commit record cannot be read (a newer tdckpt's, a damaged one: it may name
+        them); those are reported with a :class:`~tdckpt.warnings.TdckptWarning`. The
+        step's record is read again just before an attempt is deleted. Takes the lease."""
         if not grace_period >= 0:
             raise ValueError(f"grace_period must be >= 0 seconds, got {grace_period!r}")
         with self._writing:
             self._ensure_lock()
-            committed, _, attempts = self._scan()
+            committed, damaged, attempts = self._scan()
             named = {layout.attempt_name(s, r.attempt) for s, r in committed.items()}
             now = time.time()
             removed = []
+            kept: dict[int, list[str]] = {}
             for name in sorted(attempts):
                 if name in named:
+                    continue
+                step = attempts[name][0]
+                if step in damaged:
+                    # A record this tdckpt cannot read (a newer writer's, a damaged one) may
+                    # name any attempt of its step: all of them stay, whatever their age.
+                    kept.setdefault(step, []).append(self._store.show(name))
                     continue
                 objects = self._store.find(name)
                 times = [t for t in (mtime(i) for i in objects.values()) if t is not None]
                 if times and now - max(times) < grace_period:
                     continue
+                if objects and not times and grace_period > 0:
+                    continue  # the store gives no times: its age is unknown, it may be uploading
+                if self._named_now(step, name):
+                    continue
                 self._store.rm_tree(name)
                 removed.append(self._store.show(name))
-            return removed  # type: ignore[return-value]
+        for step, names in sorted(kept.items()):
+            _background.warn(
+                f"{self._store.show(layout.commit_name(step))}: gc kept {len(names)} attempt(s) "
+                f"of step {step} ({shorten(', '.join(names), 300)}): the step's commit record "
+                f"cannot be read ({shorten(damaged[step], 300)}), so it may name any of them. "
+                "Nothing a record may name is deleted. Read it with a newer tdckpt, or delete "
+                "the record and run gc() again if the step is not wanted.",
+                TdckptWarning,
+                stacklevel=2,
+            )
+        return removed  # type: ignore[return-value]
+
+    def _named_now(self, step: int, name: str) -> bool:
+        """Whether the record of ``step``, read again just before gc deletes ``name``,
+        names it or cannot be read (a record committed since gc listed the root)."""
+        commit = layout.commit_name(step)
+        try:
+            data = self._store.cat_capped(commit, layout.MAX_RECORD_BYTES, "commit record")
+        except FileNotFoundError:
+            return False
+        except MetadataError:
+            return True
+        try:
+            record = layout.parse_record(data, self._store.show(commit), step)
+        except MetadataError:
+            return True
+        return layout.attempt_name(step, record.attempt) == name
 
     # -- verifying and restoring ---------------------------------------------------------
     def _tmp_parent(self) -> str | None:

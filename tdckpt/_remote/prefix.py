@@ -22,12 +22,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tdckpt._remote.layout import MAX_RECORD_BYTES
 from tdckpt._remote.store import open_store
 from tdckpt._write.checksum import new_hasher
-from tdckpt.errors import CheckpointNotFoundError, IntegrityError, MetadataError, UnsafePathError
+from tdckpt.errors import (
+    CheckpointNotFoundError,
+    IntegrityError,
+    MetadataError,
+    TdckptError,
+    UnsafePathError,
+)
 from tdckpt.schema import MANIFEST_NAME, Manifest
 
-__all__ = ["local_prefix", "relabel", "relabel_warnings"]
+__all__ = ["local_prefix", "relabel", "relabel_error", "relabel_warnings"]
 
 T = TypeVar("T")
 
@@ -71,30 +78,45 @@ def local_prefix(url: str, storage_options: dict[str, Any] | None, *, data: bool
             name = store.root.rsplit("/", 1)[-1] or "checkpoint"
             dest = tmp / name
             (tmp / name).write_bytes(store.cat(""))
-            yield dest
+            with _errors_named(dest, store.url):
+                yield dest
             return
         dest = tmp / "prefix"
         dest.mkdir()
         for rel in found:
             _safe(rel, store.url)
+        folders = {rel.rsplit("/", i)[0] for rel in found for i in range(1, rel.count("/") + 1)}
+        clash = sorted(folders & set(found))
+        if clash:
+            raise UnsafePathError(
+                f"{store.show(clash[0])}: an object that is also the prefix of other objects "
+                f"({len(clash)} such name(s)); a tensordict prefix cannot hold it (a file and a "
+                "folder of one name). Nothing was read; remove the stray object.",
+                path=store.show(clash[0]),
+            )
+        # A metadata file over the cap the local reader applies to it is never fetched: a
+        # sparse file of its listed size stands in, which the reader refuses unread.
+        oversized = {r for r in found if _size(found[r]) > _cap(r)}
         manifest: Manifest | None = None
-        if MANIFEST_NAME in found:
-            raw = store.cat(MANIFEST_NAME)
+        raw = b""
+        if MANIFEST_NAME in found and MANIFEST_NAME not in oversized:
+            raw = store.cat_capped(MANIFEST_NAME, MAX_RECORD_BYTES, "manifest")
             try:
                 manifest = Manifest.model_validate(json.loads(raw))
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, RecursionError):  # UnicodeDecodeError, pydantic's too
                 manifest = None  # the local validate reports an invalid manifest
         sums = {f.path: f.checksum for f in manifest.files} if manifest is not None else {}
-        wanted = [r for r in sorted(found) if data or not r.endswith(".memmap")]
+        wanted = [
+            r for r in sorted(found) if (data or not r.endswith(".memmap")) and r not in oversized
+        ]
         for rel in sorted(found):
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             if rel not in wanted:
-                size = int(found[rel].get("size") or 0)
                 with open(dest / rel, "wb") as fh:
-                    fh.truncate(size)
+                    fh.truncate(_size(found[rel]))
         for start in range(0, len(wanted), _BATCH_FILES):
             batch = wanted[start : start + _BATCH_FILES]
-            sizes = [int(found[r].get("size") or 0) for r in batch]
+            sizes = [_size(found[r]) for r in batch]
             blobs = store.cat_ranges(batch, [0] * len(batch), sizes)
             for rel, blob in zip(batch, blobs, strict=True):
                 expected = sums.get(rel)
@@ -113,22 +135,71 @@ def local_prefix(url: str, storage_options: dict[str, Any] | None, *, data: bool
                     blob = raw
                 with open(dest / rel, "xb") as fh:
                     fh.write(blob)
-        yield dest
+        with _errors_named(dest, store.url):
+            yield dest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def relabel(result: T, local: Path, url: str) -> T:
-    """``result`` (a report) with the local folder's name replaced by the URL everywhere."""
+def _heres(local: Path) -> list[str]:
+    """The spellings of the local folder a message may hold (as given, and resolved)."""
     here = os.fspath(local)
+    real = os.path.realpath(here)
+    return [here] if real == here else [here, real]
+
+
+def _size(info: dict[str, Any]) -> int:
+    size = info.get("size")
+    return size if type(size) is int and size >= 0 else 0
+
+
+def _cap(rel: str) -> float:
+    """The most bytes the local reader reads of ``rel`` (infinite for a leaf, mapped)."""
+    from tdckpt._read.storage import MAX_JSON_BYTES
+    from tdckpt._read.tree import MAX_PT_BYTES
+
+    if rel == MANIFEST_NAME:
+        return MAX_RECORD_BYTES
+    if rel.endswith(".json"):
+        return MAX_JSON_BYTES
+    if rel.endswith(".pt"):
+        return MAX_PT_BYTES
+    return float("inf")
+
+
+@contextlib.contextmanager
+def _errors_named(local: Path, url: str) -> Iterator[None]:
+    """An error raised in the block names ``url``, not ``local`` (see :func:`relabel_error`)."""
+    try:
+        yield
+    except Exception as exc:
+        relabel_error(exc, local, url)
+        raise
+
+
+def relabel(result: T, local: Path, url: str) -> T:
+    """``result`` (a report, an error's fact) with the local folder's name replaced by the
+    URL everywhere."""
+    heres = _heres(local)
+
+    def text(value: str) -> str:
+        for here in heres:
+            value = value.replace(here, url)
+        return value
 
     def fix(value: Any) -> Any:
         if isinstance(value, str):
-            return value.replace(here, url)
+            return text(value)
         if isinstance(value, Path):
-            return url if os.fspath(value) == here else value
+            shown = os.fspath(value)
+            for here in heres:
+                if shown == here or shown.startswith(here + os.sep):
+                    return url + shown[len(here) :].replace(os.sep, "/")
+            return value
         if isinstance(value, list):
             return [fix(v) for v in value]
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(fix(v) for v in value)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             changes = {f.name: fix(getattr(value, f.name)) for f in dataclasses.fields(value)}
             try:
@@ -149,18 +220,50 @@ def refuse_write(url: str, what: str) -> MetadataError:
     )
 
 
+def relabel_error(exc: BaseException, local: Path, url: str) -> None:
+    """Rewrite ``exc`` in place so that it names ``url``, not the private local copy: its
+    message and arguments, a tdckpt error's facts (a report's prefix, a path), an
+    ``OSError``'s file names. The exception keeps its type and traceback."""
+    heres = _heres(local)
+
+    def text(value: str) -> str:
+        for here in heres:
+            value = value.replace(here, url)
+        return value
+
+    if isinstance(exc, TdckptError):
+        exc.message = text(exc.message)
+        exc.facts = {name: relabel(value, local, url) for name, value in exc.facts.items()}
+        for name, value in exc.facts.items():
+            with contextlib.suppress(AttributeError):
+                setattr(exc, name, value)
+    exc.args = tuple(text(a) if isinstance(a, str) else a for a in exc.args)
+    if isinstance(exc, OSError):
+        for attr in ("filename", "filename2"):
+            value = getattr(exc, attr, None)
+            if isinstance(value, (str, Path)):
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(exc, attr, str(relabel(value, local, url)))
+
+
 @contextlib.contextmanager
 def relabel_warnings(local: Path, url: str) -> Iterator[None]:
-    """Warnings raised in the block name ``url`` instead of the private local copy, and
-    point at the caller's line (the first frame outside tdckpt)."""
+    """Warnings and errors raised in the block name ``url`` instead of the private local
+    copy; the warnings point at the caller's line (the first frame outside tdckpt)."""
     from tdckpt._restore.policy import user_stacklevel
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield
-    here = os.fspath(local)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    except Exception as exc:
+        relabel_error(exc, local, url)
+        raise
+    heres = _heres(local)
     for w in caught:
-        text = str(w.message).replace(here, url)
+        text = str(w.message)
+        for here in heres:
+            text = text.replace(here, url)
         message: Warning
         if isinstance(w.message, Warning):
             # the instance was made for this warning: relabel it (keeps its attributes)

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-from tdckpt.errors import RemoteError
+from tdckpt.errors import MetadataError, RemoteError
 
-__all__ = ["Store", "open_store"]
+__all__ = ["MAX_CONTROL_BYTES", "Store", "open_store", "shorten"]
 
 T = TypeVar("T")
 
@@ -34,10 +34,25 @@ BACKOFF_S = 0.05
 STREAM_ABOVE = 64 << 20
 STREAM_BLOCK = 32 << 20
 
+#: Most bytes read of a small control object (a lease record); a larger one is refused
+#: unread. Commit records and manifests hold a step's file list and share the local
+#: manifest cap (:data:`tdckpt._remote.layout.MAX_RECORD_BYTES`).
+MAX_CONTROL_BYTES = 1 << 20
+#: Longest piece of text from a store (a name, a field, a parser's complaint) put in a message.
+MAX_SHOWN_CHARS = 200
+
 #: Answers that are facts about the store, not failures of the request: never retried.
 _DEFINITE: tuple[type[BaseException], ...] = (
     FileNotFoundError,
     FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
+
+#: Definite answers that are not facts a caller acts on (as it does on "not found" and
+#: "exists"): raised as RemoteError naming the URL, not as the library's bare error.
+_REFUSED: tuple[type[BaseException], ...] = (
     PermissionError,
     IsADirectoryError,
     NotADirectoryError,
@@ -52,6 +67,17 @@ def _transient(exc: BaseException) -> bool:
     # botocore / aiohttp errors that s3fs did not translate to OSError
     name = type(exc).__name__
     return any(s in name for s in ("Connection", "Timeout", "ClientError", "ServerError"))
+
+
+def shorten(text: object, limit: int = MAX_SHOWN_CHARS) -> str:
+    """``text`` for a message: at most ``limit`` characters, unprintable ones as ``?``.
+
+    Whatever a store holds is user-controlled: a 20 MB field must not become a 20 MB
+    message.
+    """
+    raw = text if isinstance(text, str) else repr(text)[: limit + 1]
+    out = "".join(ch if ch.isprintable() else "?" for ch in raw[:limit])
+    return out + ("..." if len(raw) > limit else "")
 
 
 def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store:
@@ -123,6 +149,14 @@ class Store:
                 return fn()
             except BaseException as exc:
                 if not _transient(exc) or attempt == ATTEMPTS - 1:
+                    if isinstance(exc, _REFUSED):
+                        raise RemoteError(
+                            f"{self.show(rel)}: {what} refused by the store "
+                            f"({shorten(repr(exc), 300)}). Check the credentials and "
+                            "permissions for this URL (storage_options).",
+                            path=self.show(rel),
+                            operation=what,
+                        ) from exc
                     if _transient(exc):
                         raise RemoteError(
                             f"{self.show(rel)}: {what} failed {ATTEMPTS} times ({exc!r}); the "
@@ -172,6 +206,21 @@ class Store:
 
     def cat(self, rel: str) -> bytes:
         return bytes(self._call("read", rel, lambda: self.fs.cat_file(self.full(rel))))
+
+    def cat_capped(self, rel: str, cap: int, what: str) -> bytes:
+        """Read ``rel`` (a control object: a record, a lease, a manifest), at most ``cap``
+        bytes: a larger object is refused (:class:`~tdckpt.errors.MetadataError` naming its
+        URL) without being read whole. One ranged read of ``cap + 1`` bytes."""
+        data = bytes(
+            self._call("read", rel, lambda: self.fs.cat_file(self.full(rel), start=0, end=cap + 1))
+        )
+        if len(data) > cap:
+            raise MetadataError(
+                f"{self.show(rel)}: more than {cap} bytes, too large for a {what}; it was not "
+                f"read. It is not a {what} tdckpt wrote: delete or replace it.",
+                path=self.show(rel),
+            )
+        return data
 
     def cat_ranges(self, rels: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
         """Ranged reads (concurrent where the filesystem is asynchronous, as s3fs is)."""
@@ -225,7 +274,8 @@ class Store:
             nonlocal tried
             if tried:
                 with contextlib.suppress(FileNotFoundError):
-                    if bytes(self.fs.cat_file(path)) == data:
+                    # at most one byte more than ours: a larger object is not ours
+                    if bytes(self.fs.cat_file(path, start=0, end=len(data) + 1)) == data:
                         return
             tried = True
             self._create_once(path, data)

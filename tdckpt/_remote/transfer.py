@@ -172,6 +172,49 @@ def download_step(
         end = max(record.locations[f.path].offset + f.size for f in files)
         return [(rel, s, min(s + RANGE_BYTES, end)) for s in range(start, end, RANGE_BYTES)]
 
+    def problem(f: FileRecord, kind: str, expected: str, found: str) -> None:
+        p = VerifyProblem(f.path, _key(f), kind, expected, found)  # type: ignore[arg-type]
+        if report is not None:
+            report.problems.append(p)
+            return
+        raise IntegrityError(
+            f"{store.show(prefix)}: step {step} is damaged in the store: {p}; nothing was "
+            "restored and the target is unchanged. Restore another step (see steps()), or "
+            "re-save this one.",
+            path=store.show(prefix),
+            step=step,
+            problems=[p],
+        )
+
+    # One listing first: an object that is gone or shorter than the record says is reported
+    # from its listed size, unread. A record is not trusted to size the reads: one claiming
+    # a petabyte object would otherwise plan millions of ranged reads.
+    listed = store.find(prefix)
+    for index in sorted(by_object):
+        obj = record.objects[index]
+        info = listed.get(obj.name)
+        held = None if info is None else info.get("size")
+        if info is not None and (type(held) is not int or held >= obj.size):
+            continue  # there, and long enough (or its size unknown): the checksums decide
+        keep = []
+        for f in by_object[index]:
+            end = record.locations[f.path].offset + f.size
+            if info is None:
+                problem(f, "missing", f"{f.size} bytes", f"no object {obj.name}")
+            elif isinstance(held, int) and end > held:
+                problem(
+                    f,
+                    "short",
+                    f"{f.size} bytes",
+                    f"object {obj.name} holds {held} bytes, the record says {obj.size}",
+                )
+            else:
+                keep.append(f)
+        if keep:
+            by_object[index] = keep
+        else:
+            del by_object[index]
+
     batches: list[list[int]] = []
     size = 0
     for index in sorted(by_object):
@@ -213,20 +256,6 @@ def download_step(
         for part in parts:
             h.update(part)
         return f"{algorithm}:{h.hexdigest()}"
-
-    def problem(f: FileRecord, kind: str, expected: str, found: str) -> None:
-        p = VerifyProblem(f.path, _key(f), kind, expected, found)  # type: ignore[arg-type]
-        if report is not None:
-            report.problems.append(p)
-            return
-        raise IntegrityError(
-            f"{store.show(prefix)}: step {step} is damaged in the store: {p}; nothing was "
-            "restored and the target is unchanged. Restore another step (see steps()), or "
-            "re-save this one.",
-            path=store.show(prefix),
-            step=step,
-            problems=[p],
-        )
 
     with ThreadPoolExecutor(1, "tdckpt-prefetch") as pool:
         pending = pool.submit(fetch, batches[0]) if batches else None

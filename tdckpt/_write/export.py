@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from tdckpt._progress import ProgressArg, progress_bar
+from tdckpt._remote.urls import is_url
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.lock import same_file, try_flock
 from tdckpt._write.save import write_checkpoint
@@ -405,8 +406,19 @@ def save(
         tdckpt.errors.LockError: another save of ``prefix`` is running.
         tdckpt.errors.UnsafePathError: ``prefix`` has no name of its own (``"."``) or one
             too long for the temporary names, or a file that is not tdckpt's sits where
-            the save journal belongs.
+            the save journal belongs; or it is a URL (``s3://...``, ``memory://...``):
+            save to object storage with ``CheckpointManager(url).save``.
     """
+    if is_url(prefix):
+        # Path("memory://b/x") would be a local folder named "memory:": refuse, unwritten.
+        raise UnsafePathError(
+            f"{prefix}: tdckpt.save writes a local path; this is an object-storage URL, and "
+            "a plain prefix cannot be written there all or nothing (no atomic rename). "
+            f"Nothing was written. Use CheckpointManager({str(prefix)!r}).save(step, obj) "
+            "(committed atomically; read back with mgr.restore), or save to a local folder "
+            "and upload it.",
+            path=str(prefix),
+        )
     dest = Path(prefix)
     _check_prefix(dest)
     if _lexists(dest):
