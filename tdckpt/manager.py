@@ -802,7 +802,7 @@ class CheckpointManager:
     def _verify(self, step: int | None, progress: Progress | None) -> VerifyReport:
         if step is None:
             with self._using(None) as (resolved, path, manifest):
-                return verify_files(resolved, path, manifest, progress)
+                return _verify_step(resolved, path, manifest, progress)
         step = _atomic.check_step(step)
         with self._state:
             while step in self._overwriting:
@@ -818,7 +818,7 @@ class CheckpointManager:
                 manifest = self._index.manifest(path, kind)
             except MetadataError as exc:
                 return manifest_problem(step, path, exc.message)
-            return verify_files(step, path, manifest, progress)
+            return _verify_step(step, path, manifest, progress)
         finally:
             with self._state:
                 self._in_use[step] -= 1
@@ -827,7 +827,7 @@ class CheckpointManager:
 
     # -- restoring -------------------------------------------------------------------------
     def _verified(self, step: int, path: Path, manifest: Manifest) -> None:
-        report = verify_files(step, path, manifest, None)
+        report = _verify_step(step, path, manifest, None)
         if not report.ok:
             raise IntegrityError(
                 f"{path}: step {step} failed verification, so nothing was restored and the "
@@ -998,6 +998,18 @@ class CheckpointManager:
             return isinstance(self._resolve(step)[2], ShardedManifest)
         except TdckptError:
             return False  # the plain path raises the error
+
+
+def _verify_step(
+    step: int, path: Path, manifest: Manifest, progress: Progress | None
+) -> VerifyReport:
+    """:func:`verify_files`, and for a sharded step its manifest against its shards."""
+    report = verify_files(step, path, manifest, progress)
+    if isinstance(manifest, ShardedManifest):
+        from tdckpt._shard.check import shard_problems
+
+        report.problems += shard_problems(path, manifest)
+    return report
 
 
 def _same_keys(td: Any, where: str, step: int) -> Callable[[OpenedCheckpoint], None]:
