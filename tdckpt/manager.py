@@ -215,6 +215,10 @@ class CheckpointManager:
     def close(self) -> None:
         """Release the writer lock (if taken). Reading still works; a later write re-locks.
 
+        A collective manager also frees the gloo group it made (a group passed as
+        ``group=`` is the user's and stays); its later saves and restores raise
+        :class:`~tdckpt.errors.CollectiveError` on every rank: make a new manager.
+
         Waits for a save, retention or gc running in another thread to finish first - the
         background save of :meth:`save_async` included - so the lock is never released in
         the middle of a write. Frees the staging buffer of :meth:`save_async`.
@@ -237,6 +241,8 @@ class CheckpointManager:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+        if self._shard is not None:  # the gloo group this manager made (never the user's)
+            self._shard.destroy()
         if failure is not None:
             raise failure
 
