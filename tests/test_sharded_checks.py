@@ -185,3 +185,36 @@ def test_the_digest_ignores_spacing_not_content() -> None:
     assert manifest_digest(doc) == manifest_digest(same)
     assert manifest_digest(doc) != manifest_digest({**doc, "b": [1, 2.5, "e"]})
     assert manifest_digest(doc, "crc32").startswith("crc32:")
+
+
+def test_shards_swapped_or_left_out_in_the_manifest_are_refused(tmp_path: Path) -> None:
+    folder = _two(tmp_path)
+
+    def swap(doc: dict[str, Any]) -> None:
+        a, b = doc["shards"][0]["prefix"], doc["shards"][1]["prefix"]
+        doc["shards"][0]["prefix"], doc["shards"][1]["prefix"] = b, a
+
+    edit_manifest(folder, swap)
+    # both shards hold 4 rows of one structure: only their names tell them apart
+    _refused(tmp_path, "the step manifest gives rank 0 the folder")
+    edit_manifest(folder, swap)
+
+    def drop_last(doc: dict[str, Any]) -> None:
+        doc["shards"].pop()
+        doc["world_size"] = 1
+        doc["batch_size"] = [4]
+
+    edit_manifest(folder, drop_last)
+    _refused(tmp_path, "which the step manifest does not name")
+
+
+def test_replicated_entries_the_manifest_forgets_are_refused(tmp_path: Path) -> None:
+    shards = [_rows(0, 4), _rows(4, 8)]
+    for shard in shards:
+        shard["run"] = "exp-1"
+        shard["lr"] = "0.5"
+    folder = write_sharded(tmp_path, 1, shards, replicated=("run", "lr"))
+    edit_manifest(folder, lambda doc: doc["replicated"]["keys"].remove(["lr"]))
+    _refused(tmp_path, "the replicated entries hold 'lr', which the step manifest does not")
+    edit_manifest(folder, lambda doc: doc.__setitem__("replicated", None))
+    _refused(tmp_path, "replicated.*which the step manifest does not name")

@@ -127,6 +127,7 @@ def check_shards(
         RestoreError, UnsafePathError: a shard folder is missing or not a folder.
     """
     resolve = prefix_of if prefix_of is not None else (lambda p: step_path / p)
+    _check_layout(step_path, manifest)
     tail = tuple(manifest.batch_size[1:])
     structures: list[ShardStructure] = []
     first: ShardStructure | None = None
@@ -169,8 +170,17 @@ def check_shards(
         folder = resolve(manifest.replicated.prefix)
         rep = shard_structure(folder)
         assert first is not None
-        for key in manifest.replicated.keys:
-            k = tuple(key)
+        named = [tuple(key) for key in manifest.replicated.keys]
+        for held in sorted(rep.leaves):
+            if not any(held[: len(k)] == k for k in named):
+                raise _refuse(
+                    folder / "meta.json",
+                    step_path,
+                    f"the replicated entries hold {_show(held)}, which the step manifest does "
+                    "not name as replicated",
+                    held,
+                )
+        for k in named:
             if k not in rep.keys:
                 raise _refuse(
                     folder / "meta.json",
@@ -188,6 +198,48 @@ def check_shards(
                     k,
                 )
     return structures
+
+
+def _check_layout(step_path: Path, manifest: ShardedManifest) -> None:
+    """The attempt holds exactly ``shard-<rank>`` per rank (+ ``replicated``), as written.
+
+    A manifest that names the shards in another order, leaves one out or forgets the
+    replicated entries would otherwise restore other rows, or fewer, without a word.
+    """
+    import os
+
+    attempt = step_path / manifest.attempt
+    expected = {f"{manifest.attempt}/shard-{s.rank}" for s in manifest.shards}
+    for shard in manifest.shards:
+        if shard.prefix != f"{manifest.attempt}/shard-{shard.rank}":
+            raise _refuse(
+                step_path / shard.prefix,
+                step_path,
+                f"the step manifest gives rank {shard.rank} the folder {shard.prefix!r}; a "
+                f"sharded save writes it as '{manifest.attempt}/shard-{shard.rank}'",
+            )
+    if manifest.replicated is not None:
+        if manifest.replicated.prefix != f"{manifest.attempt}/replicated":
+            raise _refuse(
+                step_path / manifest.replicated.prefix,
+                step_path,
+                f"the step manifest names the replicated entries' folder "
+                f"{manifest.replicated.prefix!r}; a sharded save writes it as "
+                f"'{manifest.attempt}/replicated'",
+            )
+        expected.add(manifest.replicated.prefix)
+    try:
+        found = {f"{manifest.attempt}/{name}" for name in os.listdir(attempt)}
+    except OSError:
+        return  # reading the shards raises the error that names what is missing
+    extra = sorted(found - expected)
+    if extra:
+        raise _refuse(
+            step_path / extra[0],
+            step_path,
+            "the attempt folder holds this entry, which the step manifest does not name (a "
+            "shard or replicated entries left out of the manifest)",
+        )
 
 
 def _agree(first: ShardStructure, got: ShardStructure, rank: int, where: Path, step: Path) -> None:
