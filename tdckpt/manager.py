@@ -234,6 +234,10 @@ class CheckpointManager:
     def close(self) -> None:
         """Release the writer lock (if taken). Reading still works; a later write re-locks.
 
+        A collective manager also frees the gloo group it made (a group passed as
+        ``group=`` is the user's and stays); its later saves and restores raise
+        :class:`~tdckpt.errors.CollectiveError` on every rank: make a new manager.
+
         Waits for a save, retention or gc running in another thread to finish first - the
         background save of :meth:`save_async` included - so the lock is never released in
         the middle of a write. Frees the staging buffer of :meth:`save_async`. Puts back
@@ -258,6 +262,8 @@ class CheckpointManager:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+        if self._shard is not None:  # the gloo group this manager made (never the user's)
+            self._shard.destroy()
         if failure is not None:
             raise failure
 
@@ -915,7 +921,7 @@ class CheckpointManager:
     def _verify(self, step: int | None, progress: Progress | None) -> VerifyReport:
         if step is None:
             with self._using(None) as (resolved, path, manifest):
-                return verify_files(resolved, path, manifest, progress)
+                return _verify_step(resolved, path, manifest, progress)
         step = _atomic.check_step(step)
         with self._state:
             while step in self._overwriting:
@@ -931,7 +937,7 @@ class CheckpointManager:
                 manifest = self._index.manifest(path, kind)
             except MetadataError as exc:
                 return manifest_problem(step, path, exc.message)
-            return verify_files(step, path, manifest, progress)
+            return _verify_step(step, path, manifest, progress)
         finally:
             with self._state:
                 self._in_use[step] -= 1
@@ -940,7 +946,7 @@ class CheckpointManager:
 
     # -- restoring -------------------------------------------------------------------------
     def _verified(self, step: int, path: Path, manifest: Manifest) -> None:
-        report = verify_files(step, path, manifest, None)
+        report = _verify_step(step, path, manifest, None)
         if not report.ok:
             raise IntegrityError(
                 f"{path}: step {step} failed verification, so nothing was restored and the "
@@ -1135,6 +1141,18 @@ class CheckpointManager:
             return isinstance(self._resolve(step)[2], ShardedManifest)
         except TdckptError:
             return False  # the plain path raises the error
+
+
+def _verify_step(
+    step: int, path: Path, manifest: Manifest, progress: Progress | None
+) -> VerifyReport:
+    """:func:`verify_files`, and for a sharded step its manifest against its shards."""
+    report = verify_files(step, path, manifest, progress)
+    if isinstance(manifest, ShardedManifest):
+        from tdckpt._shard.check import shard_problems
+
+        report.problems += shard_problems(path, manifest)
+    return report
 
 
 def _same_keys(td: Any, where: str, step: int) -> Callable[[OpenedCheckpoint], None]:

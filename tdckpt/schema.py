@@ -384,6 +384,13 @@ class ShardedManifest(Manifest):
     batch_size: list[Dim] = Field(min_length=1, max_length=64, description="the global batch size")
     shards: list[ShardRecord] = Field(min_length=1)
     replicated: ReplicatedRecord | None = None
+    manifest_checksum: str | None = Field(
+        default=None,
+        description="'<algorithm>:<hex digest>' of this document without this field, as "
+        "canonical JSON (keys sorted, no spaces, ASCII); checked by every read of the step. "
+        "None in sharded steps written before it was recorded",
+        pattern=_CHECKSUM_PATTERN,
+    )
 
     @model_validator(mode="after")
     def _coverage(self) -> ShardedManifest:

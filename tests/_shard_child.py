@@ -348,7 +348,98 @@ def cmd_async(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
     return mgr.steps()
 
 
+def _outcome(call: Any) -> list[Any]:
+    try:
+        call()
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+    return ["returned", None]
+
+
+def cmd_disagree(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """Ranks that call other operations or steps: every rank raises, nothing is touched."""
+    from _shard_compare import assert_same
+
+    out: dict[str, Any] = {}
+    root = Path(args["root"])
+    # save(5) on rank 0, save(6) elsewhere: nothing may be written, not even the lock file
+    out["save"] = _outcome(lambda: mgr.save(5 if rank == 0 else 6, shard_of("nested", world, rank)))
+    out["root_after_save"] = sorted(os.listdir(root)) if root.exists() else None
+    # a bad step on one rank only: the same refusal everywhere (no rank waits for the others)
+    out["bad_step"] = _outcome(
+        lambda: mgr.save(-1 if rank == 1 else 7, shard_of("nested", world, rank))
+    )
+    for step in (1, 2):
+        mgr.save(
+            step,
+            shard_of("nested", world, rank)[:, :1]
+            if step == 2
+            else shard_of("nested", world, rank),
+        )
+    # restore_into of step 1 on rank 0, of step 2 elsewhere: no target may change
+    target = shard_of("tensorclass", world, rank)
+    kept = target.clone()
+    out["restore_into"] = _outcome(lambda: mgr.restore_into(target, 1 if rank == 0 else 2))
+    assert_same(target, kept, f"rank {rank}'s target after restore_into of other steps")
+    out["restore"] = _outcome(lambda: mgr.restore(1 if rank == 0 else 2))
+    # restore on rank 0 while the others save
+    out["mixed"] = _outcome(
+        lambda: mgr.restore(1) if rank == 0 else mgr.save(3, shard_of("nested", world, rank))
+    )
+    # one rank's target has other keys: it raises its RestoreError, every other rank a
+    # CollectiveError, and no rank's target changes
+    target = shard_of("nested", world, rank).apply(lambda t: t.zero_())
+    if rank == 1:
+        target = target.exclude(("nested", "c"))
+    kept = target.clone()
+    out["one_refuses"] = _outcome(lambda: mgr.restore_into(target, 1))
+    assert_same(target, kept, f"rank {rank}'s target after a refusal on rank 1")
+    # and afterwards the group still works: the same call on every rank
+    got = mgr.restore(1)
+    from tdckpt._shard.rows import even_part
+
+    total = sum(LENGTHS[world])
+    start, stop = even_part(total, rank, world)
+    assert_same(got, make_case("nested", total)[start:stop], f"rank {rank} restore after")
+    out["steps"] = mgr.steps()
+    out["tmp"] = sorted(n for n in os.listdir(root) if ".tmp-" in n)
+    return out
+
+
+def cmd_close(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """close() frees the gloo group the manager made, never the user's group."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from tdckpt import CheckpointManager
+
+    out: dict[str, Any] = {"before": len(c10d._world.pg_map)}
+    for i in range(3):
+        m = CheckpointManager(Path(args["root"]) / f"m{i}", timeout=60)
+        m.save(1, shard_of("nested", world, rank))
+        pg = m.tdckpt_group
+        assert pg in c10d._world.pg_map
+        m.close()
+        assert pg not in c10d._world.pg_map, "close() left the manager's gloo group"
+    out["after"] = len(c10d._world.pg_map)
+    mine = dist.new_group(backend="gloo")
+    m = CheckpointManager(Path(args["root"]) / "given", group=mine, timeout=60)
+    m.save(1, shard_of("nested", world, rank))
+    m.close()
+    out["given_kept"] = mine in c10d._world.pg_map
+    out["given_works"] = dist.all_reduce(torch.ones(1), group=mine) is None
+    out["after_close"] = _outcome(lambda: m.save(2, shard_of("nested", world, rank)))
+    out["restore_after_close"] = _outcome(lambda: m.restore(1))
+    with CheckpointManager(Path(args["root"]) / "with", timeout=60) as w:
+        w.save(1, shard_of("nested", world, rank))
+        pg = w.tdckpt_group
+    out["with_freed"] = pg not in c10d._world.pg_map
+    return out
+
+
 COMMANDS = {
+    "close": cmd_close,
+    "disagree": cmd_disagree,
     "async": cmd_async,
     "subgroup": cmd_subgroup,
     "save": cmd_save,

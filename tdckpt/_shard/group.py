@@ -42,6 +42,16 @@ class ShardGroup:
     rank: int
     size: int
     timeout: float
+    closed: bool = False
+
+    def _closed(self, phase: str) -> CollectiveError:
+        return CollectiveError(
+            f"rank {self.rank} of {self.size}: '{phase}' needs tdckpt's group of this "
+            "collective CheckpointManager, which close() freed. Make a new CheckpointManager "
+            "(on every rank) to save or restore again.",
+            rank=self.rank,
+            phase=phase,
+        )
 
     def _fail(self, phase: str, exc: BaseException) -> CollectiveError:
         return CollectiveError(
@@ -60,6 +70,8 @@ class ShardGroup:
         """Rank 0's ``obj`` on every rank."""
         import torch.distributed as dist
 
+        if self.closed:
+            raise self._closed(phase)
         box = [obj]
         try:
             dist.broadcast_object_list(box, group=self.pg, group_src=0)
@@ -71,6 +83,8 @@ class ShardGroup:
         """Every rank's ``obj`` on rank 0 (in rank order); None elsewhere."""
         import torch.distributed as dist
 
+        if self.closed:
+            raise self._closed(phase)
         out: list[Any] | None = [None] * self.size if self.rank == 0 else None
         try:
             dist.gather_object(obj, out, group=self.pg, group_dst=0)
@@ -82,6 +96,8 @@ class ShardGroup:
         """Every rank's ``obj`` on every rank (in rank order)."""
         import torch.distributed as dist
 
+        if self.closed:
+            raise self._closed(phase)
         out: list[Any] = [None] * self.size
         try:
             dist.all_gather_object(out, obj, group=self.pg)
@@ -89,11 +105,77 @@ class ShardGroup:
             raise self._fail(phase, exc) from exc
         return out
 
+    def agree(self, operation: str, step: Any, error: BaseException | None = None) -> None:
+        """Check that every rank called ``operation`` with ``step``, before anything else.
+
+        One ``all_gather`` of ``(operation, step, this rank's error)``. Ranks that called
+        different operations or steps all raise the same :class:`CollectiveError` listing
+        every rank's call; else a rank whose ``error`` is set raises it and the others a
+        CollectiveError naming that rank. Either way, before anything is written or
+        restored.
+        """
+        phase = "agree on the operation and step"
+        shown: Any = repr(step)[:80]
+        if isinstance(step, int) and not isinstance(step, bool):
+            shown = step if abs(step) < 10**30 else f"<an int of {step.bit_length()} bits>"
+        mine = (operation, shown, None if error is None else f"{type(error).__name__}: {error}")
+        everyone = self.all_gather(mine, phase)
+        calls = [(str(c[0]), c[1]) for c in everyone]
+        if any(call != calls[0] for call in calls):
+            listing = ", ".join(f"rank {r}: {op}(step={st})" for r, (op, st) in enumerate(calls))
+            raise CollectiveError(
+                f"the ranks of the group did not call the same operation on the same step, so "
+                f"nothing was written or restored on any rank: {listing}. Every rank must call "
+                "the same method of its collective CheckpointManager with the same step, in "
+                "the same order.",
+                rank=self.rank,
+                phase=phase,
+                calls=calls,
+            )
+        self.settle(operation, step, error, everyone=[c[2] for c in everyone])
+
+    def settle(
+        self,
+        operation: str,
+        step: Any,
+        error: BaseException | None,
+        *,
+        everyone: list[Any] | None = None,
+    ) -> None:
+        """Raise on every rank if any rank failed (its own error there), else return.
+
+        ``everyone``: the ranks' error strings when already gathered (by :meth:`agree`);
+        else one ``all_gather`` of them. A restore calls it after reading and checking,
+        before the first target is changed, so a rank's refusal leaves every rank's target
+        untouched.
+        """
+        if everyone is None:
+            mine = None if error is None else f"{type(error).__name__}: {error}"
+            everyone = self.all_gather(mine, f"agree on the outcome of {operation}")
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
+        if failed:
+            rank, message = failed[0]
+            raise CollectiveError(
+                f"rank {rank} failed {operation} of step {step}, so nothing was written or "
+                f"restored on this rank (rank {self.rank}) either: {message}",
+                rank=self.rank,
+                phase=operation,
+                failed=[r for r, _ in failed],
+            )
+
     def destroy(self) -> None:
-        """Free the gloo group (collective on its ranks in torch; best effort here)."""
+        """Free the gloo group (best effort: a broken group cannot be torn down cleanly).
+
+        Every later collective of this group raises a CollectiveError saying so.
+        """
         import torch.distributed as dist
 
-        with contextlib.suppress(Exception):  # a broken group cannot be torn down cleanly
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
             dist.destroy_process_group(self.pg)
 
 

@@ -8,6 +8,7 @@ parsing a plain manifest twice; :func:`build_manifest` is rank 0's coverage chec
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -27,19 +28,71 @@ from tdckpt.schema import (
     WriterVersions,
 )
 
-__all__ = ["ShardResult", "build_manifest", "parse_step_manifest"]
+__all__ = [
+    "MANIFEST_CHECKSUM",
+    "ShardResult",
+    "build_manifest",
+    "manifest_digest",
+    "parse_step_manifest",
+    "seal",
+]
+
+#: The algorithm of a sharded step manifest's own checksum (``manifest_checksum``).
+MANIFEST_CHECKSUM = "sha256"
+_FIELD = "manifest_checksum"
+
+
+def manifest_digest(doc: dict[str, Any], algorithm: str = MANIFEST_CHECKSUM) -> str:
+    """``"<algorithm>:<hex>"`` of the JSON document ``doc`` without its ``manifest_checksum``.
+
+    Computed over canonical JSON (keys sorted, no spaces, ASCII), so it covers what the
+    document says, not how it is spaced: the writer's dict and the reader's parsed bytes
+    give the same digest.
+
+    >>> manifest_digest({"a": 1, "manifest_checksum": "x"}) == manifest_digest({"a": 1})
+    True
+    """
+    from tdckpt._write.checksum import new_hasher
+
+    body = {k: v for k, v in doc.items() if k != _FIELD}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    hasher = new_hasher(algorithm)
+    hasher.update(text.encode("ascii"))
+    return f"{algorithm}:{hasher.hexdigest()}"
+
+
+def seal(manifest: ShardedManifest) -> ShardedManifest:
+    """``manifest`` with its ``manifest_checksum`` recorded (what the writer commits)."""
+    doc = manifest.model_dump(mode="json")
+    return manifest.model_copy(update={_FIELD: manifest_digest(doc)})
 
 
 def parse_step_manifest(data: bytes) -> Manifest:
     """A step manifest from its bytes: a ShardedManifest when it says ``"sharded"``.
 
-    Raises pydantic's ValidationError (a ValueError) on an invalid document.
+    A sharded manifest's ``manifest_checksum``, when recorded, must match the document
+    (an edited or damaged step manifest is invalid, as a changed file fails ``verify``);
+    one written before the checksum was recorded is read unchecked, and its restore
+    still checks it against its shards (:mod:`tdckpt._shard.check`).
+
+    Raises pydantic's ValidationError (a ValueError) on an invalid document, ValueError on
+    a checksum that does not match.
     """
     if b'"sharded"' not in data:  # the fast path of every plain step
         return Manifest.model_validate_json(data)
     raw = from_json(data)
     if isinstance(raw, dict) and "sharded" in raw:
-        return ShardedManifest.model_validate(raw)
+        manifest = ShardedManifest.model_validate(raw)
+        recorded = raw.get(_FIELD)
+        if recorded is not None:
+            algorithm = str(recorded).split(":", 1)[0]
+            found = manifest_digest(raw, algorithm)
+            if found != recorded:
+                raise ValueError(
+                    f"its manifest_checksum is {recorded} but the document's is {found}: the "
+                    "step manifest was changed after it was written"
+                )
+        return manifest
     return Manifest.model_validate(raw)
 
 
@@ -143,7 +196,7 @@ def build_manifest(
     replicated = None
     if first.replicated_prefix is not None:
         replicated = ReplicatedRecord(prefix=first.replicated_prefix, keys=first.replicated)
-    return ShardedManifest(
+    manifest = ShardedManifest(
         schema_version=MANIFEST_SCHEMA_VERSION,
         format_version=FORMAT_VERSION,
         created=datetime.now(timezone.utc).isoformat(),
@@ -161,6 +214,7 @@ def build_manifest(
         shards=shards,
         replicated=replicated,
     )
+    return seal(manifest)
 
 
 def _rows(results: list[ShardResult], rank: int) -> str:

@@ -113,26 +113,42 @@ def restore_rows(
     verify: bool,
     stats: ReadStats | None = None,
 ) -> Any:
-    """``CheckpointManager.restore`` of a part of the global rows (see the module)."""
+    """``CheckpointManager.restore`` of a part of the global rows (see the module).
+
+    In a group every rank first agrees on the operation and the step, and after reading
+    on the outcome: a rank that fails makes every rank raise.
+    """
     group = mgr._shard
+    if group is not None:
+        group.agree("restore", step)
     step = _agreed_step(mgr, step)
     rank, world = (group.rank, group.size) if group is not None else (0, 1)
-    with mgr._using(step) as (resolved, path, manifest):
-        if verify:
-            mgr._verified(resolved, path, manifest)
-        if group is None and rows is None:
-            rank, world = 0, 1
-        return _read(
-            path,
-            manifest,
-            rows,
-            None,
-            rank,
-            world,
-            allow_pickle=allow_pickle,
-            mode=mode,
-            stats=stats,
-        )
+    part: Any = None
+    error: BaseException | None = None
+    try:
+        with mgr._using(step) as (resolved, path, manifest):
+            if verify:
+                mgr._verified(resolved, path, manifest)
+            if group is None and rows is None:
+                rank, world = 0, 1
+            part = _read(
+                path,
+                manifest,
+                rows,
+                None,
+                rank,
+                world,
+                allow_pickle=allow_pickle,
+                mode=mode,
+                stats=stats,
+            )
+    except Exception as exc:
+        if group is None:
+            raise
+        error = exc
+    if group is not None:
+        group.settle("restore", step, error)
+    return part
 
 
 def restore_into_rows(
@@ -149,39 +165,52 @@ def restore_into_rows(
     from tensordict import is_tensor_collection
 
     group = mgr._shard
+    refused: RestoreError | None = None
     if not is_tensor_collection(td) or not td.batch_size:
-        raise RestoreError(
+        refused = RestoreError(
             f"restore_into of a sharded or collective restore takes td.batch_size[0] rows; "
             f"the target is a {type(td).__name__} without a batch dimension.",
         )
+    if group is not None:  # every rank restores the same step, or no target is touched
+        group.agree("restore_into", step, refused)
+    elif refused is not None:
+        raise refused
     mine = int(td.batch_size[0])
     counts = group.all_gather(mine, "gather the targets' rows") if group else [mine]
     step = _agreed_step(mgr, step)
     rank, world = (group.rank, group.size) if group is not None else (0, 1)
-    with mgr._using(step) as (resolved, path, manifest):
-        if verify:
-            mgr._verified(resolved, path, manifest)
-        part = _read(
-            path,
-            manifest,
-            None,
-            counts,
-            rank,
-            world,
-            allow_pickle=allow_pickle,
-            mode=mode,
-            stats=None,
-        )
-        _check_target(td, part, path, resolved, strict=strict)
-        target = td._tensordict if hasattr(td, "_tensordict") else td
-        source = part._tensordict if hasattr(part, "_tensordict") else part
-        if strict:
-            target.update(source)
-        else:
-            for key in list(target.keys()):
-                if key not in source:
-                    del target[key]
-            target.update(source)
+    error: BaseException | None = None
+    try:
+        with mgr._using(step) as (resolved, path, manifest):
+            if verify:
+                mgr._verified(resolved, path, manifest)
+            part = _read(
+                path,
+                manifest,
+                None,
+                counts,
+                rank,
+                world,
+                allow_pickle=allow_pickle,
+                mode=mode,
+                stats=None,
+            )
+            _check_target(td, part, path, resolved, strict=strict)
+    except Exception as exc:
+        if group is None:
+            raise
+        error = exc
+    if group is not None:  # a rank that refused leaves every rank's target untouched
+        group.settle("restore_into", step, error)
+    target = td._tensordict if hasattr(td, "_tensordict") else td
+    source = part._tensordict if hasattr(part, "_tensordict") else part
+    if strict:
+        target.update(source)
+    else:
+        for key in list(target.keys()):
+            if key not in source:
+                del target[key]
+        target.update(source)
     return td
 
 

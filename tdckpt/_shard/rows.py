@@ -127,11 +127,19 @@ def read_rows(
     mode: str | None,
     stats: ReadStats | None = None,
 ) -> Any:
-    """The global rows ``start .. stop`` of a sharded step (replicated entries put back)."""
+    """The global rows ``start .. stop`` of a sharded step (replicated entries put back).
+
+    Raises:
+        MetadataError: the step manifest and its shards disagree (see
+            :mod:`tdckpt._shard.check`), naming the shard's file and the key.
+    """
     import torch
 
     from tdckpt._restore.engine import load_memmap
+    from tdckpt._shard.check import check_shards
 
+    # The manifest's rows, keys and dtypes are checked against every shard first.
+    check_shards(step_path, manifest, lambda prefix: _shard_path(step_path, prefix))
     plan = plan_rows(manifest.shards, start, stop)
     if not plan:  # no rows: the structure, from the first shard
         plan = [(manifest.shards[0], 0, 0)]

@@ -283,7 +283,14 @@ def collective_save(
     """Save this rank's shard ``obj`` as part of ``step`` (every rank calls it). See module."""
     group = mgr._shard
     assert group is not None
-    step = _atomic.check_step(step)
+    # Every rank saves the same step, or none writes anything (one all_gather).
+    invalid: BaseException | None = None
+    try:
+        checked = _atomic.check_step(step)
+    except (TypeError, ValueError) as exc:
+        invalid = exc
+    group.agree("save", step, invalid)
+    step = checked
     prepared: tuple[Any, Any, list[list[str]]] | BaseException
     try:
         if metadata is not None:

@@ -1,0 +1,304 @@
+"""A sharded step's manifest checked against its shards, before anything is restored.
+
+The step manifest says which global rows each shard holds; the shards are plain tensordict
+prefixes with metadata of their own. Nothing a restore returns may rest on the manifest
+alone: :func:`check_shards` reads every shard's validated metadata (no leaf is mapped, no
+value unpickled; ``engine._StructureBuilder`` builds ``device="meta"`` stand-ins) and
+refuses, naming the shard's file and the key, a shard whose real row count is not the rows
+the manifest gives it, whose dims after dim 0 are not the manifest's, or whose keys, dtypes
+or shapes differ from shard 0's; and a replicated entry that the replicated prefix does not
+hold. Rows shifted in the manifest would otherwise give the wrong rows silently, a huge
+batch size would "restore", and shards that disagree would be promoted or raise
+tensordict's bare KeyError.
+
+Every shard is checked, not only those whose rows are read: the global row numbers of a
+shard rest on every shard before it. The cost is one metadata read per shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tdckpt.errors import MetadataError
+from tdckpt.schema import MANIFEST_NAME, ShardedManifest
+
+__all__ = ["ShardStructure", "check_shards", "shard_problems", "shard_structure"]
+
+Key = tuple[str, ...]
+#: ``(kind, dtype, shape after the root's batch dims)`` of a leaf; kind is "tensor" or
+#: "non-tensor" (non-tensor data: no dtype or shape compared).
+Leaf = tuple[str, str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class ShardStructure:
+    """What a shard's metadata says it holds (no leaf read)."""
+
+    root: str  # the root's kind and class, e.g. "TensorDictNode tensordict:TensorDict"
+    batch_size: tuple[int, ...]
+    leaves: dict[Key, Leaf]
+    keys: frozenset[Key]  # every nested key, inner levels included
+
+
+def _root_kind(node: Any) -> str:
+    name = type(node).__name__
+    detail = getattr(node, "class_id", None) or getattr(node, "type_str", None) or ""
+    return f"{name} {detail}".strip()
+
+
+def shard_structure(prefix: Path) -> ShardStructure:
+    """The structure of the plain prefix ``prefix`` from its validated metadata.
+
+    Raises:
+        ValidationError: the prefix has problems (all listed), as a restore would raise.
+    """
+    import torch
+
+    from tdckpt._read.pipeline import open_checkpoint
+    from tdckpt._report import ValidationReport
+    from tdckpt._restore.engine import _format_errors, _StructureBuilder
+    from tdckpt._restore.keys import saved_structure
+    from tdckpt._restore.plan import Mapper
+    from tdckpt.errors import ValidationError
+
+    opened = open_checkpoint(prefix, robust_key=True)
+    try:
+        if opened.root is None or (opened.problems and opened.errors):
+            report = ValidationReport(
+                prefix=opened.prefix,
+                problems=opened.problems,
+                generation=opened.generation,
+                key_encoding=opened.key_encoding,
+            )
+            raise ValidationError(_format_errors(opened), report=report, prefix=opened.prefix)
+        saved = saved_structure(opened)
+        meta = Mapper(opened.storage, "r", torch.device("meta"))
+        built = _StructureBuilder(opened, meta, False).build(opened.root)
+        root = _root_kind(opened.root)
+    finally:
+        opened.close()
+    batch = tuple(int(d) for d in getattr(built, "batch_size", ()))
+    leaves: dict[Key, Leaf] = {}
+    if hasattr(built, "items"):
+        for key, value in built.items(True, True):
+            k = key if isinstance(key, tuple) else (key,)
+            if k in saved.opaque or not isinstance(value, torch.Tensor):
+                leaves[k] = ("non-tensor", "", ())
+            else:
+                leaves[k] = ("tensor", str(value.dtype), tuple(value.shape[len(batch) :]))
+    for key in saved.opaque:  # non-tensor data of a level that is itself non-tensor
+        leaves.setdefault(key, ("non-tensor", "", ()))
+    return ShardStructure(root=root, batch_size=batch, leaves=leaves, keys=frozenset(saved.keys))
+
+
+def _show(key: Key) -> str:
+    return repr(".".join(key))
+
+
+def _leaf(info: Leaf) -> str:
+    kind, dtype, shape = info
+    return f"a tensor of {dtype} {list(shape)}" if kind == "tensor" else "non-tensor data"
+
+
+def _refuse(where: Path, step_path: Path, problem: str, key: Key | None = None) -> MetadataError:
+    return MetadataError(
+        f"{where}: {problem}. The step manifest ({step_path / 'tdckpt.manifest.json'}) and its "
+        "shards disagree, so nothing was restored and the target is unchanged. The step is "
+        "damaged or was edited: restore another step (see steps()).",
+        path=str(where),
+        key=key,
+    )
+
+
+def check_shards(
+    step_path: Path, manifest: ShardedManifest, prefix_of: Any = None
+) -> list[ShardStructure]:
+    """Check every shard (and the replicated entries) of ``manifest`` against it.
+
+    ``prefix_of(prefix)`` gives a shard's folder (default ``step_path / prefix``; the
+    restore passes its link-refusing resolver). Returns each shard's structure in rank
+    order.
+
+    Raises:
+        MetadataError: naming the shard's ``meta.json`` and the key that disagrees.
+        ValidationError: a shard's own metadata has problems.
+        RestoreError, UnsafePathError: a shard folder is missing or not a folder.
+    """
+    resolve = prefix_of if prefix_of is not None else (lambda p: step_path / p)
+    _check_layout(step_path, manifest)
+    tail = tuple(manifest.batch_size[1:])
+    structures: list[ShardStructure] = []
+    first: ShardStructure | None = None
+    for shard in manifest.shards:
+        folder = resolve(shard.prefix)
+        where = folder / "meta.json"
+        got = shard_structure(folder)
+        if not got.batch_size:
+            raise _refuse(
+                where,
+                step_path,
+                f"shard {shard.rank} has batch size [], so it holds no rows; the step "
+                f"manifest gives it rows {shard.start}..{shard.stop}",
+            )
+        rows = got.batch_size[0]
+        if rows != shard.stop - shard.start:
+            raise _refuse(
+                where,
+                step_path,
+                f"shard {shard.rank} holds {rows} rows, but the step manifest gives it rows "
+                f"{shard.start}..{shard.stop} ({shard.stop - shard.start} rows) of a global "
+                f"batch of {manifest.batch_size[0]}",
+            )
+        if got.batch_size[1:] != tail:
+            raise _refuse(
+                where,
+                step_path,
+                f"shard {shard.rank} has batch size {list(got.batch_size)}; the step manifest "
+                f"says [rows, {', '.join(map(str, tail))}]"
+                if tail
+                else f"shard {shard.rank} has batch size {list(got.batch_size)}; the step "
+                "manifest says [rows]",
+            )
+        if first is None:
+            first = got
+        else:
+            _agree(first, got, shard.rank, where, step_path)
+        structures.append(got)
+    if manifest.replicated is not None:
+        folder = resolve(manifest.replicated.prefix)
+        rep = shard_structure(folder)
+        assert first is not None
+        named = [tuple(key) for key in manifest.replicated.keys]
+        for held in sorted(rep.leaves):
+            if not any(held[: len(k)] == k for k in named):
+                raise _refuse(
+                    folder / "meta.json",
+                    step_path,
+                    f"the replicated entries hold {_show(held)}, which the step manifest does "
+                    "not name as replicated",
+                    held,
+                )
+        for k in named:
+            if k not in rep.keys:
+                raise _refuse(
+                    folder / "meta.json",
+                    step_path,
+                    f"the replicated entry {_show(k)} named by the step manifest is not in the "
+                    "replicated entries saved",
+                    k,
+                )
+            if k in first.keys:
+                raise _refuse(
+                    resolve(manifest.shards[0].prefix) / "meta.json",
+                    step_path,
+                    f"the replicated entry {_show(k)} is also in shard 0: the two would "
+                    "replace each other",
+                    k,
+                )
+    return structures
+
+
+def _check_layout(step_path: Path, manifest: ShardedManifest) -> None:
+    """The attempt holds exactly ``shard-<rank>`` per rank (+ ``replicated``), as written.
+
+    A manifest that names the shards in another order, leaves one out or forgets the
+    replicated entries would otherwise restore other rows, or fewer, without a word.
+    """
+    import os
+
+    attempt = step_path / manifest.attempt
+    expected = {f"{manifest.attempt}/shard-{s.rank}" for s in manifest.shards}
+    for shard in manifest.shards:
+        if shard.prefix != f"{manifest.attempt}/shard-{shard.rank}":
+            raise _refuse(
+                step_path / shard.prefix,
+                step_path,
+                f"the step manifest gives rank {shard.rank} the folder {shard.prefix!r}; a "
+                f"sharded save writes it as '{manifest.attempt}/shard-{shard.rank}'",
+            )
+    if manifest.replicated is not None:
+        if manifest.replicated.prefix != f"{manifest.attempt}/replicated":
+            raise _refuse(
+                step_path / manifest.replicated.prefix,
+                step_path,
+                f"the step manifest names the replicated entries' folder "
+                f"{manifest.replicated.prefix!r}; a sharded save writes it as "
+                f"'{manifest.attempt}/replicated'",
+            )
+        expected.add(manifest.replicated.prefix)
+    try:
+        found = {f"{manifest.attempt}/{name}" for name in os.listdir(attempt)}
+    except OSError:
+        return  # reading the shards raises the error that names what is missing
+    extra = sorted(found - expected)
+    if extra:
+        raise _refuse(
+            step_path / extra[0],
+            step_path,
+            "the attempt folder holds this entry, which the step manifest does not name (a "
+            "shard or replicated entries left out of the manifest)",
+        )
+
+
+def _agree(first: ShardStructure, got: ShardStructure, rank: int, where: Path, step: Path) -> None:
+    if got.root != first.root:
+        raise _refuse(where, step, f"shard {rank} holds a {got.root}, shard 0 a {first.root}")
+    missing = sorted(first.keys - got.keys)
+    if missing:
+        raise _refuse(
+            where,
+            step,
+            f"shard {rank} has no key {_show(missing[0])}, which shard 0 has",
+            missing[0],
+        )
+    extra = sorted(got.keys - first.keys)
+    if extra:
+        raise _refuse(
+            where,
+            step,
+            f"shard {rank} has the key {_show(extra[0])}, which shard 0 has not",
+            extra[0],
+        )
+    for key in sorted(first.leaves.keys() | got.leaves.keys()):
+        a, b = first.leaves.get(key), got.leaves.get(key)
+        if a != b:
+            raise _refuse(
+                where,
+                step,
+                f"the key {_show(key)} is {_leaf(b) if b else 'a level'} in shard {rank} and "
+                f"{_leaf(a) if a else 'a level'} in shard 0",
+                key,
+            )
+
+
+def shard_problems(step_path: Path, manifest: ShardedManifest) -> list[Any]:
+    """What :func:`check_shards` refuses, as ``verify`` problems (kind ``"manifest"``).
+
+    ``verify`` of a sharded step checks its files against the manifest and, with this,
+    the manifest against its shards: the one check a step written before the manifest's
+    checksum was recorded has on its manifest.
+    """
+    from tdckpt._manage.verify import VerifyProblem
+    from tdckpt.errors import TdckptError
+
+    try:
+        check_shards(step_path, manifest)
+    except TdckptError as exc:
+        key = exc.facts.get("key")
+        where = exc.facts.get("path") or str(step_path)
+        try:
+            rel = Path(where).relative_to(step_path).as_posix()
+        except ValueError:
+            rel = MANIFEST_NAME
+        return [
+            VerifyProblem(
+                path=rel,
+                key=tuple(key) if key is not None else None,
+                kind="manifest",
+                expected="what the step manifest says of this shard",
+                found=exc.message.splitlines()[0] if exc.message else str(exc),
+            )
+        ]
+    return []
