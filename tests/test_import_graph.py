@@ -25,6 +25,7 @@ KNOWN_CYCLES: list[frozenset[str]] = [
             "tdckpt._remote.prefix",
             "tdckpt._restore.engine",
             "tdckpt._restore.keys",
+            "tdckpt._shard.check",
             "tdckpt._shard.restore",
             "tdckpt._shard.rows",
             "tdckpt._shard.save",
