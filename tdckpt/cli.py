@@ -331,16 +331,13 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _check_storage_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--storage-option / --grace-period only with a URL (they mean nothing locally)."""
+    """--storage-option only with a URL (it means nothing locally)."""
     from tdckpt._remote.urls import is_url
 
     target = getattr(args, "prefix", None) or getattr(args, "root", None)
     if target is None or is_url(target):
         return
-    for flag, value in (
-        ("--storage-option", getattr(args, "storage_option", None)),
-        ("--grace-period", getattr(args, "grace_period", None)),
-    ):
+    for flag, value in (("--storage-option", getattr(args, "storage_option", None)),):
         if value:
             parser.error(f"{flag} is for fsspec URLs (s3://..., memory://...), not {target!r}")
 
@@ -879,7 +876,7 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="URLs only: keep uncommitted uploads younger than this (default 3600)",
+        help="keep leftovers changed less than SECONDS ago (default: URLs 3600, local 0)",
     )
     add_json(p)
     add(

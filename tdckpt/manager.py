@@ -34,6 +34,7 @@ import contextlib
 import copy
 import os
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -124,6 +125,10 @@ class CheckpointManager:
             previous ones back.
         clock: the time source of the save policies, in seconds (default
             :func:`time.monotonic`; a fake clock in tests).
+        lease_ttl: for a URL root, seconds a writer's lease lasts without renewal (default
+            600); refused for a local root (a file lock guards it).
+        cache_dir: for a URL root, where restores download a step (default: a private
+            temporary folder); refused for a local root (read in place).
 
     Example:
         >>> import tempfile, torch
@@ -159,8 +164,16 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         save_policy: SavePolicy | None = None,
         clock: Callable[[], float] | None = None,
+        lease_ttl: float | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         require_local_options(root, storage_options)
+        for name, value in (("lease_ttl", lease_ttl), ("cache_dir", cache_dir)):
+            if value is not None:
+                raise ValueError(
+                    f"{root}: {name} is for object-storage roots (s3://..., memory://...); a "
+                    f"local root is guarded by a file lock and read in place. Drop {name}."
+                )
         self.root = Path(root)
         self.retention: RetentionPolicy = KeepAll() if retention is None else retention
         if not callable(getattr(self.retention, "select_to_keep", None)):
@@ -868,7 +881,7 @@ class CheckpointManager:
             self._ensure_lock()
             return self._apply_retention(just_saved=None)
 
-    def gc(self) -> list[Path]:
+    def gc(self, *, grace_period: float | None = None) -> list[Path]:
         """Remove what crashed saves and deletes left behind; return the removed paths.
 
         Removes every ``<step>.tmp-*`` entry (staging folders, steps being deleted) and the
@@ -876,7 +889,13 @@ class CheckpointManager:
         aside, with nothing committed in its place, is renamed back instead. Committed
         steps and foreign entries are never touched. Takes the writer lock. In a
         collective manager rank 0 cleans the shared root; the other ranks return ``[]``.
+
+        ``grace_period``: keep entries changed less than that many seconds ago (default:
+        none kept; the writer lock already means no save of this root is running). The
+        same argument as an object-storage root's, where uploads may still be in flight.
         """
+        if grace_period is not None and not grace_period >= 0:
+            raise ValueError(f"grace_period must be >= 0 seconds, got {grace_period!r}")
         if self._shard is not None and self._shard.rank != 0:
             return []  # rank 0 cleans the shared root
         with self._writing:
@@ -884,8 +903,9 @@ class CheckpointManager:
                 return []
             self._ensure_lock()
             removed = []
+            now = time.time()
             for name in sorted(os.listdir(self.root)):
-                if _atomic.is_tmp_name(name):
+                if _atomic.is_tmp_name(name) and _older(self.root / name, now, grace_period):
                     try:
                         gone = _atomic.recover_or_remove(self.root, name, fsync=self.fsync)
                     except OSError as exc:
@@ -1180,6 +1200,16 @@ def _same_keys(td: Any, where: str, step: int) -> Callable[[OpenedCheckpoint], N
             )
 
     return check
+
+
+def _older(path: Path, now: float, grace_period: float | None) -> bool:
+    """Whether ``path`` was last changed more than ``grace_period`` seconds ago (None: yes)."""
+    if grace_period is None:
+        return True
+    try:
+        return now - os.lstat(path).st_mtime >= grace_period
+    except OSError:
+        return True  # gone, or unreadable: recover_or_remove says what happens
 
 
 def _warn_not_removed(path: Path, exc: OSError, *, stacklevel: int) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import shutil
 import tempfile
 import threading
@@ -129,11 +130,20 @@ class RemoteCheckpointManager(CheckpointManager):
         checksum: str = DEFAULT_CHECKSUM,
         compression: str = "stored",
         storage_options: dict[str, Any] | None = None,
-        lease_ttl: float = DEFAULT_TTL_S,
-        cache_dir: str | Path | None = None,
+        lease_ttl: float | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         save_policy: SavePolicy | None = None,
         clock: Callable[[], float] | None = None,
+        group: Any = None,
+        timeout: float | None = None,
     ) -> None:
+        if group not in (None, False) or timeout is not None:
+            raise ValueError(
+                f"{root}: group= and timeout= make a collective manager of sharded steps, "
+                "which are saved to local roots only. Drop them, or use a shared local root."
+            )
+        if lease_ttl is None:
+            lease_ttl = DEFAULT_TTL_S
         if archive:
             raise ValueError(
                 f"{root}: archive=True is for local roots; a step in object storage is already "
@@ -175,6 +185,11 @@ class RemoteCheckpointManager(CheckpointManager):
     def store(self) -> Store:
         """The store (``store.calls`` counts the requests sent)."""
         return self._store
+
+    @property
+    def tdckpt_group(self) -> Any:
+        """None: an object-storage manager is never collective."""
+        return None
 
     def _close(self, *, stacklevel: int) -> None:
         failure = self._background.shutdown(stacklevel=stacklevel)
@@ -381,14 +396,21 @@ class RemoteCheckpointManager(CheckpointManager):
         *,
         metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
+        progress: ProgressArg = None,
+        replicated: Any = (),
     ) -> str:
         """Save ``obj`` as ``step``: committed by a conditional create, or not at all.
 
         Returns the URL of the step's data. Raises CommitConflictError when another writer
         committed ``step`` first (this save's data is then left for :meth:`gc`) and
-        CheckpointExistsError when it is already committed. See
-        :meth:`CheckpointManager.save` for the rest.
+        CheckpointExistsError when it is already committed. ``progress`` is told the bytes
+        uploaded once every object is up. See :meth:`CheckpointManager.save` for the rest.
         """
+        if replicated:
+            raise ValueError(
+                f"{self.root}: replicated= names keys of a sharded step, written by a "
+                "collective manager on a local root. Drop it."
+            )
         step = _atomic.check_step(step)
         if overwrite:
             raise ValueError(
@@ -402,12 +424,18 @@ class RemoteCheckpointManager(CheckpointManager):
         obj, state = self._saveable(obj)  # a training state: one TensorDict of its entries
         self._background.drain(before=f"this save of step {step} started", stacklevel=2)
         answered = self._schedule.save_started()
-        url = self._save_prepared(step, obj, metadata, state)
+        with progress_bar(progress, "save") as report:
+            url = self._save_prepared(step, obj, metadata, state, report)
         self._schedule.saved(step, answered)
         return url
 
     def _save_prepared(
-        self, step: int, obj: Any, metadata: dict[str, Any] | None, state: StateRecord | None
+        self,
+        step: int,
+        obj: Any,
+        metadata: dict[str, Any] | None,
+        state: StateRecord | None,
+        report: Callable[..., None] | None = None,
     ) -> str:
         with self._writing:
             self._ensure_lock()
@@ -432,9 +460,14 @@ class RemoteCheckpointManager(CheckpointManager):
             objects, locations, members = plan_objects(
                 [FileRecord(path=f.rel, size=f.size) for f in encoded.files]
             )
+            total = sum(f.size for f in encoded.files)
+            if report is not None:
+                report(0, total)
             sums = upload_encoded(
                 self._store, prefix, encoded.files, objects, members, self.checksum
             )
+            if report is not None:
+                report(total, total)
             record = layout.CommitRecord(
                 commit_version=layout.COMMIT_VERSION,
                 step=step,
@@ -507,13 +540,15 @@ class RemoteCheckpointManager(CheckpointManager):
             self._ensure_lock()
             return self._apply_retention(just_saved=None)
 
-    def gc(self, *, grace_period: float = DEFAULT_GRACE_S) -> list[Path]:
+    def gc(self, *, grace_period: float | None = None) -> list[Path]:
         """Delete attempt prefixes that no commit record names and that nothing has written
         to for ``grace_period`` seconds (default an hour: a save may still be uploading);
         return their URLs. Committed steps are never touched, nor any attempt of a step
         whose commit record cannot be read (a newer tdckpt's, a damaged one: it may name
         them); those are reported with a :class:`~tdckpt.warnings.TdckptWarning`. The
         step's record is read again just before an attempt is deleted. Takes the lease."""
+        if grace_period is None:
+            grace_period = DEFAULT_GRACE_S
         if not grace_period >= 0:
             raise ValueError(f"grace_period must be >= 0 seconds, got {grace_period!r}")
         with self._writing:

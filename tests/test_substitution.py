@@ -1,0 +1,103 @@
+"""One ``CheckpointManager`` contract on every kind of root: local folders, archives, memory://, S3.
+
+Each public method is called the same way on each root and must either work alike or
+refuse with the same error class. (The storage-seam issue extends this to a 2-rank group
+and makes the object-storage manager a layer, not a subclass.)
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _remote_fixtures import _timeout, moto_s3  # noqa: F401
+from tensordict import TensorDict
+
+import tdckpt
+from tdckpt import CheckpointManager, KeepLast
+from tdckpt.errors import CheckpointNotFoundError, RestoreError
+
+
+@pytest.fixture(params=["dir", "archive", "memory", "s3"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    if request.param == "memory":
+        pytest.importorskip("fsspec")
+        yield {"root": f"memory://t{uuid.uuid4().hex[:12]}/run"}
+    elif request.param == "s3":
+        s3 = request.getfixturevalue("moto_s3")
+        yield {"root": f"s3://{s3.new_bucket()}/run", "storage_options": s3.options()}
+    else:
+        yield {"root": str(tmp_path / "run"), "archive": request.param == "archive"}
+
+
+def _td(v: float) -> TensorDict:
+    return TensorDict(model=TensorDict(w=torch.full((3,), v)), step=torch.tensor(int(v)))
+
+
+def test_every_public_method_works_alike(root: dict[str, Any]) -> None:
+    with CheckpointManager(**root, retention=KeepLast(2)) as mgr:
+        assert mgr.tdckpt_group is None
+        assert mgr.steps() == [] and mgr.latest_step() is None
+        for step in (1, 2, 3):
+            mgr.save(step, _td(step), metadata={"loss": 1.0 / step})
+        mgr.save_async(4, _td(4), metadata={"loss": 0.1}).result()
+        assert mgr.steps() == [3, 4] and mgr.latest_step() == 4
+        assert mgr.best_step("loss") == 4 and mgr.metadata(3) == {"loss": 1.0 / 3}
+        assert [s.step for s in mgr.list_steps()] == [3, 4]
+        assert mgr.verify(3).ok and mgr.verify().ok
+        assert mgr.prune() == [] and mgr.gc(grace_period=0) == []
+        assert torch.equal(mgr.restore(3)["model", "w"], torch.full((3,), 3.0))
+        part, report = mgr.restore(4, keys="model", report=True)
+        assert sorted(part.keys()) == ["model"] and report.skipped == [("step",)]
+        target = _td(0)
+        mgr.restore_into(target, step=3)
+        assert torch.equal(target["model", "w"], torch.full((3,), 3.0))
+
+
+def test_refusals_are_the_same_error_on_every_root(root: dict[str, Any]) -> None:
+    with CheckpointManager(**root) as mgr:
+        mgr.save(1, _td(1))
+        with pytest.raises(CheckpointNotFoundError):
+            mgr.restore(7)
+        with pytest.raises(CheckpointNotFoundError):
+            mgr.metadata(7)
+        with pytest.raises(RestoreError, match="select nothing"):
+            mgr.restore(1, keys="nope")
+        with pytest.raises(ValueError, match="grace_period"):
+            mgr.gc(grace_period=-1)
+        with pytest.raises(tdckpt.errors.CheckpointExistsError):
+            mgr.save(1, _td(2))
+
+
+def test_one_signature_for_every_root(tmp_path: Path) -> None:
+    # What the object-storage manager takes, the base class declares (mypy users can pass
+    # it), and a local root refuses what only object storage means - clearly.
+    from tdckpt._remote.manager import RemoteCheckpointManager
+
+    base = inspect.signature(CheckpointManager.__init__).parameters
+    remote_params = inspect.signature(RemoteCheckpointManager.__init__).parameters
+    assert set(remote_params) <= set(base)
+    for name, value in (("lease_ttl", 5.0), ("cache_dir", tmp_path)):
+        with pytest.raises(ValueError, match=f"{name} is for object-storage roots"):
+            CheckpointManager(tmp_path / "run", **{name: value})
+    with pytest.raises(ValueError, match="group= and timeout="):
+        CheckpointManager("memory://x/run", group=object())
+    for method in ("gc", "restore", "restore_into", "verify", "save", "save_async"):
+        local = inspect.signature(getattr(CheckpointManager, method)).parameters
+        far = inspect.signature(getattr(RemoteCheckpointManager, method)).parameters
+        assert list(far) == list(local), method
+
+
+def test_local_gc_grace_period_keeps_fresh_leftovers(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, _td(1))
+        leftover = tmp_path / "run" / "2.tmp-0123456789abcdef0123456789abcdef"
+        leftover.mkdir()
+        assert mgr.gc(grace_period=3600) == []
+        assert leftover.exists()
+        assert mgr.gc() == [leftover] and not leftover.exists()
