@@ -703,6 +703,16 @@ def _check_export_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error(f"with --root, SOURCE is a step: {exc}")
 
 
+def _seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: a number of seconds >= 0")
+    return value
+
+
 def _size_arg(text: str) -> int:
     match = re.fullmatch(r"([0-9]+)\s*([KMGT]?I?B?)?", text.strip().upper())
     if match is None or int(match.group(1)) <= 0:
@@ -873,7 +883,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("root", type=_path_arg)
     p.add_argument(
         "--grace-period",
-        type=float,
+        type=_seconds_arg,
         default=None,
         metavar="SECONDS",
         help="keep leftovers changed less than SECONDS ago (default: URLs 3600, local 0)",
