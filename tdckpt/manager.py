@@ -905,13 +905,14 @@ class CheckpointManager:
             with self._using(step) as (resolved, path, manifest):
                 if verify:
                     self._verified(resolved, path, manifest)
-                loaded = load_local(
-                    path,
-                    robust_key=True,
-                    allow_pickle=allow_pickle,
-                    mode=mode,
-                    manifest_checked=True,
-                )
+                with _metadata_checked(path, manifest, resolved):
+                    loaded = load_local(
+                        path,
+                        robust_key=True,
+                        allow_pickle=allow_pickle,
+                        mode=mode,
+                        manifest_checked=True,
+                    )
                 restore_state(
                     td,
                     loaded,
@@ -937,15 +938,16 @@ class CheckpointManager:
                 self._verified(resolved, path, manifest)
 
             same_keys = _same_keys(td, str(path), resolved)
-            restore_in_place(
-                td,
-                path,
-                True,
-                allow_pickle=allow_pickle,
-                mode=mode,
-                check=same_keys if strict else None,
-                manifest_checked=True,  # _using validated it (cached by file identity)
-            )
+            with _metadata_checked(path, manifest, resolved):
+                restore_in_place(
+                    td,
+                    path,
+                    True,
+                    allow_pickle=allow_pickle,
+                    mode=mode,
+                    check=same_keys if strict else None,
+                    manifest_checked=True,  # _using validated it (cached by file identity)
+                )
         return td
 
     def restore(
@@ -984,9 +986,14 @@ class CheckpointManager:
             if verify:
                 self._verified(resolved, path, manifest)
             # _using validated the manifest (cached by file identity): not read again
-            return load_local(
-                path, robust_key=True, allow_pickle=allow_pickle, mode=mode, manifest_checked=True
-            )
+            with _metadata_checked(path, manifest, resolved):
+                return load_local(
+                    path,
+                    robust_key=True,
+                    allow_pickle=allow_pickle,
+                    mode=mode,
+                    manifest_checked=True,
+                )
 
     def _sharded_path(self, step: int | None, rows: Any) -> bool:
         """Whether a restore is collective, of a sharded step, or of some rows."""
@@ -998,6 +1005,17 @@ class CheckpointManager:
             return isinstance(self._resolve(step)[2], ShardedManifest)
         except TdckptError:
             return False  # the plain path raises the error
+
+
+def _metadata_checked(path: Path, manifest: Manifest, step: int) -> Any:
+    """Every file the restore reads whole (``meta.json``, ...) checked against the manifest.
+
+    Always, not only under ``verify=True``: those files are read anyway (see
+    :mod:`tdckpt._read.expected`). A mismatch raises an IntegrityError, target untouched.
+    """
+    from tdckpt._read.expected import expecting
+
+    return expecting(path, manifest, where=f"{path}: step {step}")
 
 
 def _same_keys(td: Any, where: str, step: int) -> Callable[[OpenedCheckpoint], None]:

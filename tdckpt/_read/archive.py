@@ -31,6 +31,7 @@ from typing import NoReturn, Protocol
 import torch
 
 from tdckpt._read.archive_index import FLAG_LZMA_EOS, METHOD_NAMES, Entry, read_index, where
+from tdckpt._read.expected import check_read
 from tdckpt._read.storage import MAX_JSON_BYTES, Listing, MapMode, Storage, check_component
 from tdckpt._write.archive_write import ALIGNMENT, write_archive
 from tdckpt.errors import CheckpointNotFoundError, MetadataError
@@ -157,8 +158,10 @@ class ArchiveStorage(Storage):
             # leaves their CRC stale (refresh_archive_checksums), yet they are still valid.
             if not rel.endswith(".memmap") and zlib.crc32(data) != entry.crc:
                 self._corrupt(entry, "its CRC-32 does not match the zip directory")
-            return data
-        return bytes(self._inflate(entry, entry.size))
+        else:
+            data = bytes(self._inflate(entry, entry.size))
+        check_read(self, rel, data)  # a managed step's manifest, when one is declared
+        return data
 
     def map(self, rel: str, dtype: torch.dtype, numel: int, *, mode: MapMode) -> torch.Tensor:
         if mode not in (None, "r", "r+"):
