@@ -74,3 +74,54 @@ def test_a_permute_whose_inverse_is_not_a_permutation_is_still_refused(tmp_path:
     report = tdckpt.validate(tmp_path / "ck")
     assert not report.ok
     assert any("inverse permute" in str(p) for p in report.problems), report
+
+
+#: tensordict's test/artifacts/mmap_example, byte for byte (a pre-0.15.3 writer): the tree of
+#: ``TensorDict({"nested": {"int64": [[1], [2]], "string": ["a string!"], "bfloat16":
+#: torch.ones(2, 1, dtype=torch.bfloat16)}}, batch_size=[2, 1]).memmap(...)``.
+MMAP_EXAMPLE = {
+    "meta.json": b'{"nested": {"type": "TensorDict"}, "shape": [2, 1], "device": "cpu", '
+    b'"_type": "<class \'tensordict._td.TensorDict\'>"}\n',
+    "nested/meta.json": b'{"int64": {"device": "cpu", "shape": [2, 1], "dtype": "torch.int64", '
+    b'"is_nested": false}, "string": {"type": "NonTensorData"}, "bfloat16": {"device": "cpu", '
+    b'"shape": [2, 1], "dtype": "torch.bfloat16", "is_nested": false}, "shape": [2, 1], '
+    b'"device": "cpu", "_type": "<class \'tensordict._td.TensorDict\'>"}\n',
+    "nested/string/meta.json": b'{"_type": "<class \'tensordict.tensorclass.NonTensorData\'>", '
+    b'"data": ["a string!"], "_metadata": null}\n',
+    "nested/int64.memmap": bytes.fromhex("0100000000000000020000000000000000"),
+    "nested/bfloat16.memmap": bytes.fromhex("803f803f0a00"),
+}
+
+
+def _mmap_example(prefix: Path) -> Path:
+    for rel, data in MMAP_EXAMPLE.items():
+        (prefix / rel).parent.mkdir(parents=True, exist_ok=True)
+        (prefix / rel).write_bytes(data)
+    return prefix
+
+
+def test_tensordicts_mmap_example_artifact_loads_without_a_warning(tmp_path: Path) -> None:
+    """test_generic.py::TestGeneric::test_load_custom_artifact under warnings-as-errors: a
+    list-valued NonTensorData of a pre-0.15.3 writer warned "a tuple restores as a list" on
+    every restore, though tensordict 0.15.3 writes and loads tuples as lists itself."""
+    prefix = _mmap_example(tmp_path / "mmap_example")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        td = tdckpt.load_memmap(prefix, allow_pickle=False)
+        nested = tdckpt.load_memmap(prefix / "nested", allow_pickle=False)
+        target = TensorDict(nested=TensorDict(int64=torch.zeros(2, 1)), batch_size=[2, 1])
+        tdckpt.load_memmap_(target, prefix, allow_pickle=False)
+    assert td.shape == (2, 1)
+    assert td["nested", "int64"].tolist() == [[1], [2]]
+    assert td["nested", "int64"].dtype == torch.int64
+    assert td["nested", "string"] == ["a string!"]
+    assert td["nested", "bfloat16"].tolist() == [[1.0], [1.0]]
+    assert td["nested", "bfloat16"].dtype == torch.bfloat16
+    assert (nested == td["nested"]).all()
+    assert target["nested", "string"] == ["a string!"]
+    # said where one looks before loading: validate / inspect, as an info
+    report = tdckpt.validate(prefix)
+    assert report.ok
+    infos = [p for p in report.problems if p.code == "json-list"]
+    assert [(p.severity, p.path) for p in infos] == [("info", "nested/string")]
+    assert "if it was a tuple it restores as a list" in infos[0].message
