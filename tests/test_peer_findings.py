@@ -125,3 +125,14 @@ def test_tensordicts_mmap_example_artifact_loads_without_a_warning(tmp_path: Pat
     infos = [p for p in report.problems if p.code == "json-list"]
     assert [(p.severity, p.path) for p in infos] == [("info", "nested/string")]
     assert "if it was a tuple it restores as a list" in infos[0].message
+
+
+def test_a_file_that_is_not_an_archive_is_refused_in_tensordicts_words(tmp_path: Path) -> None:
+    """test_methods.py::TestMemmapArchive::test_archive_bad_file: a ValueError saying "not a
+    memory-mapped tensordict" (tdckpt's MetadataError is one)."""
+    bad = tmp_path / "bad.tdz"
+    bad.write_bytes(b"not a zip file")
+    with pytest.raises(ValueError, match="not a memory-mapped tensordict archive") as info:
+        tdckpt.load_memmap(bad)
+    assert isinstance(info.value, tdckpt.errors.MetadataError)
+    assert "the file is truncated, damaged or not a zip file" in str(info.value)

@@ -81,8 +81,8 @@ class ArchiveStorage(Storage):
         if not stat.S_ISREG(st.st_mode):
             self.close()
             raise MetadataError(
-                f"{self.location}: not a tensordict archive (not a regular file). Expected "
-                "a .tdz zip file or a checkpoint directory.",
+                f"{self.location}: not a memory-mapped tensordict archive (not a regular "
+                "file). Expected a .tdz zip file or a checkpoint directory.",
                 path=self.location,
             )
         self._stat = (st.st_dev, st.st_ino, st.st_size)
