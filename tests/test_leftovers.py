@@ -1,10 +1,13 @@
 """Leftovers of the hostile rounds: legal or hostile inputs that died with a bare Python error.
 
 - a checkpoint with more leaf files than the process may still map (``vm.max_map_count``);
+- a zero-element leaf whose other dims overflow torch's strides;
+- a nested tensor whose size table is another key's data file;
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -17,6 +20,7 @@ from tensordict import TensorDict
 
 import tdckpt
 from tdckpt._restore.budget import MAX_MAP_COUNT_PATH, mapped_leaf_files
+from tdckpt.errors import ValidationError
 
 # -- the mapping budget ----------------------------------------------------------------------------
 
@@ -24,6 +28,7 @@ _MAP_CHILD = textwrap.dedent(
     """
     import mmap, sys, torch
     import tdckpt
+from tdckpt.errors import ValidationError
     from tdckpt.errors import RestoreError
     from tensordict import TensorDict
 
@@ -94,3 +99,73 @@ def test_mapped_leaf_files_counts_only_what_is_mapped(tmp_path: Path) -> None:
         assert mapped_leaf_files(opened.root) == 2
     finally:
         opened.close()
+
+
+# -- shapes torch cannot build ---------------------------------------------------------------------
+
+
+def _with_leaf_shape(prefix: Path, shape: list[int]) -> Path:
+    TensorDict(a=torch.ones(0)).memmap(prefix)
+    meta = json.loads((prefix / "meta.json").read_text())
+    meta["a"]["shape"] = shape
+    (prefix / "meta.json").write_text(json.dumps(meta))
+    return prefix
+
+
+@pytest.mark.parametrize(
+    "shape", [[0, 2**62, 2**62], [0, 2**40, 2**40, 2**40], [2**31, 2**31, 2**2, 0]]
+)
+def test_a_zero_element_leaf_whose_strides_overflow_is_refused(
+    tmp_path: Path, shape: list[int]
+) -> None:
+    """Before: validate said ok, load_memmap_ raised torch's bare RuntimeError "Stride
+    calculation overflowed" (load_memmap wrapped it as "passed validation but cannot be
+    rebuilt")."""
+    prefix = _with_leaf_shape(tmp_path / "ck", shape)
+    report = tdckpt.validate(prefix)
+    assert not report.ok
+    (problem,) = report.problems
+    assert problem.code == "bad-shape" and problem.key == ("a",)
+    assert "past the 2**63 - 1 a tensor's strides can hold" in problem.message
+    target = TensorDict(a=torch.ones(0))
+    with pytest.raises(ValidationError, match="strides can hold"):
+        tdckpt.load_memmap_(target, prefix)
+    assert target["a"].shape == (0,)
+    with pytest.raises(ValidationError, match="strides can hold"):
+        tdckpt.load_memmap(prefix)
+
+
+def test_a_zero_element_leaf_with_large_dims_that_fit_restores(tmp_path: Path) -> None:
+    prefix = _with_leaf_shape(tmp_path / "ck", [0, 2**31, 2**31])
+    assert tdckpt.validate(prefix).ok
+    assert tdckpt.load_memmap(prefix)["a"].shape == (0, 2**31, 2**31)
+
+
+# -- a file read as two things ---------------------------------------------------------------------
+
+
+def test_a_nested_tensors_size_table_that_is_another_keys_data_is_refused(tmp_path: Path) -> None:
+    """Key "nt" (nested) reads its size table from nt.shape.memmap, the data file of a key
+    "nt.shape": before, both were accepted and restored from the one file."""
+    prefix = tmp_path / "ck"
+    with pytest.warns(UserWarning, match="nested tensors is in prototype"):
+        nt = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)])
+    TensorDict(nt=nt).memmap(prefix)
+    meta = json.loads((prefix / "meta.json").read_text())
+    meta["nt.shape"] = {
+        "device": "cpu",
+        "shape": [2, 2],
+        "dtype": "torch.int64",
+        "is_nested": False,
+    }
+    (prefix / "meta.json").write_text(json.dumps(meta))
+    report = tdckpt.validate(prefix)
+    assert not report.ok
+    (problem,) = [p for p in report.problems if p.severity == "error"]
+    assert problem.code == "shared-file" and problem.path == "nt.shape.memmap"
+    assert "read both for key 'nt' and for key 'nt.shape'" in problem.message
+    assert "Remove one of the two keys from meta.json" in problem.message
+    target = TensorDict(x=torch.zeros(1))
+    with pytest.raises(ValidationError, match="read both for key"):
+        tdckpt.load_memmap_(target, prefix)
+    assert list(target.keys()) == ["x"]
