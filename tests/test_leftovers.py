@@ -169,3 +169,58 @@ def test_a_nested_tensors_size_table_that_is_another_keys_data_is_refused(tmp_pa
     with pytest.raises(ValidationError, match="read both for key"):
         tdckpt.load_memmap_(target, prefix)
     assert list(target.keys()) == ["x"]
+
+
+# -- step numbers and metadata ints beyond what can be written ------------------------------------
+
+
+@pytest.mark.parametrize("step", [10**300, 2**63, 10**5000], ids=["1e300", "2**63", "1e5000"])
+def test_a_step_beyond_the_bound_is_refused_before_anything_is_written(
+    tmp_path: Path, step: int
+) -> None:
+    """Before: save(10**300) raised OSError "File name too long" (and 10**5000 a ValueError
+    from printing the int)."""
+    from tdckpt.manager import CheckpointManager
+
+    with CheckpointManager(tmp_path / "root", fsync=False) as mgr:
+        with pytest.raises(ValueError, match=r"a step must be at most 2\*\*63 - 1") as info:
+            mgr.save(step, TensorDict(a=torch.ones(1)))
+        assert f"an int of {step.bit_length()} bits" in str(info.value)
+        assert len(str(info.value)) < 400
+        root = tmp_path / "root"
+        assert mgr.steps() == [] and (not root.exists() or not list(root.glob("[0-9]*")))
+        with pytest.raises(ValueError, match=r"at most 2\*\*63 - 1"):
+            mgr.restore(step)
+        last = 2**63 - 1
+        assert mgr.save(last, TensorDict(a=torch.ones(1))).name == str(last)
+        assert mgr.steps() == [last]
+
+
+def test_the_cli_refuses_a_step_beyond_the_bound(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tdckpt.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["verify", str(tmp_path), "--step", str(2**63)])
+    assert info.value.code == 2
+    assert "the largest step is 2**63 - 1" in capsys.readouterr().err
+
+
+def test_metadata_with_an_int_of_more_than_4300_digits_is_refused_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    """Before: save raised Python's bare ValueError "Exceeds the limit (4300 digits) for
+    integer string conversion" from the JSON dump."""
+    from tdckpt.errors import MetadataError
+    from tdckpt.manager import CheckpointManager
+
+    with CheckpointManager(tmp_path / "root", fsync=False) as mgr:
+        for big in (10**4300, -(10**5000)):
+            with pytest.raises(MetadataError, match=r"metadata\['run'\]\['seed'\]: an int of") as e:
+                mgr.save(1, TensorDict(a=torch.ones(1)), metadata={"run": {"seed": big}})
+            assert "more than 4300 decimal digits" in str(e.value)
+            assert "Store it as a str" in str(e.value)
+        assert mgr.steps() == []
+        mgr.save(1, TensorDict(a=torch.ones(1)), metadata={"seed": 10**4299})
+        assert mgr.metadata(1)["seed"] == 10**4299
