@@ -60,6 +60,9 @@ from tdckpt.errors import ValidationError
 @pytest.mark.skipif(not Path(MAX_MAP_COUNT_PATH).exists(), reason="Linux's mapping limit")
 def test_more_leaves_than_the_process_may_map_are_refused_before_mapping(tmp_path: Path) -> None:
     """Before: a bare MemoryError (or RuntimeError from mmap) part-way through the leaves."""
+    limit = int(Path(MAX_MAP_COUNT_PATH).read_text())
+    if limit > 300_000:  # the child holds all but a few of them: keep it cheap
+        pytest.skip(f"vm.max_map_count is {limit}; the test fills it up to the limit")
     leaves = 2000
     td = TensorDict({f"k{i}": torch.full((1,), float(i)) for i in range(leaves)})
     tdckpt.save(td, tmp_path / "ck")
