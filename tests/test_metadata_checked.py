@@ -173,3 +173,11 @@ def test_a_tampered_archive_step_is_refused(tmp_path: Path) -> None:
         _rewrite_zip_entry(path, "meta.json", b'"torch.float32"', b'"torch.float16"')
         with pytest.raises(IntegrityError, match=r"step 1: the file meta\.json has checksum"):
             mgr.restore(1, allow_pickle=False)
+
+
+def test_a_plain_step_restored_by_rows_checks_its_metadata(mgr: CheckpointManager) -> None:
+    path = mgr.save(1, make_td())
+    assert mgr.restore(1, rows=slice(1, 3), allow_pickle=False)["a"].shape == (2, 3)
+    _edit(path / "meta.json", b'"torch.float32"', b'"torch.float16"')
+    with pytest.raises(IntegrityError, match=r"step 1: the file meta\.json has checksum"):
+        mgr.restore(1, rows=slice(1, 3), allow_pickle=False)
