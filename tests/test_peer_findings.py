@@ -136,3 +136,30 @@ def test_a_file_that_is_not_an_archive_is_refused_in_tensordicts_words(tmp_path:
         tdckpt.load_memmap(bad)
     assert isinstance(info.value, tdckpt.errors.MetadataError)
     assert "the file is truncated, damaged or not a zip file" in str(info.value)
+
+
+@pytest.mark.parametrize("form", ["directory", "compressed archive"])
+def test_a_load_under_fake_tensor_mode_gives_fake_tensors_and_reads_no_leaf(
+    tmp_path: Path, form: str
+) -> None:
+    """test_methods.py::TestMemmapArchive::test_archive_compressed_metadata_only_load: under
+    torch's FakeTensorMode tensordict returns FakeTensors without reading the leaves; tdckpt
+    mapped (or inflated) them and torch's fake mode failed an assertion."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    td = TensorDict(a=torch.randn(10), n=TensorDict(b=torch.arange(4)), batch_size=[])
+    if form == "directory":
+        prefix = tmp_path / "ck"
+        td.memmap(prefix)
+    else:
+        prefix = tmp_path / "ck.tdz"
+        td.save(prefix, compression="deflate")
+    with FakeTensorMode():
+        fake = tdckpt.load_memmap(prefix, allow_pickle=False)
+        target = TensorDict(a=torch.zeros(10), n=TensorDict(b=torch.zeros(4, dtype=torch.int64)))
+        assert tdckpt.load_memmap_(target, prefix, allow_pickle=False) is target
+    for out in (fake, target):
+        assert isinstance(out["a"], FakeTensor) and out["a"].shape == (10,)
+        assert isinstance(out["n", "b"], FakeTensor) and out["n", "b"].dtype == torch.int64
+    # outside the mode, the real values again
+    assert torch.equal(tdckpt.load_memmap(prefix)["n", "b"], torch.arange(4))

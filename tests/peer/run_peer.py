@@ -56,10 +56,6 @@ DOCUMENTED: dict[str, str] = {
         "nested tensor in an archive is mapped shared like any leaf (its writes reach the "
         "file), where tensordict refuses it"
     ),
-    f"{_METHODS}::TestMemmapArchive::test_archive_compressed_metadata_only_load": (
-        "tdckpt builds real tensors from the archive's bytes: loading under torch's "
-        "FakeTensorMode is not supported (device='meta' is)"
-    ),
 }
 
 
