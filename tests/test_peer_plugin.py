@@ -1,7 +1,8 @@
 """The peer-suite tools of tests/peer/: the routing plugin and the runner script.
 
-``tdckpt_peer`` must really route ``TensorDictBase.load_memmap_`` (and what calls it) through
-tdckpt, and put tensordict's method back; ``run_peer.py`` must refuse a path that is not
+``tdckpt_peer`` must really route ``TensorDictBase.load_memmap_`` and the classmethod
+``TensorDictBase.load_memmap`` (and what calls them) through tdckpt, and put tensordict's
+methods back; ``run_peer.py`` must refuse a path that is not
 tensordict's test folder (or lies inside this repository), and report a test that fails only
 when routed. The end-to-end run uses a tiny stand-in for tensordict's test folder.
 """
