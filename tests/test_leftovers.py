@@ -28,7 +28,6 @@ _MAP_CHILD = textwrap.dedent(
     """
     import mmap, sys, torch
     import tdckpt
-from tdckpt.errors import ValidationError
     from tdckpt.errors import RestoreError
     from tensordict import TensorDict
 
