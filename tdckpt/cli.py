@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from tdckpt._progress import Bar, isatty
+from tdckpt._write.atomic import MAX_STEP
 from tdckpt.errors import CheckpointNotFoundError, TdckptError
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "main"]
@@ -281,9 +282,10 @@ def _step_arg(text: str) -> int:
             f"invalid step {text!r}: a step is a whole number >= 0 written in decimal digits, "
             "e.g. 1000 (`tdckpt ls ROOT` lists them)"
         )
-    if len(text) > _MAX_STEP_DIGITS:
+    if len(text) > _MAX_STEP_DIGITS or int(text) > MAX_STEP:
         raise argparse.ArgumentTypeError(
-            f"invalid step: {len(text)} digits is too long to name a step folder"
+            f"invalid step: {len(text)} digits is too long to name a step folder (the "
+            f"largest step is 2**63 - 1, {MAX_STEP})"
         )
     return int(text)
 

@@ -1044,13 +1044,14 @@ class CheckpointManager:
             with self._using(step) as (resolved, path, manifest):
                 if verify:
                     self._verified(resolved, path, manifest)
-                loaded = load_local(
-                    path,
-                    robust_key=True,
-                    allow_pickle=allow_pickle,
-                    mode=mode,
-                    manifest_checked=True,
-                )
+                with _metadata_checked(path, manifest, resolved):
+                    loaded = load_local(
+                        path,
+                        robust_key=True,
+                        allow_pickle=allow_pickle,
+                        mode=mode,
+                        manifest_checked=True,
+                    )
                 restore_state(
                     td,
                     loaded,
@@ -1076,15 +1077,16 @@ class CheckpointManager:
                 self._verified(resolved, path, manifest)
 
             same_keys = _same_keys(td, str(path), resolved)
-            restore_in_place(
-                td,
-                path,
-                True,
-                allow_pickle=allow_pickle,
-                mode=mode,
-                check=same_keys if strict else None,
-                manifest_checked=True,  # _using validated it (cached by file identity)
-            )
+            with _metadata_checked(path, manifest, resolved):
+                restore_in_place(
+                    td,
+                    path,
+                    True,
+                    allow_pickle=allow_pickle,
+                    mode=mode,
+                    check=same_keys if strict else None,
+                    manifest_checked=True,  # _using validated it (cached by file identity)
+                )
         return td
 
     def restore(
@@ -1139,16 +1141,17 @@ class CheckpointManager:
             if verify:
                 self._verified(resolved, path, manifest)
             # _using validated the manifest (cached by file identity): not read again
-            obj = load_local(
-                path,
-                robust_key=True,
-                allow_pickle=allow_pickle,
-                mode=mode,
-                manifest_checked=True,
-                selection=selection,
-                strict=strict,
-                report=done,
-            )
+            with _metadata_checked(path, manifest, resolved):
+                obj = load_local(
+                    path,
+                    robust_key=True,
+                    allow_pickle=allow_pickle,
+                    mode=mode,
+                    manifest_checked=True,
+                    selection=selection,
+                    strict=strict,
+                    report=done,
+                )
         return (obj, done) if report else obj
 
     def _sharded_path(self, step: int | None, rows: Any) -> bool:
@@ -1173,6 +1176,17 @@ def _verify_step(
 
         report.problems += shard_problems(path, manifest)
     return report
+
+
+def _metadata_checked(path: Path, manifest: Manifest, step: int) -> Any:
+    """Every file the restore reads whole (``meta.json``, ...) checked against the manifest.
+
+    Always, not only under ``verify=True``: those files are read anyway (see
+    :mod:`tdckpt._read.expected`). A mismatch raises an IntegrityError, target untouched.
+    """
+    from tdckpt._read.expected import expecting
+
+    return expecting(path, manifest, where=f"{path}: step {step}")
 
 
 def _same_keys(td: Any, where: str, step: int) -> Callable[[OpenedCheckpoint], None]:

@@ -524,13 +524,13 @@ def test_refuses_overlapping_entries(tmp_path: Path) -> None:
 def test_refuses_non_zip(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "x.tdz"
     path.write_bytes(content)
-    with pytest.raises(MetadataError, match="not a tensordict archive"):
+    with pytest.raises(MetadataError, match="not a memory-mapped tensordict archive"):
         ArchiveStorage(path)
 
 
 def test_refuses_zip_without_meta_json(tmp_path: Path) -> None:
     path = make_zip(tmp_path / "x.tdz", [("sub/meta.json", b"{}")])
-    with pytest.raises(MetadataError, match=r"not a tensordict archive.*meta.json"):
+    with pytest.raises(MetadataError, match=r"not a memory-mapped tensordict archive.*meta.json"):
         ArchiveStorage(path)
 
 
@@ -540,7 +540,7 @@ def test_refuses_truncated_archive(tmp_path: Path, keep: float) -> None:
     make_td().memmap(path)
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])
-    with pytest.raises(MetadataError, match="not a tensordict archive"):
+    with pytest.raises(MetadataError, match="not a memory-mapped tensordict archive"):
         ArchiveStorage(path)
 
 

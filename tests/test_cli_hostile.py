@@ -560,13 +560,17 @@ def test_negative_and_malformed_steps_are_usage_errors(tmp_path: Path) -> None:
         res = run_cli(["verify", str(root), "--step", step])
         check(res)
         assert res.code == 2 and "invalid step" in _error_line(res), res
-    huge = "1" + "0" * 40
-    res = run_cli(["verify", str(root), "--step", huge, "--json"])
+    huge = "1" + "0" * 40  # past the largest step, 2**63 - 1: a usage error
+    res = run_cli(["verify", str(root), "--step", huge])
+    check(res)
+    assert res.code == 2 and "the largest step is 2**63 - 1" in _error_line(res), res
+    largest = str(2**63 - 1)
+    res = run_cli(["verify", str(root), "--step", largest, "--json"])
     check(res)
     assert res.code == 1
     error = json.loads(res.out)["error"]
-    assert error["type"] == "CheckpointNotFoundError" and huge in error["message"]
-    assert error["path"] == str(root) and error["details"]["step"] == int(huge)
+    assert error["type"] == "CheckpointNotFoundError" and largest in error["message"]
+    assert error["path"] == str(root) and error["details"]["step"] == int(largest)
     assert run_cli(["verify", str(root), "--step", "007"]).code == 1  # no step 7
     assert run_cli(["verify", str(root), "--step", "20"]).code == 0
 

@@ -177,8 +177,12 @@ def test_restore_validate_inspect(fc: FixtureCase, tmp_path: Path) -> None:
         assert LOST_WARNING in message
         assert all(loss in message for loss in info.lost[:10])
         assert caught[0].filename == __file__, "the warning points at the caller"
-    if lost:  # every documented writer loss is one the checkpoint reports
-        assert info.lost, f"{fc.id}: lost {lost} but inspect reports no loss"
+    if lost:  # every documented writer loss is one the checkpoint reports: a loss, or (a list
+        # that may have been a tuple, which every tensordict writes) validate's json-list info
+        listed = {p.code for p in report.problems if p.severity == "info"}
+        assert info.lost or (lost == ["tuple"] and "json-list" in listed), (
+            f"{fc.id}: lost {lost} but inspect reports no loss"
+        )
 
 
 # -- upgrade, then plain tensordict 0.15.3 -----------------------------------------------------

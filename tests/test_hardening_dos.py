@@ -446,8 +446,8 @@ def test_g2_stack_within_the_budget_is_inlined(tmp_path: Path) -> None:
     for i in range(2):
         inner = prefix / "ls" / str(i) / "_tensordict" / "meta.json"
         inner.write_text(json.dumps({"shape": [3, 4], "device": "cpu", "_type": TD}))
-    with pytest.warns(TdckptWarning, match="lost some content"):
-        out = tdckpt.load_memmap(prefix)
+    # its list values may have been tuples: an info of validate, no longer a restore warning
+    out = tdckpt.load_memmap(prefix)
     assert out.get("ls").batch_size == (3, 2, 4)
     assert out.get("ls").tolist()[1][0] == ["x"] * 4
 

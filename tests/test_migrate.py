@@ -482,7 +482,10 @@ def test_0007_records_orjson_nulls_and_lists() -> None:
     tree = vdir("", td({"s": {"type": "NonTensorData"}, "t": {"type": "NonTensorData"}}), s=s, t=t)
     _, ctx = run_step(7, tree, styles={id(s): "compact", id(t): "compact"})
     assert any(line.startswith("key 's'") and "NaN" in line for line in ctx.lost), ctx.lost
-    assert any(line.startswith("key 't'") and "tuple" in line for line in ctx.lost), ctx.lost
+    assert not any(line.startswith("key 't'") for line in ctx.lost), ctx.lost
+    assert [(p.code, p.severity, p.key) for p in ctx.problems if p.code == "json-list"] == [
+        ("json-list", "info", ("t",))
+    ]
     # the same null written by stdlib json (0.3, 0.4, 0.15.2+) is not ambiguous
     s2 = vdir("s", {"_type": NTD, "data": None, "_metadata": None})
     tree2 = vdir("", td({"s": {"type": "NonTensorData"}}), s=s2)
@@ -771,7 +774,12 @@ def test_orjson_nan_loss_is_recorded(version: str, tmp_path: Path) -> None:
         result = migrate_tree(read_tree(storage), storage=storage)
     lost = "\n".join(result.lost)
     assert "key 'f_nan'" in lost and "key 'f_inf'" in lost and "NaN" in lost
-    assert "key 'tuple'" in lost and "tuple restores as a list" in lost
+    # a list may have been a tuple: said as an info for validate/inspect, not a loss warned
+    # on every restore (tensordict 0.15.3 writes and loads tuples as lists too)
+    assert "tuple" not in lost
+    infos = [p for p in result.problems if p.code == "json-list"]
+    assert [(p.severity, p.key) for p in infos] == [("info", ("tuple",))]
+    assert "if it was a tuple it restores as a list" in infos[0].message
 
 
 def test_stdlib_nan_is_not_lost(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The peer-suite tools of tests/peer/: the routing plugin and the runner script.
 
-``tdckpt_peer`` must really route ``TensorDictBase.load_memmap_`` (and what calls it) through
-tdckpt, and put tensordict's method back; ``run_peer.py`` must refuse a path that is not
+``tdckpt_peer`` must really route ``TensorDictBase.load_memmap_`` and the classmethod
+``TensorDictBase.load_memmap`` (and what calls them) through tdckpt, and put tensordict's
+methods back; ``run_peer.py`` must refuse a path that is not
 tensordict's test folder (or lies inside this repository), and report a test that fails only
 when routed. The end-to-end run uses a tiny stand-in for tensordict's test folder.
 """
@@ -76,11 +77,68 @@ def test_the_plugin_routes_load_memmap_and_what_calls_it(
         td.load_memmap_(tmp_path / "missing")
 
 
+def test_the_plugin_routes_the_classmethod_and_what_calls_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TensorDict.load_memmap (the classmethod), hence TensorDict.load and the loaders of
+    tensorclasses defined while the plugin is installed; out= goes to load_memmap_; a
+    subpath= load stays tensordict's; uninstall puts back the inherited classmethod."""
+    from tensordict import tensorclass
+
+    inherited = TensorDictBase.load_memmap
+    assert "load_memmap" not in TensorDictBase.__dict__  # tensordict 0.15: on _Serialization
+    TensorDict(a=torch.ones(3), n=TensorDict(b=torch.zeros(3)), batch_size=[3]).memmap(
+        tmp_path / "ck"
+    )
+    calls: list[str] = []
+    real_new, real_into = tdckpt.load_memmap, tdckpt.load_memmap_
+
+    def new(*args: object, **kwargs: object) -> object:
+        calls.append("new")
+        return real_new(*args, **kwargs)  # type: ignore[arg-type]
+
+    def into(*args: object, **kwargs: object) -> object:
+        calls.append("into")
+        return real_into(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tdckpt, "load_memmap", new)
+    monkeypatch.setattr(tdckpt, "load_memmap_", into)
+    tdckpt_peer.install(("load_memmap",))
+    try:
+        assert TensorDict.load_memmap.__func__.__tdckpt_routed__  # type: ignore[attr-defined]
+        loaded = TensorDict.load_memmap(tmp_path / "ck", mode="r")
+        assert loaded["a"].tolist() == [1.0, 1.0, 1.0] and calls == ["new"]
+        assert TensorDict.load(tmp_path / "ck")["n", "b"].tolist() == [0.0, 0.0, 0.0]
+        assert calls == ["new", "new"]
+        out = TensorDict(a=torch.zeros(3), n=TensorDict(b=torch.ones(3)), batch_size=[3])
+        assert TensorDict.load_memmap(tmp_path / "ck", out=out) is out
+        assert calls[-1] == "into" and out["a"].tolist() == [1.0, 1.0, 1.0]
+
+        @tensorclass
+        class Pair:
+            x: torch.Tensor
+
+        Pair(x=torch.arange(3), batch_size=[3]).memmap(tmp_path / "tc")
+        calls.clear()
+        assert Pair.load_memmap(tmp_path / "tc").x.tolist() == [0, 1, 2]
+        assert calls == ["new"]
+        calls.clear()
+        sub = TensorDict.load_memmap(tmp_path / "ck", subpath="n")
+        assert sub["b"].tolist() == [0.0, 0.0, 0.0]  # tensordict's own subpath= read
+        with pytest.raises(CheckpointNotFoundError):
+            TensorDict.load(tmp_path / "missing")
+    finally:
+        tdckpt_peer.uninstall()
+    assert "load_memmap" not in TensorDictBase.__dict__
+    assert TensorDictBase.load_memmap == inherited
+
+
 def test_the_route_is_chosen_by_the_environment() -> None:
-    assert tdckpt_peer.routed_entry_points({}) == ("load_memmap_",)
+    assert tdckpt_peer.routed_entry_points({}) == ("load_memmap_", "load_memmap")
     assert tdckpt_peer.routed_entry_points({"TDCKPT_PEER_ROUTE": " load_memmap_ "}) == (
         "load_memmap_",
     )
+    assert tdckpt_peer.routed_entry_points({"TDCKPT_PEER_ROUTE": "load_memmap"}) == ("load_memmap",)
     with pytest.raises(pytest.UsageError, match=r"cannot route; known entry points"):
         tdckpt_peer.routed_entry_points({"TDCKPT_PEER_ROUTE": "load_memmap_,save"})
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _restore_helpers import diff_states, make_target, objects, reference, state
@@ -432,9 +433,20 @@ BAD_ARGUMENTS: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "allow_pickle='False'": (
         {"allow_pickle": "False"},
         TypeError,
-        "allow_pickle must be True, False or None",
+        "allow_pickle must be a bool or None",
     ),
-    "allow_pickle=0": ({"allow_pickle": 0}, TypeError, "allow_pickle must be True, False or None"),
+    # tensordict's own TypeError wording (its test_memmap_pickle_policy_requires_bool)
+    "allow_pickle=0": ({"allow_pickle": 0}, TypeError, "allow_pickle must be a bool or None"),
+    "allow_pickle=1": (
+        {"allow_pickle": 1},
+        TypeError,
+        r"must be a bool or None .*\(builtins\.int\)",
+    ),
+    "allow_pickle=np.True_": (
+        {"allow_pickle": np.True_},
+        TypeError,
+        r"allow_pickle must be a bool or None .*\(numpy\.bool",
+    ),
     "mode='w'": ({"mode": "w"}, ValueError, "mode must be 'r', 'r\\+' or None"),
     "mode='rb'": ({"mode": "rb"}, ValueError, "mode must be"),
     "robust_key='yes'": (

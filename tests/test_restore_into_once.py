@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from tdckpt._restore.engine import load_memmap, open_for_restore, restore_in_pla
 from tdckpt._restore.keys import key_difference, saved_structure, target_structure  # noqa: E402
 from tdckpt.errors import RestoreError, TdckptError  # noqa: E402
 from tdckpt.manager import CheckpointManager  # noqa: E402
+from tdckpt.schema import MANIFEST_NAME  # noqa: E402
 from tdckpt.warnings import TdckptDeprecationWarning  # noqa: E402
 
 #: Every value of :class:`Counted` that was unpickled, in order.
@@ -308,11 +310,19 @@ def test_a_checkpoint_saved_on_a_gpu_restores_strictly(tmp_path: Path) -> None:
     import json
 
     mgr, path = _saved(tmp_path, pickles=False)
+    manifest_path = path / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    records = {record["path"]: record for record in manifest["files"]}
     for meta in (path / "meta.json", path / "n" / "meta.json", path / "n" / "m" / "meta.json"):
         saved = json.loads(meta.read_text())
         assert saved["device"] == "cpu"
         saved["device"] = "cuda:0"
-        meta.write_text(json.dumps(saved))
+        data = json.dumps(saved).encode()
+        meta.write_bytes(data)
+        # as the writer records it: a restore checks every meta.json against the manifest
+        record = records[meta.relative_to(path).as_posix()]
+        record["size"], record["checksum"] = len(data), f"crc32:{zlib.crc32(data):08x}"
+    manifest_path.write_text(json.dumps(manifest))
     target = _content(0.0, pickles=False)
     assert mgr.restore_into(target) is target
     assert target["n", "m", "c"].tolist() == [1.0, 1.0] and target.device is None

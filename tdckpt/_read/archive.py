@@ -31,6 +31,7 @@ from typing import NoReturn, Protocol
 import torch
 
 from tdckpt._read.archive_index import FLAG_LZMA_EOS, METHOD_NAMES, Entry, read_index, where
+from tdckpt._read.expected import check_read
 from tdckpt._read.storage import MAX_JSON_BYTES, Listing, MapMode, Storage, check_component
 from tdckpt.errors import CheckpointNotFoundError, MetadataError
 
@@ -79,8 +80,8 @@ class ArchiveStorage(Storage):
         if not stat.S_ISREG(st.st_mode):
             self.close()
             raise MetadataError(
-                f"{self.location}: not a tensordict archive (not a regular file). Expected "
-                "a .tdz zip file or a checkpoint directory.",
+                f"{self.location}: not a memory-mapped tensordict archive (not a regular "
+                "file). Expected a .tdz zip file or a checkpoint directory.",
                 path=self.location,
             )
         self._stat = (st.st_dev, st.st_ino, st.st_size)
@@ -156,8 +157,10 @@ class ArchiveStorage(Storage):
             # leaves their CRC stale (refresh_archive_checksums), yet they are still valid.
             if not rel.endswith(".memmap") and zlib.crc32(data) != entry.crc:
                 self._corrupt(entry, "its CRC-32 does not match the zip directory")
-            return data
-        return bytes(self._inflate(entry, entry.size))
+        else:
+            data = bytes(self._inflate(entry, entry.size))
+        check_read(self, rel, data)  # a managed step's manifest, when one is declared
+        return data
 
     def map(self, rel: str, dtype: torch.dtype, numel: int, *, mode: MapMode) -> torch.Tensor:
         if mode not in (None, "r", "r+"):

@@ -125,9 +125,9 @@ class _Indexer:
                 data_end = min(getattr(zf, "start_dir", file_size), file_size)
         except _ZIP_PARSE_ERRORS as exc:
             raise MetadataError(
-                f"{self.location}: not a tensordict archive: the zip directory cannot be "
-                f"read ({type(exc).__name__}: {exc}). Expected a .tdz written by tensordict "
-                "or tdckpt; the file is truncated, damaged or not a zip file.",
+                f"{self.location}: not a memory-mapped tensordict archive: the zip directory "
+                f"cannot be read ({type(exc).__name__}: {exc}). Expected a .tdz written by "
+                "tensordict or tdckpt; the file is truncated, damaged or not a zip file.",
                 path=self.location,
             ) from exc
 
@@ -170,9 +170,9 @@ class _Indexer:
 
         if "meta.json" not in files:
             raise MetadataError(
-                f"{self.location}: not a tensordict archive: the zip has no top-level "
-                "'meta.json' entry. Expected a .tdz written by tensordict or tdckpt, whose "
-                "root holds meta.json.",
+                f"{self.location}: not a memory-mapped tensordict archive: the zip has no "
+                "top-level 'meta.json' entry. Expected a .tdz written by tensordict or tdckpt, "
+                "whose root holds meta.json.",
                 path=self.location,
             )
 

@@ -37,6 +37,7 @@ import torch
 from pydantic_core import from_json
 
 from tdckpt._keys import NESTED_SHAPE_SUFFIX
+from tdckpt._read.expected import check_read
 from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsafePathError
 
 __all__ = [
@@ -599,9 +600,11 @@ class DirectoryStorage(Storage):
                 )
             # Read what fstat promised (plus one byte, to notice a file growing under
             # us); never ask for max_bytes, which would allocate that much up front.
-            return _read_upto(fd, st.st_size + 1)
+            data = _read_upto(fd, st.st_size + 1)
         finally:
             os.close(fd)
+        check_read(self, rel, data)  # a managed step's manifest, when one is declared
+        return data
 
     def map(self, rel: str, dtype: torch.dtype, numel: int, *, mode: MapMode) -> torch.Tensor:
         """Map the first ``numel`` elements of ``rel`` as a 1-D tensor, without copying.

@@ -282,7 +282,41 @@ def _build_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorDictNode | No
             continue
         _check_batch_prefix(built, batch, ctx)
         node.entries[name] = built
+    _check_no_shared_file(vdir, entries, ctx)
     return node
+
+
+def _check_no_shared_file(vdir: VDir, entries: dict[str, Node], ctx: Ctx) -> None:
+    """Refuse a level where one file would be read as two things: a nested tensor's size
+    table ``<k>.shape.memmap`` is also the data file of a key ``<k>.shape``. The writer
+    cannot have meant both (it wrote one over the other), so neither can be trusted."""
+    users: dict[str, tuple[str, ...]] = {}
+    for leaf in entries.values():
+        if type(leaf) is not LeafNode:
+            continue
+        for vfile in (leaf.file, leaf.shape_file):
+            if vfile is None or vfile.source is None:
+                continue
+            other = users.setdefault(vfile.source, leaf.key)
+            if other != leaf.key:
+                ctx.add(
+                    "shared-file",
+                    vfile.source,
+                    leaf.key,
+                    f"this file is read both for {_describe_key(other)} and for "
+                    f"{_describe_key(leaf.key)} (a nested tensor's size table is the data file "
+                    "of another key): one was written over the other, so neither can be "
+                    f"trusted. Remove one of the two keys from {join(vdir.source, 'meta.json')} "
+                    "or restore the checkpoint from a backup.",
+                )
+
+
+def _describe_key(key: tuple[str, ...]) -> str:
+    return f"key {'.'.join(key)!r}"
+
+
+#: The largest product of a tensor's dims (zeros counted as 1) torch's int64 strides hold.
+_MAX_STRIDE_SPAN = 2**63 - 1
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -312,6 +346,20 @@ def _build_leaf(
             join(vdir.source, "meta.json"),
             key,
             f"shape {list(shape)} overflows: {numel} elements of {dtype} cannot exist on disk.",
+        )
+        return None
+    # torch computes a tensor's strides from its dims, zeros counted as 1: a zero-element
+    # leaf with huge other dims fails with "Stride calculation overflowed" when built.
+    span = math.prod(max(d, 1) for d in shape)
+    if span > _MAX_STRIDE_SPAN:
+        ctx.add(
+            "bad-shape",
+            join(vdir.source, "meta.json"),
+            key,
+            f"shape {list(shape)}: its dims multiply to {span} (a zero counted as 1, as torch "
+            "counts it for strides), past the 2**63 - 1 a tensor's strides can hold, so no "
+            "tensor of this shape can exist, even with zero elements. The metadata is damaged "
+            "or hostile.",
         )
         return None
     vfile = vdir.files.get(fname)

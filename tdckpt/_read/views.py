@@ -410,6 +410,11 @@ def _op_error(op: Any, kwargs: Any) -> str | None:
     return None
 
 
+def _argsort(dims: list[int]) -> list[int]:
+    """The permutation that undoes ``permute(dims)``."""
+    return sorted(range(len(dims)), key=dims.__getitem__)
+
+
 def _apply_op(op: str, kwargs: dict[str, Any], batch: tuple[int, ...]) -> tuple[int, ...]:
     args = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
     return tuple(getattr(torch.empty(batch, device="meta"), op)(**args).shape)
@@ -459,6 +464,12 @@ def build_view(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyViewNode | Non
     if inv is not None:
         try:
             back = _apply_op(inv, inv_kwargs, batch)
+            if op == "permute" and inv == "permute":
+                # tensordict writes a permute's inverse as the forward dims
+                # ({"dims": [2, 0, 3, 1]} both ways) and undoes it with their argsort,
+                # derived from custom_op_kwargs (_PermutedTensorDict._update_inv_op_kwargs):
+                # the saved inverse need only be a permutation of the batch dims.
+                back = _apply_op(op, {"dims": _argsort(kwargs["dims"])}, batch)
         except (IndexError, RuntimeError, TypeError, ValueError):
             back = None
         if back != src_batch:

@@ -31,6 +31,7 @@ from tdckpt._read.nodes import (
 )
 from tdckpt._read.pipeline import OpenedCheckpoint
 from tdckpt._read.storage import MapMode
+from tdckpt._restore.budget import check_map_budget
 from tdckpt._restore.plan import (
     Mapper,
     check_tensorclass_fields,
@@ -683,6 +684,7 @@ def restore_into_target(
     inner = target._tensordict if _is_tensorclass(target) else target
     if _is_td(inner) and inner.device is not None:
         device = inner.device
+    check_map_budget(opened, device)
     mapper = Mapper(opened.storage, mode, device)
     builder = builder_factory(opened, mapper, unpickle)
     prep = _Preparer(opened, mapper, builder, unpickle)

@@ -60,6 +60,20 @@ def _memory_mapped_tensor() -> type[torch.Tensor] | None:
     return cast("type[torch.Tensor]", MemoryMappedTensor)
 
 
+def _fake_mode_active() -> bool:
+    """Whether torch's FakeTensorMode is active on this thread (its dispatch-mode stack)."""
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    except ImportError:  # a torch without the private API: no fake mode to honour
+        return False
+    stack = _get_current_dispatch_mode_stack()
+    if not stack:
+        return False
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return any(isinstance(mode, FakeTensorMode) for mode in stack)
+
+
 def load_pickled(storage: Storage, rel: str) -> Any:
     """Unpickle one sidecar. Only called once the pickle policy allowed it."""
     raw = storage.read_bytes(rel, max_bytes=_MAX_PICKLE_BYTES)
@@ -85,7 +99,10 @@ class Mapper:
         self.records_prefix = storage.kind == "directory" and mode != "r"
         # Directory leaves become tensordict MemoryMappedTensors, as tensordict returns them.
         self._mmt = _memory_mapped_tensor() if storage.kind == "directory" else None
-        self._structure_only = device is not None and device.type == "meta"
+        #: Under torch's FakeTensorMode (tracing, meta-initialisation), leaves are fake
+        #: tensors of the saved shape and dtype and no file is read, as with tensordict.
+        self._fake = _fake_mode_active()
+        self._structure_only = (device is not None and device.type == "meta") or self._fake
         self._move = device is not None and device.type not in ("cpu", "meta")
         #: The storage's call that maps many usual leaves at once, where leaves become
         #: MemoryMappedTensors as they are (a directory; no move, no structure-only load).
@@ -179,6 +196,8 @@ class Mapper:
         if self._structure_only:
             # A structure-only load: no file is read, as with tensordict's device="meta".
             shape = node.shape[:1] if node.is_nested else node.shape
+            if self._fake:  # a FakeTensor, on the device the mode gives it
+                return torch.empty(shape, dtype=node.dtype)
             return torch.empty(shape, dtype=node.dtype, device="meta")
         if src is None and node.is_nested:
             # a nested tensor without values: only its size table is on disk

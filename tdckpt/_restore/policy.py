@@ -68,11 +68,15 @@ def policy_version() -> Version:
 
 
 def check_allow_pickle(allow_pickle: object) -> None:
-    """Refuse a non-bool, non-None ``allow_pickle`` (a common typo is ``"False"``)."""
+    """Refuse a non-bool, non-None ``allow_pickle`` (a common typo is ``"False"``).
+
+    ``0``, ``1`` and NumPy bools are refused too, as tensordict refuses them, with the
+    words of tensordict's TypeError ("allow_pickle must be a bool or None").
+    """
     if allow_pickle is not None and not isinstance(allow_pickle, bool):
         raise TypeError(
-            f"allow_pickle must be True, False or None, got {allow_pickle!r} "
-            f"({type(allow_pickle).__name__})."
+            f"allow_pickle must be a bool or None (True, False or None), got {allow_pickle!r} "
+            f"({type(allow_pickle).__module__}.{type(allow_pickle).__qualname__})."
         )
 
 

@@ -71,9 +71,12 @@ def _read(
         total = manifest.batch_size[0]
         loaded = None
     else:
+        from tdckpt._read.expected import expecting
         from tdckpt._restore.engine import load_memmap
 
-        loaded = load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
+        # a plain step's metadata checked against its manifest, as CheckpointManager.restore
+        with expecting(path, manifest, where=f"{path}: step {manifest.step}"):
+            loaded = load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
         if not getattr(loaded, "batch_size", None):
             raise RestoreError(
                 f"{path}: this step has batch size {list(getattr(loaded, 'batch_size', []))}, "

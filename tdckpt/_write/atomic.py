@@ -43,6 +43,7 @@ from tdckpt.errors import CheckpointExistsError
 
 __all__ = [
     "ARCHIVE_SUFFIX",
+    "MAX_STEP",
     "TMP_MARKER",
     "StepKind",
     "commit_directory",
@@ -99,12 +100,29 @@ def step_archive_name(step: int) -> str:
     return f"{check_step(step)}{ARCHIVE_SUFFIX}"
 
 
+#: The largest step number: 19 digits name a folder on every file system, and every reader of
+#: a manifest's ``step`` (JSON tools, int64 columns) holds it.
+MAX_STEP = 2**63 - 1
+
+
 def check_step(step: object) -> int:
-    """Return ``step`` if it is a valid step number (an ``int`` >= 0, not a bool)."""
+    """Return ``step`` if it is a valid step number (an ``int`` in 0 .. :data:`MAX_STEP`,
+    not a bool)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        bits = step.bit_length() if isinstance(step, int) else 0
+        shown = f"an int of {bits} bits" if bits > 64 else repr(step)[:80]
         raise ValueError(
-            f"a step must be a non-negative int, got {step!r} ({type(step).__name__}); "
+            f"a step must be a non-negative int, got {shown} ({type(step).__name__}); "
             "steps name folders as plain decimal numbers."
+        )
+    if step > MAX_STEP:
+        # not the number itself: a 301-digit int fills a screen, and past 4300 digits
+        # Python refuses to print it at all
+        raise ValueError(
+            f"a step must be at most 2**63 - 1 ({MAX_STEP}), got an int of "
+            f"{step.bit_length()} bits: steps name folders as decimal numbers and are "
+            "recorded in manifests as 64-bit ints (a 300-digit name does not even fit a file "
+            "name). Number steps by iteration, epoch or a counter."
         )
     return int(step)
 

@@ -84,6 +84,14 @@ _WRITEBACK_BYTES = 8 << 20
 # -- JSON rules ------------------------------------------------------------------------------
 
 
+#: The longest int JSON data may hold, in decimal digits: Python's default limit on int <->
+#: str conversion (``sys.get_int_max_str_digits()``), which every reader of the file has.
+MAX_INT_DIGITS = 4300
+_INT_BOUND = 10**MAX_INT_DIGITS
+#: Ints of at most this many bits have fewer digits: no comparison with the bound needed.
+_MAX_INT_BITS = 14_000
+
+
 def check_json_data(value: Any, *, where: str = "metadata") -> None:
     """Refuse anything but plain JSON data: it must come back from JSON exactly as given.
 
@@ -119,6 +127,15 @@ def check_json_data(value: Any, *, where: str = "metadata") -> None:
             if item != item or item in (float("inf"), float("-inf")):
                 raise MetadataError(
                     f"{path}: {item!r} is not valid JSON; use None or a finite number.",
+                    path=path,
+                )
+        elif kind is int:
+            if item.bit_length() > _MAX_INT_BITS and not -_INT_BOUND < item < _INT_BOUND:
+                raise MetadataError(
+                    f"{path}: an int of more than {MAX_INT_DIGITS} decimal digits "
+                    f"({item.bit_length()} bits); Python reads and writes no longer int as "
+                    "JSON text (sys.get_int_max_str_digits), so it could not be saved or read "
+                    "back. Store it as a str, or a float if its precision may go.",
                     path=path,
                 )
         elif kind not in (str, int, bool, type(None)):

@@ -1,17 +1,30 @@
-"""A pytest plugin that routes tensordict's in-place load through tdckpt.
+"""A pytest plugin that routes tensordict's loads through tdckpt.
 
 Load it into a run of *tensordict's own* test suite (``-p tdckpt_peer`` with this folder on
-``PYTHONPATH``; ``run_peer.py`` does that) to check that :func:`tdckpt.load_memmap_` is a
-drop-in for ``TensorDictBase.load_memmap_``: every caller of the method -
-``td.load_memmap_(...)``, the deprecated ``td.load_(...)`` and ``td.memmap_refresh_()``, which
-call it - then runs tdckpt's restore instead.
+``PYTHONPATH``; ``run_peer.py`` does that) to check that tdckpt is a drop-in for tensordict's
+loaders. Two entry points of ``TensorDictBase`` are routed:
 
-The routed method takes tensordict's signature (``prefix, robust_key=True, *, allow_pickle,
-mode``) and returns ``self``. tdckpt's errors stay tdckpt's errors: the point of the run is to
-see where tdckpt refuses what tensordict loads.
+``load_memmap_``
+    :func:`tdckpt.load_memmap_`: every caller of the method - ``td.load_memmap_(...)``, the
+    deprecated ``td.load_(...)`` and ``td.memmap_refresh_()``, which call it - runs tdckpt's
+    restore instead. Takes tensordict's signature (``prefix, robust_key=True, *,
+    allow_pickle, mode``) and returns ``self``.
+``load_memmap``
+    The classmethod, hence ``TensorDict.load`` (which calls it) and every tensorclass's
+    ``load_memmap``/``load`` (tensorclasses copy the classmethod when they are defined, after
+    the plugin is installed): :func:`tdckpt.load_memmap`, or :func:`tdckpt.load_memmap_`
+    into ``out=`` when one is given. ``device`` and ``mode`` are passed on; ``non_blocking``
+    and ``num_threads`` are performance hints tdckpt does not need. A ``subpath=`` load -
+    one sub-tree of a checkpoint, which tdckpt has no entry point for - goes to tensordict's
+    own method (the one case not routed). A nested call tensordict makes while loading (a
+    lazy view's source, a tensorclass's ``_tensordict``) passes an internal archive path and
+    is left to tensordict too: tdckpt reads the whole tree in one call.
 
-``TDCKPT_PEER_ROUTE`` (comma-separated) chooses the entry points; the default, and the
-only one today, is ``load_memmap_``. The run's header names what was routed.
+tdckpt's errors stay tdckpt's errors: the point of the run is to see where tdckpt refuses what
+tensordict loads.
+
+``TDCKPT_PEER_ROUTE`` (comma-separated) chooses the entry points; the default is all of
+:data:`ROUTES`. The run's header names what was routed.
 """
 
 from __future__ import annotations
@@ -26,10 +39,12 @@ import pytest
 
 __all__ = ["ROUTES", "install", "routed_entry_points", "uninstall"]
 
-#: Entry point name -> the attribute of ``TensorDictBase`` it replaces.
-ROUTES = ("load_memmap_",)
+#: The attributes of ``TensorDictBase`` the plugin can replace.
+ROUTES = ("load_memmap_", "load_memmap")
 
-_ORIGINALS: dict[str, Callable[..., Any]] = {}
+_ORIGINALS: dict[str, Any] = {}
+#: Marks an entry point ``TensorDictBase`` inherits: uninstall deletes the override.
+_INHERITED = object()
 
 
 def _routed_load_memmap_(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,6 +63,57 @@ def _routed_load_memmap_(original: Callable[..., Any]) -> Callable[..., Any]:
 
     load_memmap_.__tdckpt_routed__ = True  # type: ignore[attr-defined]
     return load_memmap_
+
+
+def _routed_load_memmap(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The classmethod ``TensorDictBase.load_memmap``, routed (``original`` is bound)."""
+    import tdckpt
+
+    func = original.__func__  # type: ignore[attr-defined]
+
+    @functools.wraps(func)
+    def load_memmap(
+        cls: type,
+        prefix: str | os.PathLike[str],
+        device: Any = None,
+        non_blocking: bool = False,
+        *,
+        out: Any = None,
+        robust_key: bool | None = True,
+        subpath: Any = None,
+        mode: str | None = None,
+        num_threads: int = 0,
+        allow_pickle: bool | None = None,
+    ) -> Any:
+        if subpath is not None or not isinstance(prefix, (str, os.PathLike)):
+            return func(
+                cls,
+                prefix,
+                device,
+                non_blocking,
+                out=out,
+                robust_key=robust_key,
+                subpath=subpath,
+                mode=mode,
+                num_threads=num_threads,
+                allow_pickle=allow_pickle,
+            )
+        if out is not None:
+            return tdckpt.load_memmap_(
+                out, prefix, robust_key, allow_pickle=allow_pickle, mode=mode
+            )
+        return tdckpt.load_memmap(
+            prefix, robust_key=robust_key, allow_pickle=allow_pickle, mode=mode, device=device
+        )
+
+    load_memmap.__tdckpt_routed__ = True  # type: ignore[attr-defined]
+    return classmethod(load_memmap)  # type: ignore[return-value]
+
+
+_ROUTERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "load_memmap_": _routed_load_memmap_,
+    "load_memmap": _routed_load_memmap,
+}
 
 
 def routed_entry_points(env: dict[str, str] | None = None) -> tuple[str, ...]:
@@ -70,9 +136,9 @@ def install(names: tuple[str, ...] = ROUTES) -> None:
     for name in names:
         if name in _ORIGINALS:
             continue
-        original = getattr(TensorDictBase, name)
-        _ORIGINALS[name] = original
-        setattr(TensorDictBase, name, _routed_load_memmap_(original))
+        # defined on a base class (tensordict 0.15: _Serialization): uninstall deletes ours
+        _ORIGINALS[name] = TensorDictBase.__dict__.get(name, _INHERITED)
+        setattr(TensorDictBase, name, _ROUTERS[name](getattr(TensorDictBase, name)))
 
 
 def uninstall() -> None:
@@ -80,7 +146,10 @@ def uninstall() -> None:
     from tensordict import TensorDictBase
 
     for name, original in _ORIGINALS.items():
-        setattr(TensorDictBase, name, original)
+        if original is _INHERITED:
+            delattr(TensorDictBase, name)
+        else:
+            setattr(TensorDictBase, name, original)
     _ORIGINALS.clear()
 
 
