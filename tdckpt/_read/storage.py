@@ -938,7 +938,8 @@ def _read_upto(fd: int, size: int) -> bytes:
 
 
 def open_storage(prefix: str | os.PathLike[str], *, defer_leaf_sizes: bool = False) -> Storage:
-    """Open a checkpoint prefix: a directory, or a ``.tdz`` zip archive.
+    """Open a checkpoint prefix: a directory, a ``.tdz`` zip archive, or a consolidated file
+    (``td.consolidate(filename=...)``, see ``consolidated.py``).
 
     ``defer_leaf_sizes``: a restore's open - a directory lists its ``*.memmap`` files
     without a stat (their sizes :data:`UNKNOWN_SIZE`; see :class:`DirectoryStorage`).
@@ -956,6 +957,11 @@ def open_storage(prefix: str | os.PathLike[str], *, defer_leaf_sizes: bool = Fal
     path = Path(prefix)
     if path.is_file():
         from tdckpt._read.archive import ArchiveStorage
+        from tdckpt._read.consolidated import open_consolidated
+
+        consolidated = open_consolidated(path)
+        if consolidated is not None:
+            return consolidated
 
         return ArchiveStorage(path)
     raise CheckpointNotFoundError(

@@ -1,0 +1,656 @@
+"""Consolidated files: a read-only :class:`Storage` over tensordict's single-file layout.
+
+``td.consolidate(filename=...)`` (tensordict >= 0.5; TorchRL's
+``StateDictCheckpointAdapter(payload_format="consolidated")``) writes one file::
+
+    [leaf bytes ........][metadata: UTF-8 JSON][metadata length: int64, little-endian]
+
+and ``TensorDict.from_consolidated(filename)`` reads it back. The metadata is JSON in every
+release that writes the file (``json.dumps``, later tensordict's ``json_dumps``), never a
+pickle: reading it needs no pickle policy. Each level of the tree is an object::
+
+    {"cls": "TensorDict" | "LazyStackedTensorDict" | "NonTensorStack" | "<class 'm.TC'>",
+     "non_tensors": {key: [data, batch_size, device]},     # [data, batch_size] before 0.8
+     "leaves": {key: [dtype, shape, start, stop, pad]},    # + ragged index for NJTs (0.13+)
+     "cls_metadata": {"batch_size", "device", "names", "is_locked"} | {"stack_dim", ...},
+     <child key>: {...the child level...}}
+
+A leaf is ``data[start:stop]``, its last ``pad`` bytes padding (tensordict pads every leaf
+to 8 bytes). A tensorclass is recorded by ``str(cls)`` from 0.15 on (0.5 - 0.14 cannot write
+one: 0.5 - 0.7 record a bare class name no release can load back, 0.8 - 0.14 fail to
+serialise the class).
+
+:class:`ConsolidatedStorage` opens the file once and checks everything on that descriptor
+before any caller sees it: a regular file; a footer whose length is bounded
+(``MAX_JSON_BYTES``) and fits the file; JSON that parses within the same budgets as a
+``meta.json``; every level well formed; every leaf's dtype known, its shape plain ints, its
+byte range inside the leaf region, sized exactly for its shape and dtype plus at most 7
+bytes of padding, aligned for its dtype, and overlapping no other leaf. Anything else is a
+:class:`~tdckpt.errors.MetadataError` naming the file and the key, raised before a restore
+touches its target.
+
+It then presents the file as the current (tensordict 0.15.3, format v1) directory tree:
+one virtual ``meta.json`` per level, one virtual ``<encoded key>.memmap`` per leaf. Every
+stage above (detection, validation, the plan, in-place apply) reads it as it reads a
+directory; :meth:`ConsolidatedStorage.map` returns views of the one mapping of the file
+(copy-on-write for ``mode=None``/``"r"``, as ``from_consolidated`` maps it; shared for
+``mode="r+"``). Nothing is ever written unless ``mode="r+"`` and the caller writes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import mmap
+import os
+import stat
+import struct
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tdckpt._keys import LEAF_SUFFIX, encode_key
+from tdckpt._read.storage import (
+    MAX_JSON_BYTES,
+    Listing,
+    MapMode,
+    Storage,
+    check_component,
+    parse_json,
+)
+from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsupportedFormatError
+
+__all__ = [
+    "FOOTER_BYTES",
+    "MAX_LEVELS",
+    "ConsolidatedStorage",
+    "open_consolidated",
+    "parse_consolidated",
+]
+
+#: The length of the footer: the metadata's size in bytes, an int64 (little-endian).
+FOOTER_BYTES = 8
+#: Levels nest at most this deep (as ``tree.MAX_DEPTH`` for directories).
+MAX_DEPTH = 200
+#: Levels, leaves and non-tensor entries together, at most (as ``tree.MAX_ENTRIES``).
+MAX_LEVELS = 1_000_000
+#: Dimensions of a leaf's shape, at most (as a meta.json's).
+_MAX_NDIM = 64
+
+_OPEN_FLAGS = os.O_RDONLY | sum(
+    getattr(os, flag, 0) for flag in ("O_CLOEXEC", "O_NONBLOCK", "O_NOCTTY")
+)
+_RESERVED = frozenset({"cls", "non_tensors", "leaves", "cls_metadata", "size"})
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+
+_TD_TYPE = "<class 'tensordict._td.TensorDict'>"
+_LAZY_TYPE = "<class 'tensordict._lazy.LazyStackedTensorDict'>"
+_NTD_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
+_NTS_TYPE = "<class 'tensordict.tensorclass.NonTensorStack'>"
+
+
+def _dtype_table() -> dict[str, torch.dtype]:
+    out = {}
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype):
+            out[str(value)] = value
+    return out
+
+
+#: "torch.float32" -> torch.float32, for every dtype of this torch.
+DTYPES = _dtype_table()
+
+
+@dataclass
+class _Level:
+    """One directory of the virtual tree."""
+
+    meta: dict[str, Any]
+    files: dict[str, int] = field(default_factory=dict)
+    dirs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Parsed:
+    """A consolidated file's metadata, checked and laid out as the current directory tree.
+
+    ``levels`` maps a relative directory path (``""`` is the top) to its level; ``leaves``
+    maps a leaf's relative file path to ``(start, nbytes)`` in the leaf region.
+    """
+
+    levels: dict[str, _Level]
+    leaves: dict[str, tuple[int, int]]
+    data_size: int
+
+
+def parse_consolidated(raw: Any, data_size: int, where: str) -> Parsed:
+    """Check the parsed metadata ``raw`` of a file with ``data_size`` bytes of leaves.
+
+    Raises:
+        MetadataError: anything a file written by tensordict never holds.
+        UnsupportedFormatError: content tensordict writes that tdckpt cannot restore yet
+            (nested jagged tensors), or a class no release can load back.
+    """
+    return _Parser(data_size, where).parse(raw)
+
+
+class _Parser:
+    def __init__(self, data_size: int, where: str) -> None:
+        self.data_size = data_size
+        self.where = where
+        self.levels: dict[str, _Level] = {}
+        self.leaves: dict[str, tuple[int, int]] = {}
+        #: (start, stop, key) of each leaf with bytes, for the overlap check
+        self.ranges: list[tuple[int, int, str]] = []
+        self.count = 0
+
+    def fail(self, key: str, what: str, cls: type[MetadataError] = MetadataError) -> MetadataError:
+        shown = f"{self.where} (key {key!r})" if key else self.where
+        return cls(
+            f"{shown}: {what}. A file written by tensordict's consolidate(filename=...) never "
+            "holds this: it is damaged, truncated or hostile. Re-create it from the original "
+            "tensordict.",
+            path=self.where,
+            key=key,
+        )
+
+    def parse(self, raw: Any) -> Parsed:
+        self.level(raw, "", (), 0)
+        self.check_overlaps()
+        return Parsed(self.levels, self.leaves, self.data_size)
+
+    # -- levels ----------------------------------------------------------------------
+    def level(self, raw: Any, rel: str, key: tuple[str, ...], depth: int) -> str:
+        """Lay out the level ``raw`` at directory ``rel``; return its entry type name."""
+        shown = "/".join(key)
+        if depth > MAX_DEPTH:
+            raise self.fail(shown, f"levels nest more than {MAX_DEPTH} deep")
+        if type(raw) is not dict:
+            raise self.fail(shown, f"a level is a JSON object, found {type(raw).__name__}")
+        for name in ("cls", "non_tensors", "leaves", "cls_metadata"):
+            if name not in raw:
+                raise self.fail(shown, f"the level has no {name!r} field")
+        cls, non_tensors, leaves, cls_meta = (
+            raw["cls"],
+            raw["non_tensors"],
+            raw["leaves"],
+            raw["cls_metadata"],
+        )
+        if type(cls) is not str:
+            raise self.fail(shown, f"'cls' is {type(cls).__name__}, expected a class name")
+        for name, value in (
+            ("non_tensors", non_tensors),
+            ("leaves", leaves),
+            ("cls_metadata", cls_meta),
+        ):
+            if type(value) is not dict:
+                raise self.fail(shown, f"{name!r} is {type(value).__name__}, expected an object")
+        children = {k: v for k, v in raw.items() if k not in _RESERVED}
+        self.count += 1 + len(non_tensors) + len(leaves)
+        if self.count > MAX_LEVELS:
+            raise self.fail(shown, f"more than {MAX_LEVELS} levels and entries")
+        for name in leaves:
+            if name in non_tensors or name in children:
+                raise self.fail(
+                    "/".join((*key, name)), "the key is both a tensor and another entry"
+                )
+        for name in non_tensors:
+            if name in children:
+                raise self.fail(
+                    "/".join((*key, name)), "the key is both a non-tensor and a sub-level"
+                )
+        if cls == "LazyStackedTensorDict":
+            return self.lazy_stack(rel, key, cls_meta, non_tensors, leaves, children, depth)
+        if cls == "NonTensorStack":
+            return self.nt_stack(rel, key, cls_meta, non_tensors, leaves, children)
+        if cls == "TensorDict":
+            self.td_level(rel, key, cls_meta, non_tensors, leaves, children, depth)
+            return "TensorDict"
+        if cls.startswith("<class '") and cls.endswith("'>") and "." in cls:
+            # A tensorclass: its own level names the class, its tensordict is "_tensordict".
+            self.levels[rel] = _Level({"_type": cls}, dirs=["_tensordict"])
+            inner = f"{rel}/_tensordict" if rel else "_tensordict"
+            self.td_level(inner, key, cls_meta, non_tensors, leaves, children, depth + 1)
+            return cls[len("<class '") : -2].rpartition(".")[2]
+        raise self.fail(
+            shown,
+            f"the class {cls!r} is not one tdckpt can restore (TensorDict, "
+            "LazyStackedTensorDict, NonTensorStack, or a tensorclass recorded as "
+            "\"<class 'module.Name'>\" by tensordict >= 0.15; tensordict 0.5 - 0.7 recorded "
+            "a tensorclass by its bare name, which no release can load back)",
+            UnsupportedFormatError,
+        )
+
+    def batch(self, shown: str, cls_meta: dict[str, Any]) -> tuple[list[int], Any, Any]:
+        batch = cls_meta.get("batch_size")
+        if type(batch) is not list or len(batch) > _MAX_NDIM:
+            raise self.fail(shown, "'cls_metadata.batch_size' is not a list of sizes")
+        for d in batch:
+            if type(d) is not int or d < 0:
+                raise self.fail(shown, f"the batch size {batch!r} holds {d!r}")
+        device = cls_meta.get("device")
+        if device is not None and type(device) is not str:
+            raise self.fail(shown, f"the device {device!r} is not a string")
+        names = cls_meta.get("names")
+        if names is not None and (
+            type(names) is not list or any(n is not None and type(n) is not str for n in names)
+        ):
+            raise self.fail(shown, f"the names {names!r} are not a list of strings")
+        return batch, device, names
+
+    def td_level(
+        self,
+        rel: str,
+        key: tuple[str, ...],
+        cls_meta: dict[str, Any],
+        non_tensors: dict[str, Any],
+        leaves: dict[str, Any],
+        children: dict[str, Any],
+        depth: int,
+    ) -> None:
+        shown = "/".join(key)
+        batch, device, names = self.batch(shown, cls_meta)
+        meta: dict[str, Any] = {}
+        level = _Level(meta)
+        self.levels[rel] = level
+        prefix = f"{rel}/" if rel else ""
+        leaf_device = device if device is not None else "cpu"
+        for name, spec in leaves.items():
+            full = (*key, name)
+            if name.startswith("<NJT"):
+                raise self.fail(
+                    "/".join(full),
+                    "a nested jagged tensor; tdckpt cannot restore those from a "
+                    "consolidated file yet. Load it with TensorDict.from_consolidated",
+                    UnsupportedFormatError,
+                )
+            dtype, shape, start, nbytes = self.leaf(spec, full)
+            fname = encode_key(name) + LEAF_SUFFIX
+            meta[name] = {
+                "device": leaf_device,
+                "shape": shape,
+                "dtype": dtype,
+                "is_nested": False,
+            }
+            level.files[fname] = nbytes
+            self.leaves[prefix + fname] = (start, nbytes)
+        for name, entry in non_tensors.items():
+            full = (*key, name)
+            data = self.non_tensor(entry, full)
+            dname = encode_key(name)
+            level.dirs.append(dname)
+            self.levels[prefix + dname] = _Level(
+                {"_type": _NTD_TYPE, "data": data, "_metadata": None, "_is_non_tensor": True}
+            )
+            meta[name] = {"type": "NonTensorData"}
+        for name, child in children.items():
+            dname = encode_key(name)
+            level.dirs.append(dname)
+            meta[name] = {"type": self.level(child, prefix + dname, (*key, name), depth + 1)}
+        meta["shape"] = batch
+        meta["device"] = device
+        meta["_type"] = _TD_TYPE
+        meta["_format_version"] = 1
+        meta["_class"] = "tensordict:TensorDict"
+        if names is not None and any(n is not None for n in names):
+            meta["_names"] = names
+
+    def lazy_stack(
+        self,
+        rel: str,
+        key: tuple[str, ...],
+        cls_meta: dict[str, Any],
+        non_tensors: dict[str, Any],
+        leaves: dict[str, Any],
+        children: dict[str, Any],
+        depth: int,
+    ) -> str:
+        shown = "/".join(key)
+        if leaves or non_tensors:
+            raise self.fail(shown, "a lazy stack holds entries of its own, not only its members")
+        if list(children) != [str(i) for i in range(len(children))]:
+            raise self.fail(shown, "the members of a lazy stack are not keyed '0', '1', ...")
+        stack_dim = cls_meta.get("stack_dim")
+        dim_name = cls_meta.get("stack_dim_name")
+        if type(stack_dim) is not int or (dim_name is not None and type(dim_name) is not str):
+            raise self.fail(shown, "the lazy stack's 'stack_dim' is not an int")
+        self.levels[rel] = _Level(
+            {
+                "_type": _LAZY_TYPE,
+                "_format_version": 1,
+                "_class": "tensordict:LazyStackedTensorDict",
+                "stack_dim": stack_dim,
+                "stack_dim_name": dim_name,
+            },
+            dirs=list(children),
+        )
+        prefix = f"{rel}/" if rel else ""
+        for name, child in children.items():
+            self.level(child, prefix + name, (*key, name), depth + 1)
+        return "LazyStackedTensorDict"
+
+    def nt_stack(
+        self,
+        rel: str,
+        key: tuple[str, ...],
+        cls_meta: dict[str, Any],
+        non_tensors: dict[str, Any],
+        leaves: dict[str, Any],
+        children: dict[str, Any],
+    ) -> str:
+        shown = "/".join(key)
+        if leaves or children:
+            raise self.fail(shown, "a non-tensor stack holds tensors or sub-levels")
+        if list(non_tensors) != [str(i) for i in range(len(non_tensors))]:
+            raise self.fail(shown, "the members of a non-tensor stack are not keyed '0', '1', ...")
+        stack_dim = cls_meta.get("stack_dim")
+        if type(stack_dim) is not int:
+            raise self.fail(shown, "the non-tensor stack's 'stack_dim' is not an int")
+        data = [self.non_tensor(v, (*key, k)) for k, v in non_tensors.items()]
+        self.levels[rel] = _Level(
+            {
+                "_type": _NTS_TYPE,
+                "_format_version": 1,
+                "_class": "tensordict:NonTensorStack",
+                "stack_dim": stack_dim,
+                "device": None,
+                "data": data,
+            }
+        )
+        return "NonTensorStack"
+
+    # -- entries ---------------------------------------------------------------------
+    def non_tensor(self, entry: Any, full: tuple[str, ...]) -> Any:
+        # [data, batch_size, device] (0.8+) or [data, batch_size] (0.5 - 0.7)
+        if type(entry) is not list or len(entry) not in (2, 3) or type(entry[1]) is not list:
+            raise self.fail(
+                "/".join(full), "a non-tensor entry is not [data, batch_size(, device)]"
+            )
+        return entry[0]
+
+    def leaf(self, spec: Any, full: tuple[str, ...]) -> tuple[str, list[int], int, int]:
+        shown = "/".join(full)
+        if type(spec) is not list or len(spec) not in (5, 6):
+            raise self.fail(shown, "a leaf is not [dtype, shape, start, stop, pad]")
+        dtype_name, shape, start, stop, pad = spec[:5]
+        dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if dtype is None:
+            raise self.fail(shown, f"the dtype {dtype_name!r} is not a torch dtype")
+        if type(shape) is not list or len(shape) > _MAX_NDIM:
+            raise self.fail(shown, f"the shape {shape!r} is not a list of sizes")
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise self.fail(shown, f"the shape {shape!r} holds {d!r}")
+        for name, value in (("start", start), ("stop", stop), ("pad", pad)):
+            if type(value) is not int:
+                raise self.fail(shown, f"the {name} offset {value!r} is not an int")
+        if not 0 <= start <= stop <= self.data_size:
+            raise self.fail(
+                shown,
+                f"its bytes [{start}, {stop}) are not inside the {self.data_size} bytes of "
+                "leaves the file holds",
+            )
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not 0 <= pad < 8 or stop - start - pad != nbytes:
+            raise self.fail(
+                shown,
+                f"its bytes [{start}, {stop}) with {pad} bytes of padding do not hold the "
+                f"{nbytes} bytes of a {dtype_name} tensor of shape {shape}",
+            )
+        if start % dtype.itemsize:
+            raise self.fail(shown, f"its bytes start at {start}, not aligned for {dtype_name}")
+        if nbytes:
+            self.ranges.append((start, start + nbytes, shown))
+        return dtype_name, shape, start, nbytes
+
+    def check_overlaps(self) -> None:
+        ranges = sorted(self.ranges)
+        for (_s0, e0, k0), (s1, _e1, k1) in itertools.pairwise(ranges):
+            if s1 < e0:
+                raise self.fail(
+                    k1, f"its bytes overlap those of {k0!r}; every leaf has bytes of its own"
+                )
+
+
+def open_consolidated(path: str | os.PathLike[str]) -> ConsolidatedStorage | None:
+    """The consolidated file at ``path``, checked; None if it is a zip (a ``.tdz``), not a
+    regular file, or does not end as a consolidated file does (then the archive reader
+    says what it is)."""
+    location = os.fspath(path)
+    try:
+        fd = os.open(location, _OPEN_FLAGS)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"{location}: no such file. Check the path.", path=location
+        ) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size <= FOOTER_BYTES:
+            os.close(fd)
+            return None
+        head = os.pread(fd, 4, 0)
+        footer = os.pread(fd, FOOTER_BYTES, st.st_size - FOOTER_BYTES)
+        (length,) = struct.unpack("<q", footer) if len(footer) == FOOTER_BYTES else (-1,)
+        if head in _ZIP_MAGIC or not 2 <= length <= st.st_size - FOOTER_BYTES:
+            os.close(fd)
+            return None
+        first = os.pread(fd, 1, st.st_size - FOOTER_BYTES - length)
+        if first != b"{":
+            os.close(fd)
+            return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return ConsolidatedStorage(location, fd, st, length)
+
+
+class ConsolidatedStorage(Storage):
+    """A checkpoint in tensordict's consolidated single-file layout (see the module doc).
+
+    Built by :func:`open_consolidated` from the descriptor it opened: the metadata is read
+    and checked from that descriptor, and the file is mapped from it, once per mode.
+    """
+
+    kind = "consolidated"
+
+    def __init__(self, location: str, fd: int, st: os.stat_result, length: int) -> None:
+        self.location = location
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+        self._lock = threading.Lock()
+        self._private: torch.Tensor | None = None
+        self._shared: torch.Tensor | None = None
+        self._stat = (st.st_dev, st.st_ino, st.st_size)
+        try:
+            if length > MAX_JSON_BYTES:
+                raise MetadataError(
+                    f"{location}: the consolidated file declares {length} bytes of metadata, "
+                    f"more than the {MAX_JSON_BYTES} tdckpt reads (a 10,000-leaf tensordict "
+                    "writes about 1 MB). The file is damaged or hostile.",
+                    path=location,
+                )
+            data_size = st.st_size - FOOTER_BYTES - length
+            raw = os.pread(fd, length, data_size)
+            if len(raw) != length:
+                raise MetadataError(
+                    f"{location}: only {len(raw)} of the {length} bytes of metadata could be "
+                    "read: the file is truncated. Re-create it.",
+                    path=location,
+                )
+            parsed = parse_json(raw, where=location)
+            self._parsed = parse_consolidated(parsed, data_size, location)
+        except BaseException:
+            self.close()
+            raise
+        self.data_size = data_size
+
+    # -- Storage interface -----------------------------------------------------------
+    def _level(self, rel: str) -> _Level:
+        for part in rel.split("/") if rel else []:
+            check_component(part, where=self.display(rel))
+        level = self._parsed.levels.get(rel)
+        if level is None:
+            raise CheckpointNotFoundError(
+                f"{self.display(rel)}: no such level in the consolidated file.",
+                path=self.display(rel),
+            )
+        return level
+
+    def display(self, rel: str) -> str:
+        return f"{self.location}:{rel}" if rel else self.location
+
+    def listdir(self, rel: str) -> Listing:
+        level = self._level(rel)
+        files = dict(level.files)
+        files["meta.json"] = 0
+        return Listing(files=files, dirs=set(level.dirs))
+
+    def read_json(self, rel: str) -> Any:
+        parent, _, name = rel.rpartition("/")
+        if name != "meta.json":
+            raise CheckpointNotFoundError(
+                f"{self.display(rel)}: no such metadata file in the consolidated file.",
+                path=self.display(rel),
+            )
+        # A copy of each dict (migrations and validation may edit what they are given);
+        # the lists inside are never edited in place.
+        return {k: dict(v) if type(v) is dict else v for k, v in self._level(parent).meta.items()}
+
+    def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+        data = json.dumps(self.read_json(rel)).encode()
+        if len(data) > max_bytes:
+            raise MetadataError(
+                f"{self.display(rel)}: {len(data)} bytes, more than {max_bytes}.",
+                path=self.display(rel),
+            )
+        return data
+
+    def _leaf(self, rel: str) -> tuple[int, int]:
+        found = self._parsed.leaves.get(rel)
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"{self.display(rel)}: no such leaf in the consolidated file.",
+                path=self.display(rel),
+            )
+        return found
+
+    def map(self, rel: str, dtype: torch.dtype, numel: int, *, mode: MapMode) -> torch.Tensor:
+        if mode not in (None, "r", "r+"):
+            raise ValueError(f"mode must be None, 'r' or 'r+', got {mode!r}")
+        start, size = self._leaf(rel)
+        nbytes = numel * dtype.itemsize
+        if numel < 0 or nbytes > size:
+            raise MetadataError(
+                f"{self.display(rel)}: holds {size} bytes, but {numel} elements of {dtype} "
+                f"need {nbytes}. The metadata and the leaf disagree; the file is damaged.",
+                path=self.location,
+                name=rel,
+            )
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        return self._mapping(shared=mode == "r+")[start : start + nbytes].view(dtype)
+
+    def map_many(
+        self, leaves: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], mode: MapMode
+    ) -> list[torch.Tensor]:
+        """Views of many leaves, each shaped ``shape`` (contiguous): what :meth:`map` and a
+        view give, built with one ``as_strided`` per leaf on a per-dtype view of the map."""
+        base = self._mapping(shared=mode == "r+")
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        table = self._parsed.leaves
+        out: list[torch.Tensor] = []
+        append = out.append
+        for rel, dtype, shape in leaves:
+            start, size = table[rel]
+            item = dtype.itemsize
+            whole = typed.get(dtype)
+            if whole is None:
+                usable = self.data_size - self.data_size % item
+                whole = typed[dtype] = base[:usable].view(dtype)
+            numel = math.prod(shape)
+            if numel * item > size:
+                append(self.map(rel, dtype, numel, mode=mode))  # raises, naming the leaf
+                continue
+            append(whole.as_strided(shape, _strides(shape), start // item))
+        return out
+
+    def close(self) -> None:
+        """Drop this storage's mappings and close the file (returned tensors stay valid)."""
+        with self._lock:
+            self._private = self._shared = None
+        self._finalizer()
+
+    # -- mapping ---------------------------------------------------------------------
+    def _mapping(self, *, shared: bool) -> torch.Tensor:
+        """The leaf region as one uint8 tensor, mapped from the checked descriptor on first
+        use (copy-on-write unless ``shared``); the file must be as it was when checked."""
+        with self._lock:
+            if not self._finalizer.alive:
+                raise ValueError(f"{self.location}: the consolidated storage is closed.")
+            cached = self._shared if shared else self._private
+            if cached is not None:
+                return cached
+            st = os.fstat(self._fd)
+            if st.st_size != self._stat[2]:
+                raise MetadataError(
+                    f"{self.location}: the file changed size since it was checked "
+                    f"({self._stat[2]} -> {st.st_size} bytes); nothing was restored. "
+                    "Restore it again once nothing writes it.",
+                    path=self.location,
+                )
+            size = self._stat[2]
+            try:
+                if shared:
+                    buffer = self._map_writable(size)
+                else:
+                    buffer = mmap.mmap(self._fd, size, access=mmap.ACCESS_COPY)
+            except ValueError as exc:
+                raise MetadataError(
+                    f"{self.location}: the file was truncated since it was checked ({exc}); "
+                    "nothing was restored.",
+                    path=self.location,
+                ) from exc
+            base = torch.frombuffer(buffer, dtype=torch.uint8)[: self.data_size]
+            if shared:
+                self._shared = base
+            else:
+                self._private = base
+            return base
+
+    def _map_writable(self, size: int) -> mmap.mmap:
+        """A shared mapping of the very file checked (reopened through /proc/self/fd)."""
+        proc = f"/proc/self/fd/{self._fd}"
+        again = proc if os.path.exists(proc) else self.location
+        try:
+            fd = os.open(again, os.O_RDWR | (_OPEN_FLAGS & ~os.O_RDONLY))
+        except PermissionError as exc:
+            raise PermissionError(
+                exc.errno,
+                f"{self.location}: mode='r+' needs a writable file; use mode='r' or mode=None",
+            ) from exc
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino, st.st_size) != self._stat:
+                raise MetadataError(
+                    f"{self.location}: the file was replaced or resized since it was checked; "
+                    "restore it again.",
+                    path=self.location,
+                )
+            return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+        finally:
+            os.close(fd)
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
