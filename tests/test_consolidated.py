@@ -454,3 +454,69 @@ def test_a_file_written_by_tensordict_0_14_3(tmp_path: Path) -> None:
     tdckpt.load_memmap_(target, path, allow_pickle=False)
     assert torch.equal(target["f32"], ours["f32"])
     assert tdckpt.validate(path).ok
+
+
+# -- the nodes built while checking the metadata are validation's own --------------------
+def _validated_by_the_general_read(path: Path) -> tuple[Any, list[Any]]:
+    from tdckpt._read.migrate import migrate_tree
+    from tdckpt._read.names import normalize_names
+    from tdckpt._read.tree import read_tree
+    from tdckpt._read.validate import build_nodes
+
+    with open_storage(path) as storage:
+        tree = read_tree(storage)
+        migrated = migrate_tree(tree, storage=storage)
+        names = normalize_names(migrated.tree, robust_key=True, storage=storage)
+        return build_nodes(names.tree, storage)
+
+
+SIMPLE = {
+    "flat": lambda: TensorDict({f"k{i}": torch.randn(4) for i in range(50)}, batch_size=[4]),
+    "nested": nested_td,
+    "odd keys": lambda: TensorDict(
+        {"": torch.ones(1), ".": torch.ones(1), "a/b": {"é ü": torch.zeros(1, 2)}}, batch_size=[1]
+    ),
+    "named": lambda: TensorDict(a=torch.ones(2, 3), batch_size=[2], names=["rows"]),
+    "empty": lambda: TensorDict(),
+}
+
+
+@pytest.mark.parametrize("case", SIMPLE, ids=str)
+def test_prebuilt_nodes_are_what_validation_builds(tmp_path: Path, case: str) -> None:
+    path = write(SIMPLE[case](), tmp_path / "td.bin")
+    with open_storage(path) as storage:
+        prebuilt = storage.validated_root()
+    assert prebuilt is not None
+    root, problems = _validated_by_the_general_read(path)
+    assert problems == []
+    assert prebuilt == root
+
+
+def test_anything_else_is_validated_by_the_general_read(tmp_path: Path) -> None:
+    def batch_mismatch(meta: dict[str, Any]) -> None:
+        meta["cls_metadata"]["batch_size"] = [4]
+
+    path = _rewrite(tmp_path, batch_mismatch)
+    with open_storage(path) as storage:
+        assert storage.validated_root() is None
+    report = tdckpt.validate(path)
+    assert {p.code for p in report.problems} == {"batch-mismatch"}
+    target = nested_td()
+    shot = snapshot(target)
+    with pytest.raises(ValidationError, match="does not start with the batch size"):
+        tdckpt.load_memmap_(target, path, allow_pickle=False)
+    assert same(target, shot)
+    td = TensorDict(x=torch.ones(2), s=NonTensorData("v", batch_size=[2]), batch_size=[2])
+    with open_storage(write(td, tmp_path / "nt.bin")) as storage:
+        assert storage.validated_root() is None  # non-tensor data: the general read
+
+
+@pytest.mark.parametrize("robust_key", [True, False, None])
+def test_the_key_encoding_argument_does_not_apply(tmp_path: Path, robust_key: Any) -> None:
+    """Keys are recorded verbatim: robust_key=False or None must not look for raw names."""
+    td = TensorDict({"a b": torch.ones(2), "n m": {"x%y": torch.zeros(1)}})
+    td["n m", "s"] = NonTensorData("v")  # the general read, not only the prebuilt nodes
+    path = write(td, tmp_path / "td.bin")
+    ours = tdckpt.load_memmap(path, robust_key=robust_key, allow_pickle=False)
+    assert torch.equal(ours["a b"], torch.ones(2))
+    assert ours["n m", "s"] == "v"

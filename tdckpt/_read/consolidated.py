@@ -39,6 +39,7 @@ directory; :meth:`ConsolidatedStorage.map` returns views of the one mapping of t
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -50,11 +51,12 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from tdckpt._keys import LEAF_SUFFIX, encode_key
+from tdckpt._read.nodes import DTYPES, LeafNode, TensorDictNode
 from tdckpt._read.storage import (
     MAX_JSON_BYTES,
     Listing,
@@ -63,6 +65,7 @@ from tdckpt._read.storage import (
     check_component,
     parse_json,
 )
+from tdckpt._read.tree import VFile
 from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsupportedFormatError
 
 __all__ = [
@@ -94,26 +97,50 @@ _NTD_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
 _NTS_TYPE = "<class 'tensordict.tensorclass.NonTensorStack'>"
 
 
-def _dtype_table() -> dict[str, torch.dtype]:
-    out = {}
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype):
-            out[str(value)] = value
-    return out
+@dataclass
+class _TDSpec:
+    """A TensorDict level as the file records it; its meta.json is built when read."""
 
+    batch: list[int]
+    device: str | None
+    names: list[str | None] | None
+    #: (key, dtype name, shape), in file order
+    leaves: list[tuple[str, str, list[int]]] = field(default_factory=list)
+    #: (key, entry type) of non-tensors and sub-levels, in file order
+    others: list[tuple[str, str]] = field(default_factory=list)
 
-#: "torch.float32" -> torch.float32, for every dtype of this torch.
-DTYPES = _dtype_table()
+    def meta(self) -> dict[str, Any]:
+        leaf_device = self.device if self.device is not None else "cpu"
+        meta: dict[str, Any] = {
+            name: {"device": leaf_device, "shape": list(shape), "dtype": dtype, "is_nested": False}
+            for name, dtype, shape in self.leaves
+        }
+        for name, type_ in self.others:
+            meta[name] = {"type": type_}
+        meta["shape"] = list(self.batch)
+        meta["device"] = self.device
+        meta["_type"] = _TD_TYPE
+        meta["_format_version"] = 1
+        meta["_class"] = "tensordict:TensorDict"
+        if self.names is not None and any(n is not None for n in self.names):
+            meta["_names"] = list(self.names)
+        return meta
 
 
 @dataclass
 class _Level:
-    """One directory of the virtual tree."""
+    """One directory of the virtual tree: its meta.json (ready, or built from ``td``)."""
 
-    meta: dict[str, Any]
+    meta: dict[str, Any] | None = None
+    td: _TDSpec | None = None
     files: dict[str, int] = field(default_factory=dict)
     dirs: list[str] = field(default_factory=list)
+
+    def meta_json(self) -> dict[str, Any]:
+        if self.td is not None:
+            return self.td.meta()
+        assert self.meta is not None
+        return copy.deepcopy(self.meta)  # non-tensor data may be edited by its reader
 
 
 @dataclass
@@ -121,12 +148,16 @@ class Parsed:
     """A consolidated file's metadata, checked and laid out as the current directory tree.
 
     ``levels`` maps a relative directory path (``""`` is the top) to its level; ``leaves``
-    maps a leaf's relative file path to ``(start, nbytes)`` in the leaf region.
+    maps a leaf's relative file path to ``(start, nbytes)`` in the leaf region. ``root``
+    is the validated node tree when every level is a TensorDict of dense leaves (what
+    ``validate.build_nodes`` builds from the virtual tree, built in the same pass), else
+    None.
     """
 
     levels: dict[str, _Level]
     leaves: dict[str, tuple[int, int]]
     data_size: int
+    root: TensorDictNode | None
 
 
 def parse_consolidated(raw: Any, data_size: int, where: str) -> Parsed:
@@ -146,9 +177,11 @@ class _Parser:
         self.where = where
         self.levels: dict[str, _Level] = {}
         self.leaves: dict[str, tuple[int, int]] = {}
-        #: (start, stop, key) of each leaf with bytes, for the overlap check
-        self.ranges: list[tuple[int, int, str]] = []
+        #: (start, stop, level key, name) of each leaf with bytes, for the overlap check
+        self.ranges: list[tuple[int, int, tuple[str, ...], str]] = []
         self.count = 0
+        #: whether the nodes built along the way are the whole validated tree
+        self.simple = True
 
     def fail(self, key: str, what: str, cls: type[MetadataError] = MetadataError) -> MetadataError:
         shown = f"{self.where} (key {key!r})" if key else self.where
@@ -161,13 +194,21 @@ class _Parser:
         )
 
     def parse(self, raw: Any) -> Parsed:
-        self.level(raw, "", (), 0)
+        _type, root = self.level(raw, "", (), 0)
         self.check_overlaps()
-        return Parsed(self.levels, self.leaves, self.data_size)
+        return Parsed(
+            self.levels,
+            self.leaves,
+            self.data_size,
+            root if self.simple and isinstance(root, TensorDictNode) else None,
+        )
 
     # -- levels ----------------------------------------------------------------------
-    def level(self, raw: Any, rel: str, key: tuple[str, ...], depth: int) -> str:
-        """Lay out the level ``raw`` at directory ``rel``; return its entry type name."""
+    def level(
+        self, raw: Any, rel: str, key: tuple[str, ...], depth: int
+    ) -> tuple[str, TensorDictNode | None]:
+        """Lay out the level ``raw`` at directory ``rel``: its entry type name, and its node
+        when it is a TensorDict level (while the tree stays simple)."""
         shown = "/".join(key)
         if depth > MAX_DEPTH:
             raise self.fail(shown, f"levels nest more than {MAX_DEPTH} deep")
@@ -195,29 +236,31 @@ class _Parser:
         self.count += 1 + len(non_tensors) + len(leaves)
         if self.count > MAX_LEVELS:
             raise self.fail(shown, f"more than {MAX_LEVELS} levels and entries")
-        for name in leaves:
-            if name in non_tensors or name in children:
-                raise self.fail(
-                    "/".join((*key, name)), "the key is both a tensor and another entry"
-                )
-        for name in non_tensors:
-            if name in children:
-                raise self.fail(
-                    "/".join((*key, name)), "the key is both a non-tensor and a sub-level"
-                )
-        if cls == "LazyStackedTensorDict":
-            return self.lazy_stack(rel, key, cls_meta, non_tensors, leaves, children, depth)
-        if cls == "NonTensorStack":
-            return self.nt_stack(rel, key, cls_meta, non_tensors, leaves, children)
+        if non_tensors or children:
+            for name in leaves:
+                if name in non_tensors or name in children:
+                    raise self.fail(
+                        "/".join((*key, name)), "the key is both a tensor and another entry"
+                    )
+            for name in non_tensors:
+                if name in children:
+                    raise self.fail(
+                        "/".join((*key, name)), "the key is both a non-tensor and a sub-level"
+                    )
         if cls == "TensorDict":
-            self.td_level(rel, key, cls_meta, non_tensors, leaves, children, depth)
-            return "TensorDict"
+            node = self.td_level(rel, key, cls_meta, non_tensors, leaves, children, depth)
+            return "TensorDict", node
+        self.simple = False
+        if cls == "LazyStackedTensorDict":
+            return self.lazy_stack(rel, key, cls_meta, non_tensors, leaves, children, depth), None
+        if cls == "NonTensorStack":
+            return self.nt_stack(rel, key, cls_meta, non_tensors, leaves, children), None
         if cls.startswith("<class '") and cls.endswith("'>") and "." in cls:
             # A tensorclass: its own level names the class, its tensordict is "_tensordict".
             self.levels[rel] = _Level({"_type": cls}, dirs=["_tensordict"])
             inner = f"{rel}/_tensordict" if rel else "_tensordict"
             self.td_level(inner, key, cls_meta, non_tensors, leaves, children, depth + 1)
-            return cls[len("<class '") : -2].rpartition(".")[2]
+            return cls[len("<class '") : -2].rpartition(".")[2], None
         raise self.fail(
             shown,
             f"the class {cls!r} is not one tdckpt can restore (TensorDict, "
@@ -227,7 +270,9 @@ class _Parser:
             UnsupportedFormatError,
         )
 
-    def batch(self, shown: str, cls_meta: dict[str, Any]) -> tuple[list[int], Any, Any]:
+    def batch(
+        self, shown: str, cls_meta: dict[str, Any]
+    ) -> tuple[list[int], str | None, list[str | None] | None]:
         batch = cls_meta.get("batch_size")
         if type(batch) is not list or len(batch) > _MAX_NDIM:
             raise self.fail(shown, "'cls_metadata.batch_size' is not a list of sizes")
@@ -253,53 +298,118 @@ class _Parser:
         leaves: dict[str, Any],
         children: dict[str, Any],
         depth: int,
-    ) -> None:
+    ) -> TensorDictNode | None:
         shown = "/".join(key)
         batch, device, names = self.batch(shown, cls_meta)
-        meta: dict[str, Any] = {}
-        level = _Level(meta)
+        spec = _TDSpec(batch, device, names)
+        level = _Level(td=spec)
         self.levels[rel] = level
         prefix = f"{rel}/" if rel else ""
+        files = level.files
+        table = self.leaves
+        spec_leaves = spec.leaves
+        named = names is not None and any(n is not None for n in names)
+        batch_t = tuple(batch)
+        nb = len(batch_t)
+        # The node validation would build, while the tree stays simple (TensorDict levels of
+        # dense leaves on the CPU, nothing validation would report).
+        simple = self.simple and not non_tensors and device in (None, "cpu")
+        if named and names is not None and len(names) != nb:
+            simple = False
+        node = (
+            TensorDictNode(
+                key=key,
+                path=rel,
+                class_id="tensordict:TensorDict",
+                batch_size=batch_t,
+                device=device,
+                names=list(names) if named and names is not None else None,
+            )
+            if simple
+            else None
+        )
         leaf_device = device if device is not None else "cpu"
-        for name, spec in leaves.items():
-            full = (*key, name)
-            if name.startswith("<NJT"):
-                raise self.fail(
-                    "/".join(full),
-                    "a nested jagged tensor; tdckpt cannot restore those from a "
-                    "consolidated file yet. Load it with TensorDict.from_consolidated",
-                    UnsupportedFormatError,
+        entries = node.entries if node is not None else None
+        data_size = self.data_size
+        ranges = self.ranges
+        dtypes = DTYPES
+        leaf_node = LeafNode
+        vfile = VFile
+        prod = math.prod
+        for name, raw_leaf in leaves.items():
+            # The checks of :meth:`leaf`, inline (10,000 leaves make a large checkpoint);
+            # anything unusual goes to it, which accepts it or says what is wrong.
+            checked = None
+            if type(raw_leaf) is list and len(raw_leaf) == 5 and name[:4] != "<NJT":
+                dtype_name, shape, start, stop, pad = raw_leaf
+                dtype = dtypes.get(dtype_name) if type(dtype_name) is str else None
+                if (
+                    dtype is not None
+                    and type(shape) is list
+                    and len(shape) <= _MAX_NDIM
+                    and type(start) is int
+                    and type(stop) is int
+                    and type(pad) is int
+                    and all(type(d) is int and d >= 0 for d in shape)
+                ):
+                    item = dtype.itemsize
+                    nbytes = prod(shape) * item
+                    if (
+                        0 <= start <= stop <= data_size
+                        and 0 <= pad < 8
+                        and stop - start - pad == nbytes
+                        and not start % item
+                    ):
+                        checked = (dtype_name, shape, dtype, start, nbytes)
+                        if nbytes:
+                            ranges.append((start, start + nbytes, key, name))
+            if checked is None:
+                checked = self.leaf(raw_leaf, key, name)
+            dtype_name, shape, dtype, start, nbytes = checked
+            fname = (name if name.isidentifier() else encode_key(name)) + LEAF_SUFFIX
+            path = prefix + fname
+            spec_leaves.append((name, dtype_name, shape))
+            files[fname] = nbytes
+            table[path] = (start, nbytes)
+            if entries is not None:
+                shape_t = tuple(shape)
+                if shape_t[:nb] != batch_t:
+                    entries = None
+                    node = None
+                    simple = False
+                    continue
+                entries[name] = leaf_node(
+                    (*key, name),
+                    path,
+                    dtype,
+                    shape_t,
+                    leaf_device,
+                    False,
+                    vfile(path, nbytes) if nbytes else None,
+                    numel=nbytes // dtype.itemsize,
                 )
-            dtype, shape, start, nbytes = self.leaf(spec, full)
-            fname = encode_key(name) + LEAF_SUFFIX
-            meta[name] = {
-                "device": leaf_device,
-                "shape": shape,
-                "dtype": dtype,
-                "is_nested": False,
-            }
-            level.files[fname] = nbytes
-            self.leaves[prefix + fname] = (start, nbytes)
         for name, entry in non_tensors.items():
-            full = (*key, name)
-            data = self.non_tensor(entry, full)
+            data = self.non_tensor(entry, (*key, name))
             dname = encode_key(name)
             level.dirs.append(dname)
             self.levels[prefix + dname] = _Level(
                 {"_type": _NTD_TYPE, "data": data, "_metadata": None, "_is_non_tensor": True}
             )
-            meta[name] = {"type": "NonTensorData"}
+            spec.others.append((name, "NonTensorData"))
         for name, child in children.items():
             dname = encode_key(name)
             level.dirs.append(dname)
-            meta[name] = {"type": self.level(child, prefix + dname, (*key, name), depth + 1)}
-        meta["shape"] = batch
-        meta["device"] = device
-        meta["_type"] = _TD_TYPE
-        meta["_format_version"] = 1
-        meta["_class"] = "tensordict:TensorDict"
-        if names is not None and any(n is not None for n in names):
-            meta["_names"] = names
+            type_, child_node = self.level(child, prefix + dname, (*key, name), depth + 1)
+            spec.others.append((name, type_))
+            if entries is not None and node is not None:
+                if child_node is None or child_node.batch_size[:nb] != batch_t:
+                    entries = None
+                    node = None
+                else:
+                    entries[name] = child_node
+        if node is None:
+            self.simple = False
+        return node
 
     def lazy_stack(
         self,
@@ -374,22 +484,67 @@ class _Parser:
             )
         return entry[0]
 
-    def leaf(self, spec: Any, full: tuple[str, ...]) -> tuple[str, list[int], int, int]:
-        shown = "/".join(full)
-        if type(spec) is not list or len(spec) not in (5, 6):
-            raise self.fail(shown, "a leaf is not [dtype, shape, start, stop, pad]")
+    def leaf(
+        self, spec: Any, key: tuple[str, ...], name: str
+    ) -> tuple[str, list[int], torch.dtype, int, int]:
+        """Check one leaf entry: (dtype name, shape, dtype, start, bytes without padding)."""
+        if name.startswith("<NJT"):
+            raise self.fail(
+                "/".join((*key, name)),
+                "a nested jagged tensor; tdckpt cannot restore those from a "
+                "consolidated file yet. Load it with TensorDict.from_consolidated",
+                UnsupportedFormatError,
+            )
+        if type(spec) is list and len(spec) == 5:
+            dtype_name, shape, start, stop, pad = spec
+        elif type(spec) is list and len(spec) == 6:
+            dtype_name, shape, start, stop, pad, _ragged = spec
+        else:
+            raise self.fail(
+                "/".join((*key, name)), "a leaf is not [dtype, shape, start, stop, pad]"
+            )
+        dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if (
+            dtype is None
+            or type(shape) is not list
+            or len(shape) > _MAX_NDIM
+            or type(start) is not int
+            or type(stop) is not int
+            or type(pad) is not int
+        ):
+            self.refuse_leaf(spec, key, name)
+        for d in shape:
+            if type(d) is not int or d < 0:
+                self.refuse_leaf(spec, key, name)
+        assert dtype is not None
+        item = dtype.itemsize
+        nbytes = math.prod(shape) * item
+        if (
+            not 0 <= start <= stop <= self.data_size
+            or not 0 <= pad < 8
+            or stop - start - pad != nbytes
+            or start % item
+        ):
+            self.refuse_leaf(spec, key, name)
+        if nbytes:
+            self.ranges.append((start, start + nbytes, key, name))
+        return dtype_name, shape, dtype, start, nbytes
+
+    def refuse_leaf(self, spec: list[Any], key: tuple[str, ...], name: str) -> NoReturn:
+        """Raise the error that says what is wrong with the leaf entry ``spec``."""
+        shown = "/".join((*key, name))
         dtype_name, shape, start, stop, pad = spec[:5]
         dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
-            raise self.fail(shown, f"the dtype {dtype_name!r} is not a torch dtype")
+            raise self.fail(shown, f"the dtype {dtype_name!r} is not a torch dtype tdckpt maps")
         if type(shape) is not list or len(shape) > _MAX_NDIM:
             raise self.fail(shown, f"the shape {shape!r} is not a list of sizes")
         for d in shape:
             if type(d) is not int or d < 0:
                 raise self.fail(shown, f"the shape {shape!r} holds {d!r}")
-        for name, value in (("start", start), ("stop", stop), ("pad", pad)):
+        for what, value in (("start", start), ("stop", stop), ("pad", pad)):
             if type(value) is not int:
-                raise self.fail(shown, f"the {name} offset {value!r} is not an int")
+                raise self.fail(shown, f"the {what} offset {value!r} is not an int")
         if not 0 <= start <= stop <= self.data_size:
             raise self.fail(
                 shown,
@@ -403,19 +558,22 @@ class _Parser:
                 f"its bytes [{start}, {stop}) with {pad} bytes of padding do not hold the "
                 f"{nbytes} bytes of a {dtype_name} tensor of shape {shape}",
             )
-        if start % dtype.itemsize:
-            raise self.fail(shown, f"its bytes start at {start}, not aligned for {dtype_name}")
-        if nbytes:
-            self.ranges.append((start, start + nbytes, shown))
-        return dtype_name, shape, start, nbytes
+        raise self.fail(shown, f"its bytes start at {start}, not aligned for {dtype_name}")
 
     def check_overlaps(self) -> None:
-        ranges = sorted(self.ranges)
-        for (_s0, e0, k0), (s1, _e1, k1) in itertools.pairwise(ranges):
+        ranges = self.ranges
+        ranges.sort(key=_first)
+        for (_s0, e0, key0, name0), (s1, _e1, key1, name1) in itertools.pairwise(ranges):
             if s1 < e0:
                 raise self.fail(
-                    k1, f"its bytes overlap those of {k0!r}; every leaf has bytes of its own"
+                    "/".join((*key1, name1)),
+                    f"its bytes overlap those of {'/'.join((*key0, name0))!r}; every leaf has "
+                    "bytes of its own",
                 )
+
+
+def _first(item: tuple[int, int, tuple[str, ...], str]) -> int:
+    return item[0]
 
 
 def open_consolidated(path: str | os.PathLike[str]) -> ConsolidatedStorage | None:
@@ -458,6 +616,8 @@ class ConsolidatedStorage(Storage):
     """
 
     kind = "consolidated"
+    #: keys are recorded as they are (JSON), never as file names: no encoding to decide
+    verbatim_keys = True
 
     def __init__(self, location: str, fd: int, st: os.stat_result, length: int) -> None:
         self.location = location
@@ -518,9 +678,12 @@ class ConsolidatedStorage(Storage):
                 f"{self.display(rel)}: no such metadata file in the consolidated file.",
                 path=self.display(rel),
             )
-        # A copy of each dict (migrations and validation may edit what they are given);
-        # the lists inside are never edited in place.
-        return {k: dict(v) if type(v) is dict else v for k, v in self._level(parent).meta.items()}
+        return self._level(parent).meta_json()  # a fresh document: readers may edit it
+
+    def validated_root(self) -> TensorDictNode | None:
+        """The validated node tree, when the file is TensorDict levels of dense leaves (built
+        while the metadata was checked); None: read the virtual tree and validate it."""
+        return self._parsed.root
 
     def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
         data = json.dumps(self.read_json(rel)).encode()
@@ -563,7 +726,9 @@ class ConsolidatedStorage(Storage):
         view give, built with one ``as_strided`` per leaf on a per-dtype view of the map."""
         base = self._mapping(shared=mode == "r+")
         typed: dict[torch.dtype, torch.Tensor] = {}
+        strides: dict[tuple[int, ...], tuple[int, ...]] = {}
         table = self._parsed.leaves
+        data_size = self.data_size
         out: list[torch.Tensor] = []
         append = out.append
         for rel, dtype, shape in leaves:
@@ -571,13 +736,14 @@ class ConsolidatedStorage(Storage):
             item = dtype.itemsize
             whole = typed.get(dtype)
             if whole is None:
-                usable = self.data_size - self.data_size % item
-                whole = typed[dtype] = base[:usable].view(dtype)
-            numel = math.prod(shape)
-            if numel * item > size:
-                append(self.map(rel, dtype, numel, mode=mode))  # raises, naming the leaf
+                whole = typed[dtype] = base[: data_size - data_size % item].view(dtype)
+            stride = strides.get(shape)
+            if stride is None:
+                stride = strides[shape] = _strides(shape)
+            if not size or math.prod(shape) * item != size:
+                append(self.map(rel, dtype, math.prod(shape), mode=mode).view(shape))
                 continue
-            append(whole.as_strided(shape, _strides(shape), start // item))
+            append(whole.as_strided(shape, stride, start // item))
         return out
 
     def close(self) -> None:

@@ -16,8 +16,9 @@ from typing import Any
 import pydantic
 
 from tdckpt import schema
+from tdckpt._read.detect import CURRENT_NAME
 from tdckpt._read.migrate import migrate_tree
-from tdckpt._read.names import normalize_names
+from tdckpt._read.names import ROBUST, normalize_names
 from tdckpt._read.nodes import Node
 from tdckpt._read.storage import Storage, open_storage
 from tdckpt._read.tree import VDir, read_tree
@@ -119,6 +120,20 @@ def open_checkpoint(
     Nothing a restore builds comes from the manifest.
     """
     storage = open_storage(prefix, defer_leaf_sizes=defer_leaf_sizes)
+    if storage.verbatim_keys:
+        robust_key = True  # no file names to decode: every virtual name is the robust one
+    prebuilt = storage.validated_root()
+    if prebuilt is not None:
+        # Validated while the storage checked its own metadata (a consolidated file of
+        # TensorDict levels): the tree is already current, robust, and the nodes built.
+        return OpenedCheckpoint(
+            prefix=os.fspath(prefix),
+            storage=storage,
+            tree=VDir(source="", generation=CURRENT_NAME),
+            root=prebuilt,
+            generation=CURRENT_NAME,
+            key_encoding=ROBUST,
+        )
     try:
         tree = read_tree(storage)
         manifest: schema.Manifest | None = None

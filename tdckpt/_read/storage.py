@@ -170,6 +170,9 @@ class Storage(ABC):
     #: map: the restore then reads the checkpoint again with every size listed, for the full
     #: report. Archives list every size, so theirs stays False.
     deferred_size_refused: bool = False
+    #: Keys are recorded verbatim, not as file names (a consolidated file): the key encoding
+    #: is not the caller's to choose, every (virtual) name is the robust one.
+    verbatim_keys: bool = False
 
     @abstractmethod
     def listdir(self, rel: str) -> Listing:
@@ -190,6 +193,11 @@ class Storage(ABC):
 
     def physical_path(self, rel: str) -> Path | None:
         """The real file behind ``rel`` when there is one (directories), else None."""
+        return None
+
+    def validated_root(self) -> Any:
+        """The validated node tree (``validate.build_nodes``'s result, no problems), when the
+        storage built it while reading its own metadata; None: read and validate as usual."""
         return None
 
     def dir_identity(self, rel: str) -> tuple[int, int] | None:
