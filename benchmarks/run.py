@@ -5,6 +5,8 @@
 * restore: ``tdckpt.load_memmap_`` vs tensordict's ``td.load_memmap_`` on the same
   checkpoints (10, 1,000 and 10,000 leaves; one 1 GiB leaf vs one 1 KiB leaf), and
   restore_into.
+  Also a 10,000-leaf consolidated file (``td.consolidate(filename=...)``) restored in place,
+  vs ``td.load_memmap_`` of the per-leaf layout and vs ``TensorDict.from_consolidated``.
 * restore_into: ``CheckpointManager.restore_into`` (strict) vs tensordict's ``td.load_memmap_``
   on the same committed step of 10,000 leaves, ``tdckpt.load_memmap_`` of it beside them.
 * save: ``CheckpointManager.save`` (checksums + fsync) vs ``td.memmap(prefix)``.
@@ -140,6 +142,7 @@ def bench_restore(work: Path, quick: bool) -> None:
         if n == sizes[-1]:
             _stage_breakdown(prefix, target, base)
     bench_restore_into(work, quick)
+    bench_consolidated(work, quick)
     big = 64 * 1024**2 if quick else GiB
     results = {}
     for label, nbytes in (("1 KiB leaf", 1024), (f"{big // 1024**2} MiB leaf", big)):
@@ -275,6 +278,47 @@ def bench_restore_into(work: Path, quick: bool) -> None:
         base, ours = head_to_head(theirs, plain, 7, target, cold=cold)
         row(f"tdckpt.load_memmap_ ({when})", base, ours, "tensordict")
     shutil.rmtree(work / "managed")
+
+
+def bench_consolidated(work: Path, quick: bool) -> None:
+    """A consolidated file (``td.consolidate(filename=...)``) of 10,000 leaves restored in
+    place by ``tdckpt.load_memmap_``, against tensordict's ``load_memmap_`` of the same data
+    in the per-leaf layout (target ratio <= 0.10) and tensordict's ``from_consolidated`` of
+    the same file (target <= 0.5): absolute times beside the ratios."""
+    from tensordict import TensorDict
+
+    import tdckpt
+
+    n = 1000 if quick else 10000
+    data = _flat_td(n)
+    per_leaf = work / f"consolidated-per-leaf{n}"
+    data.memmap(per_leaf)
+    one_file = work / f"consolidated{n}.bin"
+    data.consolidate(filename=one_file)
+
+    def target() -> Any:
+        return TensorDict({f"k{i}": torch.zeros(4) for i in range(n)}, batch_size=[4])
+
+    print(f"consolidated: one file of {n} leaves, restored in place (tdckpt.load_memmap_)")
+
+    def ours(t: Any) -> None:
+        tdckpt.load_memmap_(t, one_file, allow_pickle=False)
+
+    baselines = (
+        ("vs td.load_memmap_ per-leaf", "tensordict", lambda t: t.load_memmap_(per_leaf)),
+        (
+            "vs from_consolidated",
+            "from_consol",
+            lambda t: TensorDict.from_consolidated(one_file),
+        ),
+    )
+    for cold in (True, False):
+        when = "cold" if cold else "warm"
+        for label, name, base_fn in baselines:
+            base, mine = head_to_head(base_fn, ours, 7, target, cold=cold)
+            row(f"{label} ({when})", base, mine, name)
+    shutil.rmtree(per_leaf)
+    one_file.unlink()
 
 
 def bench_save(work: Path, quick: bool) -> None:
@@ -440,6 +484,7 @@ def bench_upgrade(work: Path, quick: bool) -> None:
 BENCHES = {
     "restore": bench_restore,
     "restore_into": bench_restore_into,  # also part of "restore"; alone, for a quick look
+    "consolidated": bench_consolidated,  # also part of "restore"
     "save": bench_save,
     "verify": bench_verify,
     "upgrade": bench_upgrade,
@@ -462,7 +507,7 @@ def main() -> int:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHES)}")
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="tdckpt-bench-") as tmp:
-        for name in args.which or [b for b in BENCHES if b != "restore_into"]:
+        for name in args.which or [b for b in BENCHES if b not in ("restore_into", "consolidated")]:
             BENCHES[name](Path(tmp), args.quick)
     return 0
 

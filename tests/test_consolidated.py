@@ -520,3 +520,25 @@ def test_the_key_encoding_argument_does_not_apply(tmp_path: Path, robust_key: An
     ours = tdckpt.load_memmap(path, robust_key=robust_key, allow_pickle=False)
     assert torch.equal(ours["a b"], torch.ones(2))
     assert ours["n m", "s"] == "v"
+
+
+def test_values_json_gives_other_types_are_refused(tmp_path: Path) -> None:
+    """Booleans and floats where tensordict writes ints (JSON has no int type of its own)."""
+
+    def bool_shape(meta: dict[str, Any]) -> None:
+        meta["leaves"]["i64"][1] = [True, True, True]
+
+    _refused(_rewrite(tmp_path, bool_shape), "holds True")
+
+    def float_start(meta: dict[str, Any]) -> None:
+        meta["leaves"]["i64"][2] = float(meta["leaves"]["i64"][2])
+
+    _refused(_rewrite(tmp_path, float_start), "start offset .* is not an int")
+
+
+def test_overlap_across_levels(tmp_path: Path) -> None:
+    def edit(meta: dict[str, Any]) -> None:
+        start = meta["leaves"]["f32"][2]
+        meta["nested"]["deep space"]["leaves"]["u8"][2:4] = [start, start + 8]
+
+    _refused(_rewrite(tmp_path, edit), r"'nested/deep space/u8'.*overlap.*'f32'|overlap")

@@ -44,6 +44,7 @@ import itertools
 import json
 import math
 import mmap
+import operator
 import os
 import stat
 import struct
@@ -51,7 +52,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 
@@ -104,16 +105,21 @@ class _TDSpec:
     batch: list[int]
     device: str | None
     names: list[str | None] | None
-    #: (key, dtype name, shape), in file order
-    leaves: list[tuple[str, str, list[int]]] = field(default_factory=list)
+    #: the file's (checked) leaf entries: key -> [dtype, shape, start, stop, pad(, ...)]
+    leaves: dict[str, list[Any]]
     #: (key, entry type) of non-tensors and sub-levels, in file order
     others: list[tuple[str, str]] = field(default_factory=list)
 
     def meta(self) -> dict[str, Any]:
         leaf_device = self.device if self.device is not None else "cpu"
         meta: dict[str, Any] = {
-            name: {"device": leaf_device, "shape": list(shape), "dtype": dtype, "is_nested": False}
-            for name, dtype, shape in self.leaves
+            name: {
+                "device": leaf_device,
+                "shape": list(spec[1]),
+                "dtype": spec[0],
+                "is_nested": False,
+            }
+            for name, spec in self.leaves.items()
         }
         for name, type_ in self.others:
             meta[name] = {"type": type_}
@@ -301,13 +307,10 @@ class _Parser:
     ) -> TensorDictNode | None:
         shown = "/".join(key)
         batch, device, names = self.batch(shown, cls_meta)
-        spec = _TDSpec(batch, device, names)
+        spec = _TDSpec(batch, device, names, leaves)
         level = _Level(td=spec)
         self.levels[rel] = level
         prefix = f"{rel}/" if rel else ""
-        files = level.files
-        table = self.leaves
-        spec_leaves = spec.leaves
         named = names is not None and any(n is not None for n in names)
         batch_t = tuple(batch)
         nb = len(batch_t)
@@ -330,63 +333,37 @@ class _Parser:
         )
         leaf_device = device if device is not None else "cpu"
         entries = node.entries if node is not None else None
-        data_size = self.data_size
-        ranges = self.ranges
-        dtypes = DTYPES
-        leaf_node = LeafNode
-        vfile = VFile
-        prod = math.prod
-        for name, raw_leaf in leaves.items():
-            # The checks of :meth:`leaf`, inline (10,000 leaves make a large checkpoint);
-            # anything unusual goes to it, which accepts it or says what is wrong.
-            checked = None
-            if type(raw_leaf) is list and len(raw_leaf) == 5 and name[:4] != "<NJT":
-                dtype_name, shape, start, stop, pad = raw_leaf
-                dtype = dtypes.get(dtype_name) if type(dtype_name) is str else None
-                if (
-                    dtype is not None
-                    and type(shape) is list
-                    and len(shape) <= _MAX_NDIM
-                    and type(start) is int
-                    and type(stop) is int
-                    and type(pad) is int
-                    and all(type(d) is int and d >= 0 for d in shape)
-                ):
-                    item = dtype.itemsize
-                    nbytes = prod(shape) * item
-                    if (
-                        0 <= start <= stop <= data_size
-                        and 0 <= pad < 8
-                        and stop - start - pad == nbytes
-                        and not start % item
-                    ):
-                        checked = (dtype_name, shape, dtype, start, nbytes)
-                        if nbytes:
-                            ranges.append((start, start + nbytes, key, name))
-            if checked is None:
-                checked = self.leaf(raw_leaf, key, name)
-            dtype_name, shape, dtype, start, nbytes = checked
-            fname = (name if name.isidentifier() else encode_key(name)) + LEAF_SUFFIX
-            path = prefix + fname
-            spec_leaves.append((name, dtype_name, shape))
-            files[fname] = nbytes
-            table[path] = (start, nbytes)
-            if entries is not None:
-                shape_t = tuple(shape)
-                if shape_t[:nb] != batch_t:
-                    entries = None
-                    node = None
-                    simple = False
-                    continue
-                entries[name] = leaf_node(
-                    (*key, name),
-                    path,
-                    dtype,
-                    shape_t,
-                    leaf_device,
-                    False,
-                    vfile(path, nbytes) if nbytes else None,
-                    numel=nbytes // dtype.itemsize,
+        dtypes, sizes, starts, shapes = self.check_leaves(key, leaves)
+        leaf_keys = list(leaves)
+        files = [
+            n + LEAF_SUFFIX if n.isidentifier() else encode_key(n) + LEAF_SUFFIX for n in leaf_keys
+        ]
+        paths = [prefix + f for f in files] if prefix else files
+        level.files.update(zip(files, sizes, strict=True))
+        self.leaves.update(zip(paths, zip(starts, sizes, strict=True), strict=True))
+        if entries is not None and node is not None:
+            shapes_t = list(map(tuple, shapes))
+            if nb and set(map(operator.itemgetter(slice(0, nb)), shapes_t)) - {batch_t}:
+                node = None  # a leaf that does not start with the batch size: validation says
+            else:
+                repeat = itertools.repeat
+                entries.update(
+                    zip(
+                        leaf_keys,
+                        map(
+                            LeafNode,
+                            [(*key, n) for n in leaf_keys],
+                            paths,
+                            dtypes,
+                            shapes_t,
+                            repeat(leaf_device),
+                            repeat(False),
+                            [VFile(p, n) if n else None for p, n in zip(paths, sizes, strict=True)],
+                            repeat(None),
+                            map(operator.floordiv, sizes, [d.itemsize for d in dtypes]),
+                        ),
+                        strict=True,
+                    )
                 )
         for name, entry in non_tensors.items():
             data = self.non_tensor(entry, (*key, name))
@@ -484,6 +461,80 @@ class _Parser:
             )
         return entry[0]
 
+    def check_leaves(
+        self, key: tuple[str, ...], leaves: dict[str, Any]
+    ) -> tuple[list[torch.dtype], list[int], list[int], list[list[int]]]:
+        """Check every leaf entry of one level: (dtypes, bytes without padding, starts,
+        shapes), in order.
+
+        The usual level - every entry ``[dtype, shape, start, stop, pad]`` with plain ints,
+        as tensordict writes them - is checked column by column (the loops run in C: a
+        10,000-leaf checkpoint is the large one); a level with anything else is checked
+        entry by entry by :meth:`leaf`, which accepts it or says what is wrong.
+        """
+        specs = list(leaves.values())
+        if not specs:
+            return [], [], [], []
+        columns = self.columns(specs)
+        names = list(leaves)
+        if columns is None or any(name[:4] == "<NJT" for name in names):
+            dtypes: list[torch.dtype] = []
+            sizes: list[int] = []
+            starts: list[int] = []
+            shapes: list[list[int]] = []
+            for name, spec in leaves.items():
+                _dtype_name, shape, dtype, start, nbytes = self.leaf(spec, key, name)
+                dtypes.append(dtype)
+                sizes.append(nbytes)
+                starts.append(start)
+                shapes.append(shape)
+            return dtypes, sizes, starts, shapes
+        dtypes, sizes, starts, shapes = columns
+        ends = list(map(operator.add, starts, sizes))
+        self.ranges.extend(
+            itertools.compress(zip(starts, ends, itertools.repeat(key), names, strict=False), sizes)
+        )
+        return dtypes, sizes, starts, shapes
+
+    def columns(
+        self, specs: list[Any]
+    ) -> tuple[list[torch.dtype], list[int], list[int], list[list[int]]] | None:
+        """(dtypes, bytes, starts, shapes) if every entry of ``specs`` is a usual, valid leaf, else
+        None (then each is checked on its own)."""
+        if set(map(type, specs)) != {list} or set(map(len, specs)) != {5}:
+            return None
+        dtype_names, shapes, starts, stops, pads = zip(*specs, strict=True)
+        ints = {int}
+        if (
+            set(map(type, dtype_names)) != {str}
+            or set(map(type, shapes)) != {list}
+            or set(map(type, starts)) != ints
+            or set(map(type, stops)) != ints
+            or set(map(type, pads)) != ints
+            or max(map(len, shapes)) > _MAX_NDIM
+        ):
+            return None
+        found = list(map(DTYPES.get, dtype_names))
+        if None in found:
+            return None
+        dtypes = cast("list[torch.dtype]", found)
+        dims = list(itertools.chain.from_iterable(shapes))
+        if dims and (set(map(type, dims)) != ints or min(dims) < 0):
+            return None
+        items = [dtype.itemsize for dtype in dtypes]
+        sizes = list(map(operator.mul, map(math.prod, shapes), items))
+        if (
+            min(starts) < 0
+            or max(stops) > self.data_size
+            or min(pads) < 0
+            or max(pads) >= 8
+            or not all(map(operator.le, starts, stops))
+            or list(map(operator.sub, map(operator.sub, stops, starts), pads)) != sizes
+            or any(map(operator.mod, starts, items))
+        ):
+            return None
+        return dtypes, sizes, list(starts), list(shapes)
+
     def leaf(
         self, spec: Any, key: tuple[str, ...], name: str
     ) -> tuple[str, list[int], torch.dtype, int, int]:
@@ -562,7 +613,11 @@ class _Parser:
 
     def check_overlaps(self) -> None:
         ranges = self.ranges
-        ranges.sort(key=_first)
+        first = operator.itemgetter(0)
+        second = operator.itemgetter(1)
+        if all(map(operator.le, map(second, ranges), map(first, ranges[1:]))):
+            return  # in file order, each ending before the next starts (as tensordict writes)
+        ranges.sort()  # by start (then stop, then key: all comparable)
         for (_s0, e0, key0, name0), (s1, _e1, key1, name1) in itertools.pairwise(ranges):
             if s1 < e0:
                 raise self.fail(
@@ -570,10 +625,6 @@ class _Parser:
                     f"its bytes overlap those of {'/'.join((*key0, name0))!r}; every leaf has "
                     "bytes of its own",
                 )
-
-
-def _first(item: tuple[int, int, tuple[str, ...], str]) -> int:
-    return item[0]
 
 
 def open_consolidated(path: str | os.PathLike[str]) -> ConsolidatedStorage | None:
@@ -726,7 +777,8 @@ class ConsolidatedStorage(Storage):
         view give, built with one ``as_strided`` per leaf on a per-dtype view of the map."""
         base = self._mapping(shared=mode == "r+")
         typed: dict[torch.dtype, torch.Tensor] = {}
-        strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+        #: shape -> (contiguous strides, numel): a checkpoint repeats a few shapes
+        layouts: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}
         table = self._parsed.leaves
         data_size = self.data_size
         out: list[torch.Tensor] = []
@@ -737,13 +789,13 @@ class ConsolidatedStorage(Storage):
             whole = typed.get(dtype)
             if whole is None:
                 whole = typed[dtype] = base[: data_size - data_size % item].view(dtype)
-            stride = strides.get(shape)
-            if stride is None:
-                stride = strides[shape] = _strides(shape)
-            if not size or math.prod(shape) * item != size:
-                append(self.map(rel, dtype, math.prod(shape), mode=mode).view(shape))
-                continue
-            append(whole.as_strided(shape, stride, start // item))
+            known = layouts.get(shape)
+            if known is None:
+                known = layouts[shape] = (_strides(shape), math.prod(shape))
+            if size and size == known[1] * item:
+                append(whole.as_strided(shape, known[0], start // item))
+            else:  # no bytes (or not these): map() builds it, or says what is wrong
+                append(self.map(rel, dtype, known[1], mode=mode).view(shape))
         return out
 
     def close(self) -> None:
