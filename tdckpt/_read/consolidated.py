@@ -40,6 +40,7 @@ directory; :meth:`ConsolidatedStorage.map` returns views of the one mapping of t
 from __future__ import annotations
 
 import copy
+import errno
 import itertools
 import json
 import math
@@ -67,9 +68,15 @@ from tdckpt._read.storage import (
     parse_json,
 )
 from tdckpt._read.tree import VFile
-from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsupportedFormatError
+from tdckpt.errors import (
+    CheckpointNotFoundError,
+    MetadataError,
+    UnsafePathError,
+    UnsupportedFormatError,
+)
 
 __all__ = [
+    "DATA_NAME",
     "FOOTER_BYTES",
     "MAX_LEVELS",
     "ConsolidatedStorage",
@@ -79,6 +86,8 @@ __all__ = [
 
 #: The length of the footer: the metadata's size in bytes, an int64 (little-endian).
 FOOTER_BYTES = 8
+#: The data file of a step saved with ``layout="consolidated"`` (beside its manifest).
+DATA_NAME = "tensordict.consolidated"
 #: Levels nest at most this deep (as ``tree.MAX_DEPTH`` for directories).
 MAX_DEPTH = 200
 #: Levels, leaves and non-tensor entries together, at most (as ``tree.MAX_ENTRIES``).
@@ -89,6 +98,7 @@ _MAX_NDIM = 64
 _OPEN_FLAGS = os.O_RDONLY | sum(
     getattr(os, flag, 0) for flag in ("O_CLOEXEC", "O_NONBLOCK", "O_NOCTTY")
 )
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _RESERVED = frozenset({"cls", "non_tensors", "leaves", "cls_metadata", "size"})
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 
@@ -164,6 +174,8 @@ class Parsed:
     leaves: dict[str, tuple[int, int]]
     data_size: int
     root: TensorDictNode | None
+    #: the metadata as parsed (checked)
+    raw: dict[str, Any]
 
 
 def parse_consolidated(raw: Any, data_size: int, where: str) -> Parsed:
@@ -207,6 +219,7 @@ class _Parser:
             self.leaves,
             self.data_size,
             root if self.simple and isinstance(root, TensorDictNode) else None,
+            raw,
         )
 
     # -- levels ----------------------------------------------------------------------
@@ -627,16 +640,27 @@ class _Parser:
                 )
 
 
-def open_consolidated(path: str | os.PathLike[str]) -> ConsolidatedStorage | None:
+def open_consolidated(
+    path: str | os.PathLike[str], *, follow: bool = True
+) -> ConsolidatedStorage | None:
     """The consolidated file at ``path``, checked; None if it is a zip (a ``.tdz``), not a
     regular file, or does not end as a consolidated file does (then the archive reader
-    says what it is)."""
+    says what it is). ``follow=False``: a symlink at ``path`` is not followed (a step's
+    data file inside its directory)."""
     location = os.fspath(path)
     try:
-        fd = os.open(location, _OPEN_FLAGS)
+        fd = os.open(location, _OPEN_FLAGS | (0 if follow else _O_NOFOLLOW))
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(
             f"{location}: no such file. Check the path.", path=location
+        ) from exc
+    except OSError as exc:
+        if exc.errno != errno.ELOOP or follow:
+            raise
+        raise UnsafePathError(
+            f"{location}: a symlink where the step's data file belongs; tdckpt never follows "
+            "it. Replace it with the real file.",
+            path=location,
         ) from exc
     try:
         st = os.fstat(fd)
@@ -735,6 +759,24 @@ class ConsolidatedStorage(Storage):
         """The validated node tree, when the file is TensorDict levels of dense leaves (built
         while the metadata was checked); None: read the virtual tree and validate it."""
         return self._parsed.root
+
+    def root_class(self) -> str:
+        """The class the file records at its top ("TensorDict", a tensorclass, ...)."""
+        return str(self._parsed.raw["cls"])
+
+    def leaf_ranges(self) -> list[tuple[tuple[str, ...], int, int]]:
+        """``(key, start, bytes without padding)`` of every leaf, in file order (the keys of
+        a lazy stack's members go through their index: ``("stack", "0", "a")``)."""
+        out: list[tuple[tuple[str, ...], int, int]] = []
+        stack: list[tuple[tuple[str, ...], dict[str, Any]]] = [((), self._parsed.raw)]
+        while stack:
+            key, level = stack.pop()
+            for name, spec in level["leaves"].items():
+                out.append(((*key, name), spec[2], spec[3] - spec[2] - spec[4]))
+            children = [(k, v) for k, v in level.items() if k not in _RESERVED]
+            stack.extend(((*key, k), v) for k, v in reversed(children))
+        out.sort(key=lambda item: item[1])
+        return out
 
     def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
         data = json.dumps(self.read_json(rel)).encode()

@@ -62,6 +62,9 @@ MAX_JSON_CONTAINERS = 2_000_000
 
 MapMode = Literal["r", "r+"] | None
 
+#: The data file of a step saved with layout="consolidated" (``consolidated.DATA_NAME``).
+_CONSOLIDATED_DATA = "tensordict.consolidated"
+
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 #: A directory component: never through a symlink (a swapped-in link is refused or checked).
@@ -959,6 +962,20 @@ def open_storage(prefix: str | os.PathLike[str], *, defer_leaf_sizes: bool = Fal
     except OSError:
         pass  # not a directory (or not listable: the reader says so when it lists it)
     else:
+        data = os.path.join(prefix, _CONSOLIDATED_DATA)
+        if os.path.lexists(data) and not os.path.lexists(os.path.join(prefix, "meta.json")):
+            # A step saved with layout="consolidated": its one data file, never through a
+            # link (a directory's entries stay inside it).
+            from tdckpt._read.consolidated import open_consolidated
+
+            try:
+                consolidated = open_consolidated(data, follow=False)
+            except BaseException:
+                scan.close()
+                raise
+            if consolidated is not None:
+                scan.close()
+                return consolidated
         return DirectoryStorage(prefix, defer_leaf_sizes=defer_leaf_sizes, _scan=scan)
     if os.path.isdir(prefix):
         return DirectoryStorage(prefix, defer_leaf_sizes=defer_leaf_sizes)
