@@ -281,10 +281,12 @@ def bench_restore_into(work: Path, quick: bool) -> None:
 
 
 def bench_consolidated(work: Path, quick: bool) -> None:
-    """A consolidated file (``td.consolidate(filename=...)``) of 10,000 leaves restored in
-    place by ``tdckpt.load_memmap_``, against tensordict's ``load_memmap_`` of the same data
-    in the per-leaf layout (target ratio <= 0.10) and tensordict's ``from_consolidated`` of
-    the same file (target <= 0.5): absolute times beside the ratios."""
+    """A 10,000-leaf step in the consolidated layout restored in place - by
+    ``CheckpointManager.restore_into`` (a step saved with ``layout="consolidated"``) and by
+    ``tdckpt.load_memmap_`` of the bare file ``td.consolidate(filename=...)`` wrote - against
+    tensordict's ``load_memmap_`` of the same data in the per-leaf layout (target ratio
+    <= 0.10) and tensordict's ``from_consolidated`` of the same file (target <= 0.5):
+    absolute times beside the ratios."""
     from tensordict import TensorDict
 
     import tdckpt
@@ -295,29 +297,41 @@ def bench_consolidated(work: Path, quick: bool) -> None:
     data.memmap(per_leaf)
     one_file = work / f"consolidated{n}.bin"
     data.consolidate(filename=one_file)
+    mgr = tdckpt.CheckpointManager(work / "consolidated-run", fsync=False, layout="consolidated")
+    step_file = mgr.save(1, data) / "tensordict.consolidated"
 
     def target() -> Any:
         return TensorDict({f"k{i}": torch.zeros(4) for i in range(n)}, batch_size=[4])
 
-    print(f"consolidated: one file of {n} leaves, restored in place (tdckpt.load_memmap_)")
+    print(f"consolidated: {n} leaves in one file, restored in place")
 
-    def ours(t: Any) -> None:
+    def restore_into(t: Any) -> None:
+        mgr.restore_into(t, allow_pickle=False)
+
+    def load_file(t: Any) -> None:
         tdckpt.load_memmap_(t, one_file, allow_pickle=False)
 
-    baselines = (
-        ("vs td.load_memmap_ per-leaf", "tensordict", lambda t: t.load_memmap_(per_leaf)),
-        (
-            "vs from_consolidated",
-            "from_consol",
-            lambda t: TensorDict.from_consolidated(one_file),
-        ),
-    )
     for cold in (True, False):
         when = "cold" if cold else "warm"
-        for label, name, base_fn in baselines:
-            base, mine = head_to_head(base_fn, ours, 7, target, cold=cold)
-            row(f"{label} ({when})", base, mine, name)
+        for label, ours, source in (
+            ("restore_into", restore_into, step_file),
+            ("load_memmap_ of the file", load_file, one_file),
+        ):
+            base, mine = head_to_head(
+                lambda t: t.load_memmap_(per_leaf), ours, 7, target, cold=cold
+            )
+            row(f"{label} vs per-leaf ({when})", base, mine, "td.load_memmap_")
+            base, mine = head_to_head(
+                lambda t, source=source: TensorDict.from_consolidated(source),
+                ours,
+                7,
+                target,
+                cold=cold,
+            )
+            row(f"{label} vs file ({when})", base, mine, "from_consolidated")
+    mgr.close()
     shutil.rmtree(per_leaf)
+    shutil.rmtree(work / "consolidated-run")
     one_file.unlink()
 
 
