@@ -160,3 +160,32 @@ def test_manifest_json_is_plain(tmp_path: Path) -> None:
     assert all(
         set(r) == {"key", "offset", "size", "checksum"} for r in raw["consolidated"]["leaves"]
     )
+
+
+def test_manager_training_state(tmp_path: Path) -> None:
+    """A training state (module + optimizer) saved and restored through one data file."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    mgr = tdckpt.CheckpointManager(tmp_path / "run", layout="consolidated")
+    path = mgr.save(1, {"model": model, "optim": opt})
+    assert sorted(os.listdir(path)) == sorted([DATA_NAME, MANIFEST_NAME])
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.Adam(model2.parameters())
+    mgr.restore_into({"model": model2, "optim": opt2}, allow_pickle=False)
+    assert torch.equal(model2.weight, model.weight)
+    assert torch.equal(
+        opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
+    )
+    mgr.close()
+
+
+def test_inspect_and_validate_a_step_folder(tmp_path: Path) -> None:
+    prefix = tmp_path / "ckpt"
+    tdckpt.save(make_td(), prefix, layout="consolidated")
+    info = tdckpt.inspect(prefix)
+    assert info.storage == "consolidated"
+    assert info.leaf_count == 4
+    assert tdckpt.validate(prefix).ok
