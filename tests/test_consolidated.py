@@ -542,3 +542,24 @@ def test_overlap_across_levels(tmp_path: Path) -> None:
         meta["nested"]["deep space"]["leaves"]["u8"][2:4] = [start, start + 8]
 
     _refused(_rewrite(tmp_path, edit), r"'nested/deep space/u8'.*overlap.*'f32'|overlap")
+
+
+def test_truncated_between_validation_and_mapping_leaves_the_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file is cut after its metadata was checked and before it is mapped: refused, and
+    the target is exactly as it was."""
+    path = write(nested_td(), tmp_path / "td.bin")
+    real = ConsolidatedStorage._mapping
+
+    def cut_first(self: ConsolidatedStorage, *, shared: bool) -> torch.Tensor:
+        with open(path, "r+b") as fh:
+            fh.truncate(16)
+        return real(self, shared=shared)
+
+    monkeypatch.setattr(ConsolidatedStorage, "_mapping", cut_first)
+    target = nested_td().apply(torch.zeros_like)
+    shot = snapshot(target)
+    with pytest.raises(MetadataError, match="changed size since it was checked"):
+        tdckpt.load_memmap_(target, path, allow_pickle=False)
+    assert same(target, shot)
