@@ -563,3 +563,27 @@ def test_truncated_between_validation_and_mapping_leaves_the_target(
     with pytest.raises(MetadataError, match="changed size since it was checked"):
         tdckpt.load_memmap_(target, path, allow_pickle=False)
     assert same(target, shot)
+
+
+def test_without_tensordict_a_consolidated_file_loads_as_plain_dicts(tmp_path: Path) -> None:
+    """Reading needs no tensordict (design.md, Contracts): nested dicts of mapped tensors."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "td.bin"
+    path.write_bytes(FIXTURE_014.read_bytes())
+    code = (
+        "import sys; sys.modules['tensordict'] = None\n"
+        "import json, tdckpt\n"
+        f"r = tdckpt.load_memmap({str(path)!r}, allow_pickle=False)\n"
+        "print(json.dumps({'keys': sorted(r), 'f32': r['f32'].tolist(),"
+        " 'u8': r['nested']['deep']['u8'].tolist()}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["keys"] == ["f32", "i16", "ls", "nested", "text", "with space"]
+    assert result["f32"] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    assert result["u8"] == [7, 8, 9]
