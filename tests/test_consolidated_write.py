@@ -16,7 +16,12 @@ from tensordict import NonTensorData, TensorDict
 
 import tdckpt
 from tdckpt._read.consolidated import DATA_NAME
-from tdckpt.errors import CheckpointExistsError, UnsafePathError, UnsupportedContentError
+from tdckpt.errors import (
+    CheckpointExistsError,
+    UnsafePathError,
+    UnsupportedContentError,
+    ValidationError,
+)
 from tdckpt.schema import MANIFEST_NAME, Manifest
 
 
@@ -189,3 +194,30 @@ def test_inspect_and_validate_a_step_folder(tmp_path: Path) -> None:
     assert info.storage == "consolidated"
     assert info.leaf_count == 4
     assert tdckpt.validate(prefix).ok
+
+
+def test_inspect_shows_the_manifest_and_validate_checks_it(tmp_path: Path) -> None:
+    prefix = tmp_path / "ckpt"
+    manifest = tdckpt.save(make_td(), prefix, layout="consolidated", metadata={"loss": 0.5})
+    info = tdckpt.inspect(prefix)
+    assert info.manifest is not None
+    assert info.manifest["user_metadata"] == {"loss": 0.5}
+    assert (
+        info.manifest["consolidated"]["leaves"]
+        == manifest.model_dump(mode="json")["consolidated"]["leaves"]
+    )
+    (prefix / MANIFEST_NAME).write_text('{"schema_version": "x"}')
+    report = tdckpt.validate(prefix)
+    assert [p.code for p in report.problems] == ["bad-manifest"]
+    # as for a folder of the memmap layout, a damaged manifest refuses the restore
+    with pytest.raises(ValidationError, match="manifest schema"):
+        tdckpt.load_memmap(prefix, allow_pickle=False)
+
+
+def test_a_symlinked_manifest_is_not_read(tmp_path: Path) -> None:
+    prefix = tmp_path / "ckpt"
+    tdckpt.save(make_td(), prefix, layout="consolidated")
+    outside = tmp_path / "outside.json"
+    (prefix / MANIFEST_NAME).rename(outside)
+    (prefix / MANIFEST_NAME).symlink_to(outside)
+    assert tdckpt.inspect(prefix).manifest is None

@@ -64,6 +64,7 @@ from tdckpt._read.storage import (
     parse_json,
 )
 from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsafePathError
+from tdckpt.schema import MANIFEST_NAME
 
 __all__ = [
     "DATA_NAME",
@@ -85,12 +86,13 @@ _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 
 
 def open_consolidated(
-    path: str | os.PathLike[str], *, follow: bool = True
+    path: str | os.PathLike[str], *, follow: bool = True, manifest_dir: str | None = None
 ) -> ConsolidatedStorage | None:
     """The consolidated file at ``path``, checked; None if it is a zip (a ``.tdz``), not a
     regular file, or does not end as a consolidated file does (then the archive reader
     says what it is). ``follow=False``: a symlink at ``path`` is not followed (a step's
-    data file inside its directory)."""
+    data file inside its directory); ``manifest_dir``: that directory, whose manifest the
+    storage then lists at its top."""
     location = os.fspath(path)
     try:
         fd = os.open(location, _OPEN_FLAGS | (0 if follow else _O_NOFOLLOW))
@@ -124,7 +126,7 @@ def open_consolidated(
     except BaseException:
         os.close(fd)
         raise
-    return ConsolidatedStorage(location, fd, st, length)
+    return ConsolidatedStorage(location, fd, st, length, manifest_dir=manifest_dir)
 
 
 class ConsolidatedStorage(Storage):
@@ -138,8 +140,18 @@ class ConsolidatedStorage(Storage):
     #: keys are recorded as they are (JSON), never as file names: no encoding to decide
     verbatim_keys = True
 
-    def __init__(self, location: str, fd: int, st: os.stat_result, length: int) -> None:
+    def __init__(
+        self,
+        location: str,
+        fd: int,
+        st: os.stat_result,
+        length: int,
+        *,
+        manifest_dir: str | None = None,
+    ) -> None:
         self.location = location
+        #: the step folder whose manifest sits beside the data file (layout="consolidated")
+        self._manifest_dir = manifest_dir
         self._fd = fd
         self._finalizer = weakref.finalize(self, os.close, fd)
         self._lock = threading.Lock()
@@ -188,9 +200,42 @@ class ConsolidatedStorage(Storage):
         level = self._level(rel)
         files = dict(level.files)
         files["meta.json"] = 0
+        if not rel and self._manifest_dir is not None:
+            try:
+                st = os.lstat(os.path.join(self._manifest_dir, MANIFEST_NAME))
+            except FileNotFoundError:
+                pass
+            else:
+                if stat.S_ISREG(st.st_mode):
+                    files[MANIFEST_NAME] = st.st_size
         return Listing(files=files, dirs=set(level.dirs))
 
+    def _read_manifest(self, max_bytes: int) -> bytes:
+        """The step's manifest, opened without following a link, checked on its descriptor."""
+        assert self._manifest_dir is not None
+        where = os.path.join(self._manifest_dir, MANIFEST_NAME)
+        try:
+            fd = os.open(where, _OPEN_FLAGS | _O_NOFOLLOW)
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{where}: missing.", path=where) from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+                raise MetadataError(
+                    f"{where}: not a regular file of at most {max_bytes} bytes; the step's "
+                    "manifest is damaged or hostile.",
+                    path=where,
+                )
+            return os.pread(fd, st.st_size, 0)
+        finally:
+            os.close(fd)
+
     def read_json(self, rel: str) -> Any:
+        if rel == MANIFEST_NAME and self._manifest_dir is not None:
+            return parse_json(
+                self._read_manifest(MAX_JSON_BYTES),
+                where=os.path.join(self._manifest_dir, MANIFEST_NAME),
+            )
         parent, _, name = rel.rpartition("/")
         if name != "meta.json":
             raise CheckpointNotFoundError(
@@ -223,6 +268,8 @@ class ConsolidatedStorage(Storage):
         return out
 
     def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+        if rel == MANIFEST_NAME and self._manifest_dir is not None:
+            return self._read_manifest(max_bytes)
         data = json.dumps(self.read_json(rel)).encode()
         if len(data) > max_bytes:
             raise MetadataError(

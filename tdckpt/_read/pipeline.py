@@ -21,7 +21,7 @@ from tdckpt._read.migrate import migrate_tree
 from tdckpt._read.names import ROBUST, normalize_names
 from tdckpt._read.nodes import Node
 from tdckpt._read.storage import Storage, open_storage
-from tdckpt._read.tree import VDir, read_tree
+from tdckpt._read.tree import VDir, VFile, read_tree
 from tdckpt._read.validate import build_nodes
 from tdckpt._report import Problem
 from tdckpt.errors import TdckptError
@@ -126,14 +126,29 @@ def open_checkpoint(
     if prebuilt is not None:
         # Validated while the storage checked its own metadata (a consolidated file of
         # TensorDict levels): the tree is already current, robust, and the nodes built.
-        return OpenedCheckpoint(
-            prefix=os.fspath(prefix),
-            storage=storage,
-            tree=VDir(source="", generation=CURRENT_NAME),
-            root=prebuilt,
-            generation=CURRENT_NAME,
-            key_encoding=ROBUST,
-        )
+        tree = VDir(source="", generation=CURRENT_NAME)
+        manifest_model = None
+        try:
+            if not manifest_checked:
+                size = storage.listdir("").files.get(schema.MANIFEST_NAME)
+                if size is not None:
+                    tree.files[schema.MANIFEST_NAME] = VFile(schema.MANIFEST_NAME, size)
+                    manifest_model, manifest_problems = _read_manifest_model(storage, tree)
+                    if manifest_problems:  # the general read reports them, with the rest
+                        prebuilt = None
+        except BaseException:
+            storage.close()
+            raise
+        if prebuilt is not None:
+            return OpenedCheckpoint(
+                prefix=os.fspath(prefix),
+                storage=storage,
+                tree=tree,
+                root=prebuilt,
+                generation=CURRENT_NAME,
+                key_encoding=ROBUST,
+                manifest_model=manifest_model,
+            )
     try:
         tree = read_tree(storage)
         manifest: schema.Manifest | None = None

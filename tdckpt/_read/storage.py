@@ -969,7 +969,7 @@ def open_storage(prefix: str | os.PathLike[str], *, defer_leaf_sizes: bool = Fal
             from tdckpt._read.consolidated import open_consolidated
 
             try:
-                consolidated = open_consolidated(data, follow=False)
+                consolidated = open_consolidated(data, follow=False, manifest_dir=os.fspath(prefix))
             except BaseException:
                 scan.close()
                 raise
