@@ -138,14 +138,16 @@ class _Parser:
         self.simple = True
 
     def fail(self, key: str, what: str, cls: type[MetadataError] = MetadataError) -> MetadataError:
+        """The error for ``what`` at ``key``: damage (MetadataError), or content tdckpt does
+        not restore (UnsupportedFormatError, whose ``what`` says what to do)."""
         shown = f"{self.where} (key {key!r})" if key else self.where
-        return cls(
-            f"{shown}: {what}. A file written by tensordict's consolidate(filename=...) never "
-            "holds this: it is damaged, truncated or hostile. Re-create it from the original "
-            "tensordict.",
-            path=self.where,
-            key=key,
+        tail = (
+            "A file written by tensordict's consolidate(filename=...) never holds this: it "
+            "is damaged, truncated or hostile. Re-create it from the original tensordict."
+            if cls is MetadataError
+            else "Nothing was restored."
         )
+        return cls(f"{shown}: {what}. {tail}", path=self.where, key=key)
 
     def parse(self, raw: Any) -> Parsed:
         _type, root = self.level(raw, "", (), 0)
@@ -221,7 +223,8 @@ class _Parser:
             f"the class {cls!r} is not one tdckpt can restore (TensorDict, "
             "LazyStackedTensorDict, NonTensorStack, or a tensorclass recorded as "
             "\"<class 'module.Name'>\" by tensordict >= 0.15; tensordict 0.5 - 0.7 recorded "
-            "a tensorclass by its bare name, which no release can load back)",
+            "a tensorclass by its bare name, which no release can load back). Re-save the "
+            "data with a current tensordict, or with tdckpt.save",
             UnsupportedFormatError,
         )
 
