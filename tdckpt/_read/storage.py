@@ -1,4 +1,5 @@
-"""Storage: one read-only interface over a directory prefix and a ``.tdz`` archive.
+"""Storage: one read-only interface over a directory prefix, a ``.tdz`` archive and a
+consolidated file.
 
 Everything above this layer names files by *relative POSIX paths* inside the prefix
 (``"nested/a%20b.memmap"``; ``""`` is the prefix itself). This layer is the only one that
@@ -13,7 +14,9 @@ touches the file system for reading, and it guarantees:
   (a regular file, large enough) is mapped. A leaf truncated, or swapped for a symlink, a
   FIFO or a directory, between validation and mapping is refused, never regrown or followed.
 
-``open_storage(path)`` picks the implementation. Archives live in ``archive.py``.
+``open_storage(path)`` picks the implementation. Archives live in ``archive.py``,
+consolidated files (``td.consolidate(filename=...)``, or a step folder saved with
+``layout="consolidated"``) in ``consolidated.py``.
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ def parse_json(data: bytes, *, where: str | Callable[[], str]) -> Any:
 class Storage(ABC):
     """Read-only access to the entries of one checkpoint prefix."""
 
-    #: "directory" or "archive"
+    #: "directory", "archive" or "consolidated"
     kind: str
     #: the path the user gave, for messages
     location: str
