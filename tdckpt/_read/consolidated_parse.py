@@ -131,8 +131,11 @@ class _Parser:
         self.where = where
         self.levels: dict[str, Level] = {}
         self.leaves: dict[str, tuple[int, int]] = {}
-        #: (start, stop, level key, name) of each leaf with bytes, for the overlap check
-        self.ranges: list[tuple[int, int, tuple[str, ...], str]] = []
+        #: starts and ends of the leaves with bytes, in file order, for the overlap check;
+        #: ``labels`` says whose they are (level key, its leaf names with bytes), in order
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.labels: list[tuple[tuple[str, ...], list[str]]] = []
         self.count = 0
         #: whether the nodes built along the way are the whole validated tree
         self.simple = True
@@ -442,10 +445,14 @@ class _Parser:
                 shapes.append(shape)
             return dtypes, sizes, starts, shapes
         dtypes, sizes, starts, shapes = columns
-        ends = list(map(operator.add, starts, sizes))
-        self.ranges.extend(
-            itertools.compress(zip(starts, ends, itertools.repeat(key), names, strict=False), sizes)
-        )
+        if all(sizes):
+            self.starts += starts
+            self.ends += map(operator.add, starts, sizes)
+            self.labels.append((key, names))
+        else:
+            self.starts.extend(itertools.compress(starts, sizes))
+            self.ends.extend(itertools.compress(map(operator.add, starts, sizes), sizes))
+            self.labels.append((key, list(itertools.compress(names, sizes))))
         return dtypes, sizes, starts, shapes
 
     def columns(
@@ -530,7 +537,9 @@ class _Parser:
         ):
             self.refuse_leaf(spec, key, name)
         if nbytes:
-            self.ranges.append((start, start + nbytes, key, name))
+            self.starts.append(start)
+            self.ends.append(start + nbytes)
+            self.labels.append((key, [name]))
         return dtype_name, shape, dtype, start, nbytes
 
     def refuse_leaf(self, spec: list[Any], key: tuple[str, ...], name: str) -> NoReturn:
@@ -564,16 +573,13 @@ class _Parser:
         raise self.fail(shown, f"its bytes start at {start}, not aligned for {dtype_name}")
 
     def check_overlaps(self) -> None:
-        ranges = self.ranges
-        first = operator.itemgetter(0)
-        second = operator.itemgetter(1)
-        if all(map(operator.le, map(second, ranges), map(first, ranges[1:]))):
+        starts, ends = self.starts, self.ends
+        if all(map(operator.le, ends, itertools.islice(starts, 1, None))):
             return  # in file order, each ending before the next starts (as tensordict writes)
-        ranges.sort()  # by start (then stop, then key: all comparable)
-        for (_s0, e0, key0, name0), (s1, _e1, key1, name1) in itertools.pairwise(ranges):
+        names = ["/".join((*key, name)) for key, level_names in self.labels for name in level_names]
+        ranges = sorted(zip(starts, ends, names, strict=True))
+        for (_s0, e0, name0), (s1, _e1, name1) in itertools.pairwise(ranges):
             if s1 < e0:
                 raise self.fail(
-                    "/".join((*key1, name1)),
-                    f"its bytes overlap those of {'/'.join((*key0, name0))!r}; every leaf has "
-                    "bytes of its own",
+                    name1, f"its bytes overlap those of {name0!r}; every leaf has bytes of its own"
                 )
