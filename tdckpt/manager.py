@@ -114,6 +114,11 @@ class CheckpointManager:
         timeout: seconds a collective of a sharded save or restore waits for the other
             ranks before every surviving rank raises
             :class:`~tdckpt.errors.CollectiveError`.
+        layout: ``"memmap"`` (default: a file per leaf, what ``td.memmap`` writes) or
+            ``"consolidated"``: each step is a folder of one data file,
+            ``tensordict.consolidated``, that ``TensorDict.from_consolidated`` loads, and
+            the manifest, which records every leaf's offset, size and checksum. Restores map
+            the one file once. (:meth:`save_async` saves the memmap layout only.)
         storage_options: for an fsspec URL root (``s3://bucket/run``, ``memory://x``), the
             filesystem's options (credentials, ``client_kwargs``...). A URL root is kept in
             object storage (``pip install 'tdckpt[remote]'``; see the remote guide and
@@ -142,6 +147,9 @@ class CheckpointManager:
         ([0.0, 1.0, 2.0], {'loss': 0.5})
     """
 
+    #: how steps are saved: "memmap" (a file per leaf) or "consolidated" (one data file)
+    layout: str = "memmap"
+
     def __new__(cls, root: str | os.PathLike[str], *args: Any, **kwargs: Any) -> CheckpointManager:
         # An fsspec URL (s3://, memory://, file://, ...) gets the object-storage manager.
         if cls is CheckpointManager and is_url(root):
@@ -166,6 +174,7 @@ class CheckpointManager:
         clock: Callable[[], float] | None = None,
         lease_ttl: float | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        layout: str = "memmap",
     ) -> None:
         require_local_options(root, storage_options)
         for name, value in (("lease_ttl", lease_ttl), ("cache_dir", cache_dir)):
@@ -174,6 +183,9 @@ class CheckpointManager:
                     f"{root}: {name} is for object-storage roots (s3://..., memory://...); a "
                     f"local root is guarded by a file lock and read in place. Drop {name}."
                 )
+        from tdckpt._write.consolidated_write import check_layout
+
+        self.layout = check_layout(layout)
         self.root = Path(root)
         self.retention: RetentionPolicy = KeepAll() if retention is None else retention
         if not callable(getattr(self.retention, "select_to_keep", None)):
@@ -209,6 +221,11 @@ class CheckpointManager:
         self._shard = resolve_group(group, timeout)  # None: a single-process manager
         if self._shard is not None and self.archive:
             raise ValueError("a collective manager saves sharded steps as folders: archive=False")
+        if self.layout == "consolidated" and (self.archive or self._shard is not None):
+            raise ValueError(
+                "layout='consolidated' saves each step as a folder of one data file and the "
+                "manifest: not with archive=True, nor in a collective (sharded) manager"
+            )
         # save_async: one save in flight on one background thread, staged into buffers
         # reused across saves (tdckpt._manage.background, tdckpt._write.snapshot).
         self._background = BackgroundSaver(self.root)
@@ -568,6 +585,11 @@ class CheckpointManager:
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
             metadata = copy.deepcopy(metadata)  # plain JSON: later edits must not reach it
+        if self.layout == "consolidated":
+            raise ValueError(
+                "save_async stages the memmap layout only; with layout='consolidated' call "
+                "save() (or make a manager with layout='memmap' for background saves)"
+            )
         obj, record = self._saveable(state)  # on the caller's thread, before the snapshot
         with self._staging_lock:  # one snapshot at a time uses the staging buffer
             self._background.drain(before=f"this save of step {step} started", stacklevel=2)
@@ -796,6 +818,18 @@ class CheckpointManager:
         state: StateRecord | None = None,
     ) -> Path:
         def write(staging: Path) -> Manifest:
+            if self.layout == "consolidated":
+                from tdckpt._write.consolidated_write import write_consolidated
+
+                return write_consolidated(
+                    obj,
+                    staging,
+                    step=step,
+                    user_metadata=metadata,
+                    fsync=self.fsync,
+                    checksum=self.checksum,
+                    state=state,
+                )
             return write_checkpoint(
                 obj,
                 staging,

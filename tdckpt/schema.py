@@ -37,8 +37,10 @@ __all__ = [
     "SHARDED_SCHEMA_VERSION",
     "STATE_KINDS",
     "ChildEntry",
+    "ConsolidatedRecord",
     "FileRecord",
     "LazyStackMeta",
+    "LeafChecksumRecord",
     "LeafEntry",
     "Manifest",
     "NonTensorDataMeta",
@@ -283,6 +285,25 @@ class StateRecord(_Model):
     )
 
 
+class LeafChecksumRecord(_Model):
+    """One leaf of a consolidated data file: where its bytes are and their checksum."""
+
+    key: list[str] = Field(description="the nested key of the leaf")
+    offset: int = Field(ge=0, description="byte offset of the leaf in the data file")
+    size: int = Field(ge=0, description="bytes of the leaf (without padding)")
+    checksum: str | None = Field(default=None, pattern=_CHECKSUM_PATTERN)
+
+
+class ConsolidatedRecord(_Model):
+    """A step saved in tensordict's consolidated layout: one data file holds every leaf."""
+
+    file: str = Field(
+        pattern=_FILE_PATH,
+        description="the data file (what TensorDict.from_consolidated reads), relative path",
+    )
+    leaves: list[LeafChecksumRecord] = Field(default_factory=list)
+
+
 class WriterVersions(_Model):
     """Versions of the software that wrote the checkpoint."""
 
@@ -313,6 +334,11 @@ class Manifest(_Model):
         default=None,
         description="present when the step was saved from a training state: one record per "
         "entry (each a sub-TensorDict of the step)",
+    )
+    consolidated: ConsolidatedRecord | None = Field(
+        default=None,
+        description="present when the step is one consolidated data file "
+        "(layout='consolidated'): the file and every leaf's offset, size and checksum",
     )
 
     @field_validator("files")

@@ -25,7 +25,7 @@ from tdckpt._keys import decode_key
 from tdckpt._manage.steps import ZIP_READ_ERRORS
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import CHUNK_BYTES, new_hasher
-from tdckpt.schema import MANIFEST_NAME, Manifest
+from tdckpt.schema import MANIFEST_NAME, LeafChecksumRecord, Manifest
 
 __all__ = ["Progress", "VerifyProblem", "VerifyReport", "manifest_problem", "verify_files"]
 
@@ -294,10 +294,42 @@ def _verify_dir(path: Path, manifest: Manifest, report: VerifyReport, hashing: _
             continue
         if digest != record.checksum:
             report.problems.append(VerifyProblem(rel, key, "changed", record.checksum, digest))
+            consolidated = manifest.consolidated
+            if consolidated is not None and consolidated.file == rel:
+                report.problems += _changed_leaves(path, rel, consolidated.leaves)
     for rel in sorted(set(on_disk) - set(expected) - {MANIFEST_NAME}):
         report.problems.append(
             VerifyProblem(rel, _key_from_path(rel), "extra", None, f"{on_disk[rel].st_size} bytes")
         )
+
+
+def _changed_leaves(path: Path, rel: str, leaves: list[LeafChecksumRecord]) -> list[VerifyProblem]:
+    """The leaves of the consolidated data file ``rel`` whose bytes no longer match their
+    checksum (after the whole file's did not): each is named by its key."""
+    try:
+        fh = _open_regular(path, rel)
+    except OSError:
+        return []
+    if fh is None:
+        return []
+    out = []
+    with fh:
+        fd = fh.fileno()
+        for leaf in leaves:
+            if leaf.checksum is None:
+                continue
+            hasher = new_hasher(_algorithm(leaf.checksum))
+            done = 0
+            while done < leaf.size:
+                chunk = os.pread(fd, min(CHUNK_BYTES, leaf.size - done), leaf.offset + done)
+                if not chunk:
+                    break
+                hasher.update(chunk)
+                done += len(chunk)
+            digest = f"{_algorithm(leaf.checksum)}:{hasher.hexdigest()}"
+            if digest != leaf.checksum:
+                out.append(VerifyProblem(rel, tuple(leaf.key), "changed", leaf.checksum, digest))
+    return out
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -16,12 +16,13 @@ from typing import Any
 import pydantic
 
 from tdckpt import schema
+from tdckpt._read.detect import CURRENT_NAME
 from tdckpt._read.migrate import migrate_tree
-from tdckpt._read.names import normalize_names
+from tdckpt._read.names import ROBUST, normalize_names
 from tdckpt._read.nodes import Node
 from tdckpt._read.opener import open_storage
 from tdckpt._read.storage import Storage
-from tdckpt._read.tree import VDir, read_tree
+from tdckpt._read.tree import VDir, VFile, read_tree
 from tdckpt._read.validate import build_nodes
 from tdckpt._report import Problem
 from tdckpt.errors import TdckptError
@@ -120,6 +121,35 @@ def open_checkpoint(
     Nothing a restore builds comes from the manifest.
     """
     storage = open_storage(prefix, defer_leaf_sizes=defer_leaf_sizes)
+    if storage.verbatim_keys:
+        robust_key = True  # no file names to decode: every virtual name is the robust one
+    prebuilt = storage.validated_root()
+    if prebuilt is not None:
+        # Validated while the storage checked its own metadata (a consolidated file of
+        # TensorDict levels): the tree is already current, robust, and the nodes built.
+        tree = VDir(source="", generation=CURRENT_NAME)
+        manifest_model = None
+        try:
+            if not manifest_checked:
+                size = storage.listdir("").files.get(schema.MANIFEST_NAME)
+                if size is not None:
+                    tree.files[schema.MANIFEST_NAME] = VFile(schema.MANIFEST_NAME, size)
+                    manifest_model, manifest_problems = _read_manifest_model(storage, tree)
+                    if manifest_problems:  # the general read reports them, with the rest
+                        prebuilt = None
+        except BaseException:
+            storage.close()
+            raise
+        if prebuilt is not None:
+            return OpenedCheckpoint(
+                prefix=os.fspath(prefix),
+                storage=storage,
+                tree=tree,
+                root=prebuilt,
+                generation=CURRENT_NAME,
+                key_encoding=ROBUST,
+                manifest_model=manifest_model,
+            )
     try:
         tree = read_tree(storage)
         manifest: schema.Manifest | None = None

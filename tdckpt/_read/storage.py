@@ -1,4 +1,5 @@
-"""Storage: one read-only interface over a directory prefix and a ``.tdz`` archive.
+"""Storage: one read-only interface over a directory prefix, a ``.tdz`` archive and a
+consolidated file.
 
 Everything above this layer names files by *relative POSIX paths* inside the prefix
 (``"nested/a%20b.memmap"``; ``""`` is the prefix itself). This layer is the only one that
@@ -13,7 +14,9 @@ touches the file system for reading, and it guarantees:
   (a regular file, large enough) is mapped. A leaf truncated, or swapped for a symlink, a
   FIFO or a directory, between validation and mapping is refused, never regrown or followed.
 
-``opener.open_storage(path)`` picks the implementation. Archives live in ``archive.py``.
+``opener.open_storage(path)`` picks the implementation. Archives live in ``archive.py``,
+consolidated files (``td.consolidate(filename=...)``, or a step folder saved with
+``layout="consolidated"``) in ``consolidated.py``.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 MAX_JSON_CONTAINERS = 2_000_000
 
 MapMode = Literal["r", "r+"] | None
+
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -162,7 +166,7 @@ def parse_json(data: bytes, *, where: str | Callable[[], str]) -> Any:
 class Storage(ABC):
     """Read-only access to the entries of one checkpoint prefix."""
 
-    #: "directory" or "archive"
+    #: "directory", "archive" or "consolidated"
     kind: str
     #: the path the user gave, for messages
     location: str
@@ -170,6 +174,9 @@ class Storage(ABC):
     #: map: the restore then reads the checkpoint again with every size listed, for the full
     #: report. Archives list every size, so theirs stays False.
     deferred_size_refused: bool = False
+    #: Keys are recorded verbatim, not as file names (a consolidated file): the key encoding
+    #: is not the caller's to choose, every (virtual) name is the robust one.
+    verbatim_keys: bool = False
 
     @abstractmethod
     def listdir(self, rel: str) -> Listing:
@@ -190,6 +197,11 @@ class Storage(ABC):
 
     def physical_path(self, rel: str) -> Path | None:
         """The real file behind ``rel`` when there is one (directories), else None."""
+        return None
+
+    def validated_root(self) -> Any:
+        """The validated node tree (``validate.build_nodes``'s result, no problems), when the
+        storage built it while reading its own metadata; None: read and validate as usual."""
         return None
 
     def dir_identity(self, rel: str) -> tuple[int, int] | None:

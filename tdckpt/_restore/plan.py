@@ -114,6 +114,13 @@ class Mapper:
             and not self._move
             else None
         )
+        #: The storage's call that gives many leaves as views of one mapping (a consolidated
+        #: file), where leaves are used as they are mapped.
+        self._map_views = (
+            getattr(storage, "map_many", None)
+            if not self._structure_only and not self._move
+            else None
+        )
         #: The attributes tensordict's from_filename sets that are the same for every leaf,
         #: and the one that holds the leaf's shape (their names changed in tensordict 0.15).
         self._mmt_state, self._shape_attr = _mmt_attributes(mode)
@@ -140,6 +147,8 @@ class Mapper:
         """
         listed = self._map_listed
         if listed is None:
+            if self._map_views is not None:
+                return self._views(nodes)
             return [self._other_leaf(node) for node in nodes]
         specs: list[tuple[str, torch.dtype, int]] = []
         for node in nodes:
@@ -188,6 +197,23 @@ class Mapper:
             state[shape_attr] = known[0]
             append(flat)
         return out
+
+    def _views(self, nodes: Sequence[LeafNode]) -> list[torch.Tensor]:
+        """The tensors of ``nodes`` as views of the storage's one mapping (``map_many``):
+        dense leaves in one call, any other through :meth:`_other_leaf`."""
+        assert self._map_views is not None
+        dense = [
+            node
+            for node in nodes
+            if not node.is_nested
+            and (src := node.file) is not None
+            and src.data is None
+            and src.source is not None
+        ]
+        if len(dense) != len(nodes):
+            return [self._other_leaf(node) for node in nodes]
+        specs = [(node.file.source, node.dtype, node.shape) for node in dense]  # type: ignore[union-attr]
+        return self._map_views(specs, self.mode)  # type: ignore[no-any-return]
 
     def _other_leaf(self, node: LeafNode) -> torch.Tensor:
         """A leaf that is not a dense tensor in a directory's file (or that is moved, or

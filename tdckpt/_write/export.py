@@ -374,6 +374,7 @@ def save(
     overwrite: bool = False,
     fsync: bool = True,
     progress: ProgressArg = None,
+    layout: str = "memmap",
 ) -> Manifest:
     """Save a TensorDict (or tensorclass, lazy stack) to ``prefix``, all or nothing.
 
@@ -397,6 +398,10 @@ def save(
         fsync: make the data durable before the commit (on by default).
         progress: ``True`` draws a progress bar (tqdm, on stderr, only when it is a
             terminal); a callable is called as ``progress(bytes_done, bytes_total)``.
+        layout: ``"memmap"`` (a file per leaf, what ``td.memmap(prefix)`` writes) or
+            ``"consolidated"``: ``prefix`` is a folder holding one data file,
+            ``tensordict.consolidated``, that ``TensorDict.from_consolidated`` loads, and the
+            manifest, with every leaf's offset, size and checksum (no progress is reported).
 
     Returns:
         The manifest written (sizes and checksums of every file).
@@ -419,7 +424,15 @@ def save(
             "and upload it.",
             path=str(prefix),
         )
+    from tdckpt._write.consolidated_write import check_layout
+
+    consolidated = check_layout(layout) == "consolidated"
     dest = Path(prefix)
+    if consolidated and dest.suffix == ".tdz":
+        raise ValueError(
+            f"{dest}: layout='consolidated' writes a folder (one data file and the manifest), "
+            "not a .tdz archive; choose a prefix without the .tdz suffix."
+        )
     _check_prefix(dest)
     if _lexists(dest):
         if not overwrite:
@@ -441,15 +454,20 @@ def save(
     clean = False
     try:
         _at("journal")
-        with progress_bar(progress, "save") as report:
-            manifest = write_checkpoint(
-                obj,
-                staging,
-                user_metadata=metadata,
-                fsync=fsync,
-                progress=report,
-                direct=dest.suffix != ".tdz",  # an archive's staging is read back at once
-            )
+        if consolidated:
+            from tdckpt._write.consolidated_write import write_consolidated
+
+            manifest = write_consolidated(obj, staging, user_metadata=metadata, fsync=fsync)
+        else:
+            with progress_bar(progress, "save") as report:
+                manifest = write_checkpoint(
+                    obj,
+                    staging,
+                    user_metadata=metadata,
+                    fsync=fsync,
+                    progress=report,
+                    direct=dest.suffix != ".tdz",  # an archive's staging is read back at once
+                )
         _at("written")
         if dest.suffix == ".tdz":
             from tdckpt._write.archive_write import write_archive

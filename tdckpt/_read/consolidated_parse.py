@@ -1,0 +1,585 @@
+"""The metadata of a consolidated file, checked and laid out as the current directory tree.
+
+:func:`parse_consolidated` takes the parsed JSON of a file written by tensordict's
+``consolidate(filename=...)`` (see :mod:`tdckpt._read.consolidated` for the layout) and the
+number of leaf bytes before it, checks every level and every leaf (dtype, shape, byte range
+inside the leaves, exact size, alignment, no overlap), and returns the virtual directory
+tree the rest of the read path reads (one ``meta.json`` per level, built on demand) - plus,
+for files of TensorDict levels and dense leaves, the validated node tree itself, built in
+the same pass. Leaf entries are checked column by column where they are all as tensordict
+writes them: a 10,000-leaf file is the large one.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, cast
+
+import torch
+
+from tdckpt._keys import LEAF_SUFFIX, encode_key
+from tdckpt._read.nodes import DTYPES, LeafNode, TensorDictNode
+from tdckpt._read.tree import VFile
+from tdckpt.errors import MetadataError, UnsupportedFormatError
+
+__all__ = ["MAX_DEPTH", "MAX_LEVELS", "RESERVED", "Level", "Parsed", "parse_consolidated"]
+
+#: Levels nest at most this deep (as ``tree.MAX_DEPTH`` for directories).
+MAX_DEPTH = 200
+#: Levels, leaves and non-tensor entries together, at most (as ``tree.MAX_ENTRIES``).
+MAX_LEVELS = 1_000_000
+#: Dimensions of a leaf's shape, at most (as a meta.json's).
+_MAX_NDIM = 64
+
+#: The fields of a level; every other key of a level's object is a sub-level.
+RESERVED = frozenset({"cls", "non_tensors", "leaves", "cls_metadata", "size"})
+
+_TD_TYPE = "<class 'tensordict._td.TensorDict'>"
+_LAZY_TYPE = "<class 'tensordict._lazy.LazyStackedTensorDict'>"
+_NTD_TYPE = "<class 'tensordict.tensorclass.NonTensorData'>"
+_NTS_TYPE = "<class 'tensordict.tensorclass.NonTensorStack'>"
+
+
+@dataclass
+class _TDSpec:
+    """A TensorDict level as the file records it; its meta.json is built when read."""
+
+    batch: list[int]
+    device: str | None
+    names: list[str | None] | None
+    #: the file's (checked) leaf entries: key -> [dtype, shape, start, stop, pad(, ...)]
+    leaves: dict[str, list[Any]]
+    #: (key, entry type) of non-tensors and sub-levels, in file order
+    others: list[tuple[str, str]] = field(default_factory=list)
+
+    def meta(self) -> dict[str, Any]:
+        leaf_device = self.device if self.device is not None else "cpu"
+        meta: dict[str, Any] = {
+            name: {
+                "device": leaf_device,
+                "shape": list(spec[1]),
+                "dtype": spec[0],
+                "is_nested": False,
+            }
+            for name, spec in self.leaves.items()
+        }
+        for name, type_ in self.others:
+            meta[name] = {"type": type_}
+        meta["shape"] = list(self.batch)
+        meta["device"] = self.device
+        meta["_type"] = _TD_TYPE
+        meta["_format_version"] = 1
+        meta["_class"] = "tensordict:TensorDict"
+        if self.names is not None and any(n is not None for n in self.names):
+            meta["_names"] = list(self.names)
+        return meta
+
+
+@dataclass
+class Level:
+    """One directory of the virtual tree: its meta.json (ready, or built from ``td``)."""
+
+    meta: dict[str, Any] | None = None
+    td: _TDSpec | None = None
+    files: dict[str, int] = field(default_factory=dict)
+    dirs: list[str] = field(default_factory=list)
+
+    def meta_json(self) -> dict[str, Any]:
+        if self.td is not None:
+            return self.td.meta()
+        assert self.meta is not None
+        return copy.deepcopy(self.meta)  # non-tensor data may be edited by its reader
+
+
+@dataclass
+class Parsed:
+    """A consolidated file's metadata, checked and laid out as the current directory tree.
+
+    ``levels`` maps a relative directory path (``""`` is the top) to its level; ``leaves``
+    maps a leaf's relative file path to ``(start, nbytes)`` in the leaf region. ``root``
+    is the validated node tree when every level is a TensorDict of dense leaves (what
+    ``validate.build_nodes`` builds from the virtual tree, built in the same pass), else
+    None.
+    """
+
+    levels: dict[str, Level]
+    leaves: dict[str, tuple[int, int]]
+    data_size: int
+    root: TensorDictNode | None
+    #: the metadata as parsed (checked)
+    raw: dict[str, Any]
+
+
+def parse_consolidated(raw: Any, data_size: int, where: str) -> Parsed:
+    """Check the parsed metadata ``raw`` of a file with ``data_size`` bytes of leaves.
+
+    Raises:
+        MetadataError: anything a file written by tensordict never holds.
+        UnsupportedFormatError: content tensordict writes that tdckpt cannot restore yet
+            (nested jagged tensors), or a class no release can load back.
+    """
+    return _Parser(data_size, where).parse(raw)
+
+
+class _Parser:
+    def __init__(self, data_size: int, where: str) -> None:
+        self.data_size = data_size
+        self.where = where
+        self.levels: dict[str, Level] = {}
+        self.leaves: dict[str, tuple[int, int]] = {}
+        #: starts and ends of the leaves with bytes, in file order, for the overlap check;
+        #: ``labels`` says whose they are (level key, its leaf names with bytes), in order
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.labels: list[tuple[tuple[str, ...], list[str]]] = []
+        self.count = 0
+        #: whether the nodes built along the way are the whole validated tree
+        self.simple = True
+
+    def fail(self, key: str, what: str, cls: type[MetadataError] = MetadataError) -> MetadataError:
+        """The error for ``what`` at ``key``: damage (MetadataError), or content tdckpt does
+        not restore (UnsupportedFormatError, whose ``what`` says what to do)."""
+        shown = f"{self.where} (key {key!r})" if key else self.where
+        tail = (
+            "A file written by tensordict's consolidate(filename=...) never holds this: it "
+            "is damaged, truncated or hostile. Re-create it from the original tensordict."
+            if cls is MetadataError
+            else "Nothing was restored."
+        )
+        return cls(f"{shown}: {what}. {tail}", path=self.where, key=key)
+
+    def parse(self, raw: Any) -> Parsed:
+        _type, root = self.level(raw, "", (), 0)
+        self.check_overlaps()
+        return Parsed(
+            self.levels,
+            self.leaves,
+            self.data_size,
+            root if self.simple and isinstance(root, TensorDictNode) else None,
+            raw,
+        )
+
+    # -- levels ----------------------------------------------------------------------
+    def level(
+        self, raw: Any, rel: str, key: tuple[str, ...], depth: int
+    ) -> tuple[str, TensorDictNode | None]:
+        """Lay out the level ``raw`` at directory ``rel``: its entry type name, and its node
+        when it is a TensorDict level (while the tree stays simple)."""
+        shown = "/".join(key)
+        if depth > MAX_DEPTH:
+            raise self.fail(shown, f"levels nest more than {MAX_DEPTH} deep")
+        if type(raw) is not dict:
+            raise self.fail(shown, f"a level is a JSON object, found {type(raw).__name__}")
+        for name in ("cls", "non_tensors", "leaves", "cls_metadata"):
+            if name not in raw:
+                raise self.fail(shown, f"the level has no {name!r} field")
+        cls, non_tensors, leaves, cls_meta = (
+            raw["cls"],
+            raw["non_tensors"],
+            raw["leaves"],
+            raw["cls_metadata"],
+        )
+        if type(cls) is not str:
+            raise self.fail(shown, f"'cls' is {type(cls).__name__}, expected a class name")
+        for name, value in (
+            ("non_tensors", non_tensors),
+            ("leaves", leaves),
+            ("cls_metadata", cls_meta),
+        ):
+            if type(value) is not dict:
+                raise self.fail(shown, f"{name!r} is {type(value).__name__}, expected an object")
+        children = {k: v for k, v in raw.items() if k not in RESERVED}
+        self.count += 1 + len(non_tensors) + len(leaves)
+        if self.count > MAX_LEVELS:
+            raise self.fail(shown, f"more than {MAX_LEVELS} levels and entries")
+        if non_tensors or children:
+            for name in leaves:
+                if name in non_tensors or name in children:
+                    raise self.fail(
+                        "/".join((*key, name)), "the key is both a tensor and another entry"
+                    )
+            for name in non_tensors:
+                if name in children:
+                    raise self.fail(
+                        "/".join((*key, name)), "the key is both a non-tensor and a sub-level"
+                    )
+        if cls == "TensorDict":
+            node = self.td_level(rel, key, cls_meta, non_tensors, leaves, children, depth)
+            return "TensorDict", node
+        self.simple = False
+        if cls == "LazyStackedTensorDict":
+            return self.lazy_stack(rel, key, cls_meta, non_tensors, leaves, children, depth), None
+        if cls == "NonTensorStack":
+            return self.nt_stack(rel, key, cls_meta, non_tensors, leaves, children), None
+        if cls.startswith("<class '") and cls.endswith("'>") and "." in cls:
+            # A tensorclass: its own level names the class, its tensordict is "_tensordict".
+            self.levels[rel] = Level({"_type": cls}, dirs=["_tensordict"])
+            inner = f"{rel}/_tensordict" if rel else "_tensordict"
+            self.td_level(inner, key, cls_meta, non_tensors, leaves, children, depth + 1)
+            return cls[len("<class '") : -2].rpartition(".")[2], None
+        raise self.fail(
+            shown,
+            f"the class {cls!r} is not one tdckpt can restore (TensorDict, "
+            "LazyStackedTensorDict, NonTensorStack, or a tensorclass recorded as "
+            "\"<class 'module.Name'>\" by tensordict >= 0.15; tensordict 0.5 - 0.7 recorded "
+            "a tensorclass by its bare name, which no release can load back). Re-save the "
+            "data with a current tensordict, or with tdckpt.save",
+            UnsupportedFormatError,
+        )
+
+    def batch(
+        self, shown: str, cls_meta: dict[str, Any]
+    ) -> tuple[list[int], str | None, list[str | None] | None]:
+        batch = cls_meta.get("batch_size")
+        if type(batch) is not list or len(batch) > _MAX_NDIM:
+            raise self.fail(shown, "'cls_metadata.batch_size' is not a list of sizes")
+        for d in batch:
+            if type(d) is not int or d < 0:
+                raise self.fail(shown, f"the batch size {batch!r} holds {d!r}")
+        device = cls_meta.get("device")
+        if device is not None and type(device) is not str:
+            raise self.fail(shown, f"the device {device!r} is not a string")
+        names = cls_meta.get("names")
+        if names is not None and (
+            type(names) is not list or any(n is not None and type(n) is not str for n in names)
+        ):
+            raise self.fail(shown, f"the names {names!r} are not a list of strings")
+        return batch, device, names
+
+    def td_level(
+        self,
+        rel: str,
+        key: tuple[str, ...],
+        cls_meta: dict[str, Any],
+        non_tensors: dict[str, Any],
+        leaves: dict[str, Any],
+        children: dict[str, Any],
+        depth: int,
+    ) -> TensorDictNode | None:
+        shown = "/".join(key)
+        batch, device, names = self.batch(shown, cls_meta)
+        spec = _TDSpec(batch, device, names, leaves)
+        level = Level(td=spec)
+        self.levels[rel] = level
+        prefix = f"{rel}/" if rel else ""
+        named = names is not None and any(n is not None for n in names)
+        batch_t = tuple(batch)
+        nb = len(batch_t)
+        # The node validation would build, while the tree stays simple (TensorDict levels of
+        # dense leaves on the CPU, nothing validation would report).
+        simple = self.simple and not non_tensors and device in (None, "cpu")
+        if named and names is not None and len(names) != nb:
+            simple = False
+        node = (
+            TensorDictNode(
+                key=key,
+                path=rel,
+                class_id="tensordict:TensorDict",
+                batch_size=batch_t,
+                device=device,
+                names=list(names) if named and names is not None else None,
+            )
+            if simple
+            else None
+        )
+        leaf_device = device if device is not None else "cpu"
+        entries = node.entries if node is not None else None
+        dtypes, sizes, starts, shapes = self.check_leaves(key, leaves)
+        leaf_keys = list(leaves)
+        files = [
+            n + LEAF_SUFFIX if n.isidentifier() else encode_key(n) + LEAF_SUFFIX for n in leaf_keys
+        ]
+        paths = [prefix + f for f in files] if prefix else files
+        level.files.update(zip(files, sizes, strict=True))
+        self.leaves.update(zip(paths, zip(starts, sizes, strict=True), strict=True))
+        if entries is not None and node is not None:
+            shapes_t = list(map(tuple, shapes))
+            if nb and set(map(operator.itemgetter(slice(0, nb)), shapes_t)) - {batch_t}:
+                node = None  # a leaf that does not start with the batch size: validation says
+            else:
+                repeat = itertools.repeat
+                entries.update(
+                    zip(
+                        leaf_keys,
+                        map(
+                            LeafNode,
+                            [(*key, n) for n in leaf_keys],
+                            paths,
+                            dtypes,
+                            shapes_t,
+                            repeat(leaf_device),
+                            repeat(False),
+                            [VFile(p, n) if n else None for p, n in zip(paths, sizes, strict=True)],
+                            repeat(None),
+                            map(operator.floordiv, sizes, [d.itemsize for d in dtypes]),
+                        ),
+                        strict=True,
+                    )
+                )
+        for name, entry in non_tensors.items():
+            data = self.non_tensor(entry, (*key, name))
+            dname = encode_key(name)
+            level.dirs.append(dname)
+            self.levels[prefix + dname] = Level(
+                {"_type": _NTD_TYPE, "data": data, "_metadata": None, "_is_non_tensor": True}
+            )
+            spec.others.append((name, "NonTensorData"))
+        for name, child in children.items():
+            dname = encode_key(name)
+            level.dirs.append(dname)
+            type_, child_node = self.level(child, prefix + dname, (*key, name), depth + 1)
+            spec.others.append((name, type_))
+            if entries is not None and node is not None:
+                if child_node is None or child_node.batch_size[:nb] != batch_t:
+                    entries = None
+                    node = None
+                else:
+                    entries[name] = child_node
+        if node is None:
+            self.simple = False
+        return node
+
+    def lazy_stack(
+        self,
+        rel: str,
+        key: tuple[str, ...],
+        cls_meta: dict[str, Any],
+        non_tensors: dict[str, Any],
+        leaves: dict[str, Any],
+        children: dict[str, Any],
+        depth: int,
+    ) -> str:
+        shown = "/".join(key)
+        if leaves or non_tensors:
+            raise self.fail(shown, "a lazy stack holds entries of its own, not only its members")
+        if list(children) != [str(i) for i in range(len(children))]:
+            raise self.fail(shown, "the members of a lazy stack are not keyed '0', '1', ...")
+        stack_dim = cls_meta.get("stack_dim")
+        dim_name = cls_meta.get("stack_dim_name")
+        if type(stack_dim) is not int or (dim_name is not None and type(dim_name) is not str):
+            raise self.fail(shown, "the lazy stack's 'stack_dim' is not an int")
+        self.levels[rel] = Level(
+            {
+                "_type": _LAZY_TYPE,
+                "_format_version": 1,
+                "_class": "tensordict:LazyStackedTensorDict",
+                "stack_dim": stack_dim,
+                "stack_dim_name": dim_name,
+            },
+            dirs=list(children),
+        )
+        prefix = f"{rel}/" if rel else ""
+        for name, child in children.items():
+            self.level(child, prefix + name, (*key, name), depth + 1)
+        return "LazyStackedTensorDict"
+
+    def nt_stack(
+        self,
+        rel: str,
+        key: tuple[str, ...],
+        cls_meta: dict[str, Any],
+        non_tensors: dict[str, Any],
+        leaves: dict[str, Any],
+        children: dict[str, Any],
+    ) -> str:
+        shown = "/".join(key)
+        if leaves or children:
+            raise self.fail(shown, "a non-tensor stack holds tensors or sub-levels")
+        if list(non_tensors) != [str(i) for i in range(len(non_tensors))]:
+            raise self.fail(shown, "the members of a non-tensor stack are not keyed '0', '1', ...")
+        stack_dim = cls_meta.get("stack_dim")
+        if type(stack_dim) is not int:
+            raise self.fail(shown, "the non-tensor stack's 'stack_dim' is not an int")
+        data = [self.non_tensor(v, (*key, k)) for k, v in non_tensors.items()]
+        self.levels[rel] = Level(
+            {
+                "_type": _NTS_TYPE,
+                "_format_version": 1,
+                "_class": "tensordict:NonTensorStack",
+                "stack_dim": stack_dim,
+                "device": None,
+                "data": data,
+            }
+        )
+        return "NonTensorStack"
+
+    # -- entries ---------------------------------------------------------------------
+    def non_tensor(self, entry: Any, full: tuple[str, ...]) -> Any:
+        # [data, batch_size, device] (0.8+) or [data, batch_size] (0.5 - 0.7)
+        if type(entry) is not list or len(entry) not in (2, 3) or type(entry[1]) is not list:
+            raise self.fail(
+                "/".join(full), "a non-tensor entry is not [data, batch_size(, device)]"
+            )
+        return entry[0]
+
+    def check_leaves(
+        self, key: tuple[str, ...], leaves: dict[str, Any]
+    ) -> tuple[list[torch.dtype], list[int], list[int], list[list[int]]]:
+        """Check every leaf entry of one level: (dtypes, bytes without padding, starts,
+        shapes), in order.
+
+        The usual level - every entry ``[dtype, shape, start, stop, pad]`` with plain ints,
+        as tensordict writes them - is checked column by column (the loops run in C: a
+        10,000-leaf checkpoint is the large one); a level with anything else is checked
+        entry by entry by :meth:`leaf`, which accepts it or says what is wrong.
+        """
+        specs = list(leaves.values())
+        if not specs:
+            return [], [], [], []
+        columns = self.columns(specs)
+        names = list(leaves)
+        if columns is None or any(name[:4] == "<NJT" for name in names):
+            dtypes: list[torch.dtype] = []
+            sizes: list[int] = []
+            starts: list[int] = []
+            shapes: list[list[int]] = []
+            for name, spec in leaves.items():
+                _dtype_name, shape, dtype, start, nbytes = self.leaf(spec, key, name)
+                dtypes.append(dtype)
+                sizes.append(nbytes)
+                starts.append(start)
+                shapes.append(shape)
+            return dtypes, sizes, starts, shapes
+        dtypes, sizes, starts, shapes = columns
+        if all(sizes):
+            self.starts += starts
+            self.ends += map(operator.add, starts, sizes)
+            self.labels.append((key, names))
+        else:
+            self.starts.extend(itertools.compress(starts, sizes))
+            self.ends.extend(itertools.compress(map(operator.add, starts, sizes), sizes))
+            self.labels.append((key, list(itertools.compress(names, sizes))))
+        return dtypes, sizes, starts, shapes
+
+    def columns(
+        self, specs: list[Any]
+    ) -> tuple[list[torch.dtype], list[int], list[int], list[list[int]]] | None:
+        """(dtypes, bytes, starts, shapes) if every entry of ``specs`` is a usual, valid leaf, else
+        None (then each is checked on its own)."""
+        if set(map(type, specs)) != {list} or set(map(len, specs)) != {5}:
+            return None
+        dtype_names, shapes, starts, stops, pads = zip(*specs, strict=True)
+        ints = {int}
+        if (
+            set(map(type, dtype_names)) != {str}
+            or set(map(type, shapes)) != {list}
+            or set(map(type, starts)) != ints
+            or set(map(type, stops)) != ints
+            or set(map(type, pads)) != ints
+            or max(map(len, shapes)) > _MAX_NDIM
+        ):
+            return None
+        found = list(map(DTYPES.get, dtype_names))
+        if None in found:
+            return None
+        dtypes = cast("list[torch.dtype]", found)
+        dims = list(itertools.chain.from_iterable(shapes))
+        if dims and (set(map(type, dims)) != ints or min(dims) < 0):
+            return None
+        items = [dtype.itemsize for dtype in dtypes]
+        sizes = list(map(operator.mul, map(math.prod, shapes), items))
+        if (
+            min(starts) < 0
+            or max(stops) > self.data_size
+            or min(pads) < 0
+            or max(pads) >= 8
+            or not all(map(operator.le, starts, stops))
+            or list(map(operator.sub, map(operator.sub, stops, starts), pads)) != sizes
+            or any(map(operator.mod, starts, items))
+        ):
+            return None
+        return dtypes, sizes, list(starts), list(shapes)
+
+    def leaf(
+        self, spec: Any, key: tuple[str, ...], name: str
+    ) -> tuple[str, list[int], torch.dtype, int, int]:
+        """Check one leaf entry: (dtype name, shape, dtype, start, bytes without padding)."""
+        if name.startswith("<NJT"):
+            raise self.fail(
+                "/".join((*key, name)),
+                "a nested jagged tensor; tdckpt cannot restore those from a "
+                "consolidated file yet. Load it with TensorDict.from_consolidated",
+                UnsupportedFormatError,
+            )
+        if type(spec) is list and len(spec) == 5:
+            dtype_name, shape, start, stop, pad = spec
+        elif type(spec) is list and len(spec) == 6:
+            dtype_name, shape, start, stop, pad, _ragged = spec
+        else:
+            raise self.fail(
+                "/".join((*key, name)), "a leaf is not [dtype, shape, start, stop, pad]"
+            )
+        dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if (
+            dtype is None
+            or type(shape) is not list
+            or len(shape) > _MAX_NDIM
+            or type(start) is not int
+            or type(stop) is not int
+            or type(pad) is not int
+        ):
+            self.refuse_leaf(spec, key, name)
+        for d in shape:
+            if type(d) is not int or d < 0:
+                self.refuse_leaf(spec, key, name)
+        assert dtype is not None
+        item = dtype.itemsize
+        nbytes = math.prod(shape) * item
+        if (
+            not 0 <= start <= stop <= self.data_size
+            or not 0 <= pad < 8
+            or stop - start - pad != nbytes
+            or start % item
+        ):
+            self.refuse_leaf(spec, key, name)
+        if nbytes:
+            self.starts.append(start)
+            self.ends.append(start + nbytes)
+            self.labels.append((key, [name]))
+        return dtype_name, shape, dtype, start, nbytes
+
+    def refuse_leaf(self, spec: list[Any], key: tuple[str, ...], name: str) -> NoReturn:
+        """Raise the error that says what is wrong with the leaf entry ``spec``."""
+        shown = "/".join((*key, name))
+        dtype_name, shape, start, stop, pad = spec[:5]
+        dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if dtype is None:
+            raise self.fail(shown, f"the dtype {dtype_name!r} is not a torch dtype tdckpt maps")
+        if type(shape) is not list or len(shape) > _MAX_NDIM:
+            raise self.fail(shown, f"the shape {shape!r} is not a list of sizes")
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise self.fail(shown, f"the shape {shape!r} holds {d!r}")
+        for what, value in (("start", start), ("stop", stop), ("pad", pad)):
+            if type(value) is not int:
+                raise self.fail(shown, f"the {what} offset {value!r} is not an int")
+        if not 0 <= start <= stop <= self.data_size:
+            raise self.fail(
+                shown,
+                f"its bytes [{start}, {stop}) are not inside the {self.data_size} bytes of "
+                "leaves the file holds",
+            )
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not 0 <= pad < 8 or stop - start - pad != nbytes:
+            raise self.fail(
+                shown,
+                f"its bytes [{start}, {stop}) with {pad} bytes of padding do not hold the "
+                f"{nbytes} bytes of a {dtype_name} tensor of shape {shape}",
+            )
+        raise self.fail(shown, f"its bytes start at {start}, not aligned for {dtype_name}")
+
+    def check_overlaps(self) -> None:
+        starts, ends = self.starts, self.ends
+        if all(map(operator.le, ends, itertools.islice(starts, 1, None))):
+            return  # in file order, each ending before the next starts (as tensordict writes)
+        names = ["/".join((*key, name)) for key, level_names in self.labels for name in level_names]
+        ranges = sorted(zip(starts, ends, names, strict=True))
+        for (_s0, e0, name0), (s1, _e1, name1) in itertools.pairwise(ranges):
+            if s1 < e0:
+                raise self.fail(
+                    name1, f"its bytes overlap those of {name0!r}; every leaf has bytes of its own"
+                )

@@ -1,0 +1,216 @@
+"""Writing a step in tensordict's consolidated layout (``layout="consolidated"``).
+
+A consolidated step is a directory of two files::
+
+    <step>/tensordict.consolidated   what td.consolidate(filename=...) writes: every leaf,
+                                     then the JSON metadata, then its length
+    <step>/tdckpt.manifest.json      the manifest (written last): the data file's size and
+                                     checksum, and every leaf's key, offset, size, checksum
+
+``TensorDict.from_consolidated(<step>/tensordict.consolidated)`` loads the data file as it
+is; ``tdckpt.load_memmap(<step>)`` (and a manager's restore) reads it through
+:class:`~tdckpt._read.consolidated.ConsolidatedStorage`. The file is written by tensordict
+itself, so it is exactly tensordict's format; tdckpt then reads it back through its own
+checks (refusing what it could not restore), fsyncs it and checksums it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from tdckpt._read.consolidated import DATA_NAME, ConsolidatedStorage, open_consolidated
+from tdckpt._write.checksum import CHUNK_BYTES, DEFAULT_CHECKSUM, new_hasher
+from tdckpt._write.save import _write_small, _writer_versions, check_json_data
+from tdckpt.errors import CheckpointExistsError, MetadataError, TdckptError, UnsupportedContentError
+from tdckpt.schema import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    MANIFEST_SCHEMA_VERSION,
+    ConsolidatedRecord,
+    FileRecord,
+    LeafChecksumRecord,
+    Manifest,
+    StateRecord,
+)
+
+__all__ = ["LAYOUTS", "write_consolidated"]
+
+#: The layouts a step can be saved in.
+LAYOUTS = ("memmap", "consolidated")
+
+_ROOT_TYPES = {
+    "TensorDict": "tensordict:TensorDict",
+    "LazyStackedTensorDict": "tensordict:LazyStackedTensorDict",
+}
+
+
+def check_layout(layout: object) -> str:
+    """``layout`` if it is one tdckpt writes, else ValueError."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return str(layout)
+
+
+def write_consolidated(
+    obj: Any,
+    dest_dir: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    user_metadata: dict[str, Any] | None = None,
+    fsync: bool = True,
+    checksum: str = DEFAULT_CHECKSUM,
+    state: StateRecord | None = None,
+) -> Manifest:
+    """Write ``obj`` into the empty or missing ``dest_dir`` as one consolidated data file,
+    then the manifest. ``obj`` is not modified. Arguments as ``write_checkpoint``.
+
+    Raises:
+        UnsupportedContentError: ``obj`` is not a tensor collection, or holds what the
+            consolidated layout cannot store (non-tensor data that is not JSON, nested
+            tensors tdckpt cannot read back); nothing is left in ``dest_dir``.
+        MetadataError: ``user_metadata`` is not plain JSON data.
+        CheckpointExistsError: ``dest_dir`` exists and is not empty.
+    """
+    new_hasher(checksum)  # refuse an unknown algorithm before anything else
+    metadata = {} if user_metadata is None else user_metadata
+    if type(metadata) is not dict:
+        raise MetadataError(
+            f"user metadata must be a dict of plain JSON data, got a {type(metadata).__name__}.",
+            path="metadata",
+        )
+    check_json_data(metadata)
+    if not callable(getattr(obj, "consolidate", None)):
+        raise UnsupportedContentError(
+            f"{dest_dir}: layout='consolidated' saves a TensorDict, tensorclass or lazy stack "
+            f"(tensordict's consolidate()), not a {type(obj).__name__}. Use layout='memmap'.",
+            path=str(dest_dir),
+        )
+    dest = Path(dest_dir)
+    created = not dest.exists()
+    if created:
+        dest.mkdir(parents=True)
+    elif not dest.is_dir() or any(dest.iterdir()):
+        raise CheckpointExistsError(
+            f"{dest}: exists and is not an empty directory; a checkpoint is written into a "
+            "new or empty directory. Choose another path or remove it.",
+            path=str(dest),
+        )
+    data = dest / DATA_NAME
+    try:
+        _consolidate(obj, data)
+        manifest = _manifest(data, checksum, step, metadata, state, fsync=fsync)
+        text = json.dumps(manifest.model_dump(mode="json"), indent=1, allow_nan=False) + "\n"
+        # The manifest is the last file: its presence means the data file is complete.
+        _write_small(dest / MANIFEST_NAME, text.encode("utf-8"), fsync=fsync)
+        if fsync:
+            from tdckpt._write.atomic import fsync_dir
+
+            fsync_dir(dest)
+    except BaseException:
+        from tdckpt._write.atomic import remove_tree
+
+        if created:
+            remove_tree(dest, ignore_errors=True)
+        else:
+            for child in dest.iterdir():
+                remove_tree(child, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _consolidate(obj: Any, data: Path) -> None:
+    """tensordict's own writer, into ``data``; its refusals become UnsupportedContentError."""
+    source = obj
+    is_consolidated = getattr(obj, "is_consolidated", None)
+    if callable(is_consolidated) and is_consolidated():
+        # A consolidated tensordict only rewrites its own file: write a fresh copy instead.
+        source = obj.contiguous()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            source.consolidate(filename=data)
+    except (TypeError, RuntimeError, NotImplementedError, ValueError) as exc:
+        raise UnsupportedContentError(
+            f"{data.parent}: tensordict cannot write this object as a consolidated file "
+            f"({type(exc).__name__}: {exc}). Non-tensor data must be plain JSON data there; "
+            "use layout='memmap' for anything else.",
+            path=str(data.parent),
+        ) from exc
+
+
+def _manifest(
+    data: Path,
+    algorithm: str,
+    step: int | None,
+    metadata: dict[str, Any],
+    state: StateRecord | None,
+    *,
+    fsync: bool,
+) -> Manifest:
+    """Read the data file back through tdckpt's checks, fsync it, and describe it."""
+    try:
+        storage = open_consolidated(data)
+    except TdckptError as exc:
+        raise UnsupportedContentError(
+            f"{data.parent}: tensordict wrote a consolidated file tdckpt cannot read back "
+            f"({exc}). Use layout='memmap'.",
+            path=str(data.parent),
+        ) from exc
+    if storage is None:  # pragma: no cover - tensordict always writes the footer
+        raise UnsupportedContentError(
+            f"{data}: not a consolidated file after writing it.", path=str(data)
+        )
+    with storage:
+        if fsync:
+            os.fsync(storage._fd)
+        leaves = _leaf_records(storage, algorithm)
+        whole = new_hasher(algorithm)
+        size = storage._stat[2]
+        offset = 0
+        while offset < size:
+            chunk = os.pread(storage._fd, min(CHUNK_BYTES, size - offset), offset)
+            if not chunk:
+                break
+            whole.update(chunk)
+            offset += len(chunk)
+        root_cls = storage.root_class()
+    return Manifest(
+        schema_version=MANIFEST_SCHEMA_VERSION,
+        format_version=FORMAT_VERSION,
+        created=datetime.now(timezone.utc).isoformat(),
+        writer=_writer_versions(),
+        key_encoding="robust",
+        step=step,
+        root_type=_ROOT_TYPES.get(root_cls, root_cls),
+        files=[FileRecord(path=DATA_NAME, size=size, checksum=f"{algorithm}:{whole.hexdigest()}")],
+        user_metadata=metadata,
+        state=state,
+        consolidated=ConsolidatedRecord(file=DATA_NAME, leaves=leaves),
+    )
+
+
+def _leaf_records(storage: ConsolidatedStorage, algorithm: str) -> list[LeafChecksumRecord]:
+    records = []
+    for key, start, nbytes in storage.leaf_ranges():
+        hasher = new_hasher(algorithm)
+        offset = 0
+        while offset < nbytes:
+            chunk = os.pread(storage._fd, min(CHUNK_BYTES, nbytes - offset), start + offset)
+            if not chunk:
+                break
+            hasher.update(chunk)
+            offset += len(chunk)
+        records.append(
+            LeafChecksumRecord(
+                key=list(key),
+                offset=start,
+                size=nbytes,
+                checksum=f"{algorithm}:{hasher.hexdigest()}",
+            )
+        )
+    return records
