@@ -1135,6 +1135,8 @@ class CheckpointManager:
         exclude: Any = None,
         strict: bool = True,
         report: bool = False,
+        rename: Any = None,
+        dtype: Any = None,
     ) -> Any:
         """Load a committed step into a new object (TensorDict, tensorclass, lazy stack, ...).
 
@@ -1145,9 +1147,9 @@ class CheckpointManager:
 
         ``mode="r"`` (default) maps the files copy-on-write: writes into the result never
         reach the checkpoint. ``keys`` / ``exclude`` / ``strict`` / ``report`` restore a part
-        of the step, as :func:`tdckpt.load_memmap` does (only its bytes are mapped; a
-        training state's entries are its top-level keys: ``keys="model"``). See
-        :meth:`restore_into` for the other arguments.
+        of the step and ``rename`` / ``dtype`` transform it, as :func:`tdckpt.load_memmap`
+        does (only the selected bytes are mapped; a training state's entries are its
+        top-level keys: ``keys="model"``). See :meth:`restore_into` for the other arguments.
 
         Raises:
             CheckpointNotFoundError: no such step.
@@ -1156,15 +1158,17 @@ class CheckpointManager:
         """
         from tdckpt._restore.engine import _check_args, load_local
         from tdckpt._restore.select import RestoreReport, Selection
+        from tdckpt._restore.transform import apply_transforms, check_transforms
 
+        check_transforms(rename, dtype)
         selection = Selection.of_report(keys, exclude, report)
         if self._sharded_path(step, rows):
             from tdckpt._shard.restore import restore_rows
 
-            if selection is not None:
+            if selection is not None or rename is not None or dtype is not None:
                 raise NotImplementedError(
-                    f"{self.root}: keys=, exclude= and report= do not apply to sharded steps "
-                    "yet; restore the rows and select keys from the result."
+                    f"{self.root}: keys=, exclude=, report=, rename= and dtype= do not apply "
+                    "to sharded steps yet; restore the rows and select keys from the result."
                 )
             return restore_rows(
                 self, step, rows, allow_pickle=allow_pickle, mode=mode, verify=verify
@@ -1186,6 +1190,9 @@ class CheckpointManager:
                     strict=strict,
                     report=done,
                 )
+        obj = apply_transforms(
+            obj, rename=rename, dtype=dtype, where=f"{self.root}: step {resolved}"
+        )
         return (obj, done) if report else obj
 
     def _sharded_path(self, step: int | None, rows: Any) -> bool:

@@ -197,3 +197,51 @@ def test_what_is_restored_is_exactly_what_the_patterns_select(
     full = _td()
     for k in expected:
         assert torch.equal(out[k], full[k])
+
+
+# -- transforms: rename= and dtype= ------------------------------------------------------------
+
+
+def test_rename_a_subtree_and_cast_floating_leaves(prefix: Path) -> None:
+    out = tdckpt.load_memmap(prefix, rename={"model.enc": "encoder"}, dtype=torch.bfloat16)
+    assert _leaf_keys(out) == {
+        ("encoder", "weight"),
+        ("encoder", "bias"),
+        ("model", "dec", "weight"),
+        ("buffer", "obs"),
+        ("step",),
+    }
+    assert out["encoder", "weight"].dtype == torch.bfloat16
+    assert out["step"].dtype == torch.int64  # not floating: not cast
+    assert torch.equal(out["model", "dec", "weight"].float(), torch.full((3,), 2.0))
+    # compared with a reference built by hand
+    ref = _td()
+    assert torch.equal(out["buffer", "obs"], ref["buffer", "obs"].to(torch.bfloat16))
+
+
+def test_regex_renames_and_a_dtype_table(prefix: Path) -> None:
+    out = tdckpt.load_memmap(
+        prefix,
+        rename=[(r"^model\.(\w+)\.weight$", r"weights.\1")],
+        dtype={torch.int64: torch.int32},
+    )
+    assert ("weights", "enc") in _leaf_keys(out) and ("weights", "dec") in _leaf_keys(out)
+    assert ("model", "enc", "bias") in _leaf_keys(out)
+    assert "dec" not in out["model"].keys()  # noqa: SIM118 (emptied by the moves: gone)
+    assert out["step"].dtype == torch.int32 and out["weights", "enc"].dtype == torch.float32
+
+
+def test_transforms_that_cannot_apply_restore_nothing(prefix: Path, tmp_path: Path) -> None:
+    with pytest.raises(RestoreError, match="onto 'buffer'"):
+        tdckpt.load_memmap(prefix, rename={"step": "buffer"})
+    with pytest.raises(RestoreError, match="maps both"):
+        tdckpt.load_memmap(prefix, rename=[(r".*weight$", "w")])
+    with pytest.raises(TypeError, match="dtype must be"):
+        tdckpt.load_memmap(prefix, dtype="bfloat16")
+    with pytest.raises(ValueError, match="not a regex"):
+        tdckpt.load_memmap(prefix, rename=[("(", "x")])
+    with tdckpt.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, _td())
+        part = mgr.restore(1, keys="model", rename={"model": "net"}, dtype=torch.float16)
+        assert sorted(part.keys()) == ["net"]
+        assert part["net", "enc", "weight"].dtype == torch.float16

@@ -802,6 +802,8 @@ class RemoteCheckpointManager(CheckpointManager):
         exclude: Any = None,
         strict: bool = True,
         report: bool = False,
+        rename: Any = None,
+        dtype: Any = None,
     ) -> Any:
         """As :meth:`CheckpointManager.restore`, from the store (checksums always verified).
 
@@ -827,4 +829,6 @@ class RemoteCheckpointManager(CheckpointManager):
                 exclude=exclude,
                 strict=strict,
                 report=report,
+                rename=rename,
+                dtype=dtype,
             )

@@ -54,6 +54,7 @@ from tdckpt._restore.plan import (
 )
 from tdckpt._restore.policy import check_allow_pickle, resolve_pickle_policy, user_stacklevel
 from tdckpt._restore.select import RestoreReport, Selection, prune
+from tdckpt._restore.transform import apply_transforms, check_transforms
 from tdckpt.errors import RestoreError, TdckptError, ValidationError
 from tdckpt.warnings import TdckptWarning
 
@@ -480,6 +481,8 @@ def load_memmap(
     exclude: Any = None,
     strict: bool = True,
     report: bool = False,
+    rename: Any = None,
+    dtype: Any = None,
 ) -> Any:
     """Load a saved tensordict of any tensordict release into a new object.
 
@@ -503,7 +506,12 @@ def load_memmap(
         exclude: leave these keys out (same patterns), even where ``keys`` selects them.
         strict: a pattern of ``keys`` that selects nothing is an error (False: reported
             as ``missing``).
-        report: also return a :class:`~tdckpt.RestoreReport` (loaded, skipped, missing).
+        report: also return a :class:`~tdckpt.RestoreReport` (loaded, skipped, missing;
+            keys as saved, before ``rename``).
+        rename: move keys: a mapping of nested keys (``{"encoder": "model.encoder"}``), or
+            a list of ``(regex, replacement)`` pairs applied to each leaf's dotted name.
+        dtype: cast every floating-point leaf to this dtype, or a mapping of source dtypes
+            to target dtypes (any kind). Cast leaves are copies; the others stay mapped.
 
     Returns:
         The saved object - TensorDict, LazyStackedTensorDict, tensorclass instance - with
@@ -523,6 +531,7 @@ def load_memmap(
         [0, 1, 2]
     """
     _check_args(robust_key, allow_pickle, mode)
+    check_transforms(rename, dtype)
     selection = Selection.of_report(keys, exclude, report)
     if is_url(prefix):
         from tdckpt._remote.prefix import local_prefix, relabel_warnings
@@ -541,6 +550,8 @@ def load_memmap(
                 exclude=exclude,
                 strict=strict,
                 report=report,
+                rename=rename,
+                dtype=dtype,
             )
     require_local_options(prefix, storage_options)
     done = RestoreReport()
@@ -554,6 +565,7 @@ def load_memmap(
         strict=strict,
         report=done,
     )
+    obj = apply_transforms(obj, rename=rename, dtype=dtype, where=os.fspath(prefix))
     return (obj, done) if report else obj
 
 
