@@ -1022,6 +1022,9 @@ class CheckpointManager:
         verify: bool = False,
         strict: bool = True,
         device: str | Any | None = None,
+        keys: Any = None,
+        exclude: Any = None,
+        report: bool = False,
     ) -> Any:
         """Load a committed step into ``td`` in place, all or nothing, and return ``td``.
 
@@ -1063,6 +1066,11 @@ class CheckpointManager:
                 state, False lets the step hold entries the target lacks.
             device: for a training state, where tensors that have no device of their own
                 go (a module's parameters on ``meta``); parameters elsewhere keep theirs.
+            keys, exclude: restore a part of the step (patterns as for :meth:`restore`):
+                the selected keys are replaced, and every entry of ``td`` outside the
+                selection stays as it is (``strict`` then compares the selected part only).
+                Not yet for training states or sharded steps.
+            report: return ``(td, report)``, a :class:`~tdckpt.RestoreReport`.
 
         Raises:
             CheckpointNotFoundError: no such step.
@@ -1070,8 +1078,15 @@ class CheckpointManager:
             RestoreError: ``strict=True`` and the keys differ (``.missing``/``.unexpected``).
         """
         from tdckpt._restore.engine import _check_args, restore_in_place
+        from tdckpt._restore.select import RestoreReport, Selection
 
         _check_args(True, allow_pickle, mode)
+        selection = Selection.of_report(keys, exclude, report, in_place=True)
+        if selection is not None and (holds_live_objects(td) or self._sharded_path(step, None)):
+            raise NotImplementedError(
+                f"{self.root}: keys=, exclude= and report= of restore_into do not apply to "
+                "training states or sharded steps yet; restore() a part into a new object."
+            )
         if holds_live_objects(td):  # a training state (a dict of tensors is a nested-dict target)
             from tdckpt._restore.engine import load_local
 
@@ -1110,7 +1125,8 @@ class CheckpointManager:
             if verify:
                 self._verified(resolved, path, manifest)
 
-            same_keys = _same_keys(td, str(path), resolved)
+            same_keys = _same_keys(td, str(path), resolved, selection)
+            done = RestoreReport()
             with _metadata_checked(path, manifest, resolved):
                 restore_in_place(
                     td,
@@ -1120,8 +1136,11 @@ class CheckpointManager:
                     mode=mode,
                     check=same_keys if strict else None,
                     manifest_checked=True,  # _using validated it (cached by file identity)
+                    selection=selection,
+                    strict=strict,
+                    report=done,
                 )
-        return td
+        return (td, done) if report else td
 
     def restore(
         self,
@@ -1230,17 +1249,22 @@ def _metadata_checked(path: Path, manifest: Manifest, step: int) -> Any:
     return expecting(path, manifest, where=f"{path}: step {step}")
 
 
-def _same_keys(td: Any, where: str, step: int) -> Callable[[OpenedCheckpoint], None]:
+def _same_keys(
+    td: Any, where: str, step: int, selection: Any = None
+) -> Callable[[OpenedCheckpoint], None]:
     """The ``strict=True`` check of :meth:`CheckpointManager.restore_into`.
 
     Runs on the validated node tree, before any leaf is mapped or value unpickled, and
     raises a RestoreError listing the keys that differ (``where``: the step's path or URL).
+    With a ``selection`` (a selective restore), only the target's keys it concerns count.
     """
     from tdckpt._restore.keys import key_difference, saved_structure, target_structure
 
     def check(opened: OpenedCheckpoint) -> None:
         saved = saved_structure(opened)
         missing, unexpected = key_difference(saved, target_structure(td, opaque=saved.opaque))
+        if selection is not None:
+            missing = [k for k in missing if selection.touches(k)]
         if missing or unexpected:
             raise RestoreError(
                 f"{where}: step {step} does not have the target's keys (strict=True); "

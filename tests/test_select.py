@@ -245,3 +245,68 @@ def test_transforms_that_cannot_apply_restore_nothing(prefix: Path, tmp_path: Pa
         part = mgr.restore(1, keys="model", rename={"model": "net"}, dtype=torch.float16)
         assert sorted(part.keys()) == ["net"]
         assert part["net", "enc", "weight"].dtype == torch.float16
+
+
+# -- in place: load_memmap_ / restore_into -----------------------------------------------------
+
+
+def _target() -> TensorDict:
+    return TensorDict(
+        model=TensorDict(
+            enc=TensorDict(weight=torch.zeros(2), bias=torch.full((2,), 7.0), old=torch.zeros(1)),
+            dec=TensorDict(weight=torch.zeros(3)),
+        ),
+        buffer=TensorDict(obs=torch.zeros(4, 2), batch_size=[4]),
+        mine=torch.ones(5),
+    )
+
+
+def test_in_place_replaces_the_selection_and_keeps_everything_else(prefix: Path) -> None:
+    target = _target()
+    enc, dec, buffer = target["model", "enc"], target["model", "dec"], target["buffer"]
+    out, report = tdckpt.load_memmap_(target, prefix, keys="model.enc.w*", report=True)
+    assert out is target and target["model", "enc"] is enc  # levels reused
+    assert torch.equal(target["model", "enc", "weight"], torch.ones(2))  # selected: replaced
+    assert torch.equal(target["model", "enc", "bias"], torch.full((2,), 7.0))  # not selected
+    assert "old" in enc.keys() and target["model", "dec"] is dec  # noqa: SIM118
+    assert torch.equal(dec["weight"], torch.zeros(3)) and target["buffer"] is buffer
+    assert torch.equal(target["mine"], torch.ones(5)) and "step" not in target.keys()  # noqa: SIM118
+    assert report.loaded == [("model", "enc", "weight")]
+
+
+def test_in_place_within_the_selection_the_checkpoint_decides(prefix: Path) -> None:
+    target = _target()
+    tdckpt.load_memmap_(target, prefix, keys="model.enc")
+    # enc.old is inside the selection and not in the checkpoint: removed, as a whole restore
+    # would; everything outside the selection stays.
+    assert sorted(target["model", "enc"].keys()) == ["bias", "weight"]
+    assert torch.equal(target["model", "enc", "bias"], torch.zeros(2))
+    assert torch.equal(target["mine"], torch.ones(5))
+
+
+def test_restore_into_strict_compares_the_selection_only(tmp_path: Path) -> None:
+    with tdckpt.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, _td())
+        target = _target()
+        with pytest.raises(RestoreError, match=r"('model', 'enc', 'old')"):  # selected
+            mgr.restore_into(target, keys="model.enc")
+        assert torch.equal(target["model", "enc", "weight"], torch.zeros(2))  # untouched
+        del target["model", "enc", "old"]
+        _, report = mgr.restore_into(
+            target, keys="model.enc", exclude="model.enc.bias", report=True
+        )
+        assert torch.equal(target["model", "enc", "weight"], torch.ones(2))
+        assert torch.equal(target["model", "enc", "bias"], torch.full((2,), 7.0))  # excluded
+        assert torch.equal(target["mine"], torch.ones(5))
+        assert report.loaded == [("model", "enc", "weight")]
+        with pytest.raises(NotImplementedError, match="training states"):
+            mgr.restore_into({"model": torch.nn.Linear(1, 1)}, keys="model")
+
+
+def test_in_place_failure_leaves_the_target_as_it_was(prefix: Path) -> None:
+    target = _target()
+    target["buffer"] = TensorDict(obs=torch.zeros(3, 2), batch_size=[3])  # cannot take 4 rows
+    before = target.clone()
+    with pytest.raises(RestoreError):
+        tdckpt.load_memmap_(target, prefix, keys=["model", "buffer"])
+    assert (target == before).all()

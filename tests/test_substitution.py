@@ -57,6 +57,9 @@ def test_every_public_method_works_alike(root: dict[str, Any]) -> None:
         target = _td(0)
         mgr.restore_into(target, step=3)
         assert torch.equal(target["model", "w"], torch.full((3,), 3.0))
+        _, report = mgr.restore_into(target, step=4, keys="model", report=True)
+        assert torch.equal(target["model", "w"], torch.full((3,), 4.0))
+        assert target["step"].item() == 3 and report.skipped == [("step",)]
 
 
 def test_refusals_are_the_same_error_on_every_root(root: dict[str, Any]) -> None:

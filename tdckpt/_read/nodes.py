@@ -8,6 +8,7 @@ that has not been read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,9 @@ class TensorDictNode:
     device: str | None
     names: list[str | None] | None
     entries: dict[str, Node] = field(default_factory=dict)
+    #: A selective restore in place: the target's entries for which ``keep(name)`` is True
+    #: are outside the selection and stay as they are (None: a whole restore).
+    keep: Callable[[str], bool] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

@@ -706,13 +706,23 @@ class RemoteCheckpointManager(CheckpointManager):
         verify: bool = False,
         strict: bool = True,
         device: Any = None,
+        keys: Any = None,
+        exclude: Any = None,
+        report: bool = False,
     ) -> Any:
         """As :meth:`CheckpointManager.restore_into`; checksums are always verified while
         the step is read from the store (``verify`` has nothing left to add)."""
         from tdckpt._restore.engine import _check_args, restore_in_place
+        from tdckpt._restore.select import RestoreReport, Selection
 
         _check_args(True, allow_pickle, mode)
         local_mode = self._mode(mode)
+        selection = Selection.of_report(keys, exclude, report, in_place=True)
+        if selection is not None and holds_live_objects(td):
+            raise NotImplementedError(
+                f"{self.root}: keys=, exclude= and report= of restore_into do not apply to "
+                "training states yet; restore() a part into a new object."
+            )
         if holds_live_objects(td):  # a training state: every entry checked, then restored
             from tdckpt._restore.engine import load_memmap
 
@@ -735,8 +745,9 @@ class RemoteCheckpointManager(CheckpointManager):
                 "device= applies to a training state (a mapping of names to modules, ...); "
                 "a TensorDict is restored on the CPU: move it afterwards."
             )
+        done = RestoreReport()
         with self._local_copy(step) as (resolved, local, url):
-            same_keys = _same_keys(td, url, resolved)
+            same_keys = _same_keys(td, url, resolved, selection)
 
             with relabel_warnings(local, url):
                 restore_in_place(
@@ -746,8 +757,11 @@ class RemoteCheckpointManager(CheckpointManager):
                     allow_pickle=allow_pickle,
                     mode=local_mode,
                     check=same_keys if strict else None,
+                    selection=selection,
+                    strict=strict,
+                    report=done,
                 )
-        return td
+        return (td, done) if report else td
 
     def save_async(
         self,

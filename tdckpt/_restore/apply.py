@@ -537,6 +537,10 @@ class _Preparer:
                 self.plan.non_tensors.append((value, sub.path))
             new[key] = value
         mapped = dict(zip(leaf_keys, self.mapper.leaves(leaves), strict=True))
+        if node.keep is not None:  # a selective restore: what it does not select stays
+            for name, value in target._tensordict.items():
+                if name not in mapped and name not in new and node.keep(name):
+                    new[name] = value
         self.plan.items.append(
             (target._tensordict, tensordict_order(target._tensordict, mapped, new))
         )

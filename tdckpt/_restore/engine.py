@@ -702,6 +702,10 @@ def load_memmap_(
     allow_pickle: bool | None = None,
     mode: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    keys: Any = None,
+    exclude: Any = None,
+    strict: bool = True,
+    report: bool = False,
 ) -> Any:
     """Load a saved tensordict into ``target`` in place, all or nothing, and return it.
 
@@ -723,6 +727,10 @@ def load_memmap_(
     error the parent is unchanged too. ``prefix`` may be an fsspec URL
     (``s3://bucket/ckpt``, with ``storage_options``). Other arguments as :func:`load_memmap`.
 
+    ``keys`` / ``exclude`` restore a part: the selected keys are replaced (and, within the
+    selection, keys the checkpoint lacks are removed); every entry of the target outside
+    the selection stays as it is. ``report=True`` returns ``(target, report)``.
+
     Example:
         >>> import tdckpt, tempfile, torch
         >>> from tensordict import TensorDict
@@ -734,6 +742,8 @@ def load_memmap_(
         (True, ['a'], [1.0, 1.0, 1.0])
     """
     _check_args(robust_key, allow_pickle, mode)
+    selection = Selection.of_report(keys, exclude, report, in_place=True)
+    done = RestoreReport()
     if is_url(prefix):  # an fsspec URL: a verified private local copy, then the same engine
         from tdckpt._remote.prefix import local_prefix, relabel_warnings
 
@@ -741,11 +751,29 @@ def load_memmap_(
             local_prefix(prefix, storage_options, data=True) as local,  # type: ignore[arg-type]
             relabel_warnings(local, str(prefix)),
         ):
-            return restore_in_place(
-                target, local, robust_key, allow_pickle=allow_pickle, mode=_url_mode(mode)
+            out = restore_in_place(
+                target,
+                local,
+                robust_key,
+                allow_pickle=allow_pickle,
+                mode=_url_mode(mode),
+                selection=selection,
+                strict=strict,
+                report=done,
             )
-    require_local_options(prefix, storage_options)
-    return restore_in_place(target, prefix, robust_key, allow_pickle=allow_pickle, mode=mode)
+    else:
+        require_local_options(prefix, storage_options)
+        out = restore_in_place(
+            target,
+            prefix,
+            robust_key,
+            allow_pickle=allow_pickle,
+            mode=mode,
+            selection=selection,
+            strict=strict,
+            report=done,
+        )
+    return (out, done) if report else out
 
 
 def _url_mode(mode: str | None) -> str:
@@ -766,15 +794,21 @@ def restore_in_place(
     mode: str | None,
     check: Callable[[OpenedCheckpoint], None] | None = None,
     manifest_checked: bool = False,
+    selection: Selection | None = None,
+    strict: bool = True,
+    report: RestoreReport | None = None,
 ) -> Any:
     """:func:`load_memmap_` (arguments already checked), with ``check(opened)`` run on the
     validated checkpoint after the pickle policy and before any leaf is mapped or value
     unpickled: whatever it raises leaves the target untouched. ``manifest_checked``: the
-    caller validated the prefix's manifest (see :func:`open_checkpoint`)."""
+    caller validated the prefix's manifest (see :func:`open_checkpoint`). ``selection``
+    (made with ``in_place=True``): the part restored, recorded into ``report``."""
     # Plain try/finally rather than context managers: this is the hot path of small restores.
     gc_enabled = gc.isenabled()
     gc.disable()  # as _gc_paused()
-    reading = _Reading(prefix, robust_key, allow_pickle, manifest_checked)
+    reading = _Reading(prefix, robust_key, allow_pickle, manifest_checked, selection, strict)
+    if report is not None:
+        reading.report = report
     try:
         while True:  # inline: warnings keep their stack level
             try:

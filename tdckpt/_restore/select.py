@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +88,8 @@ class Selection:
 
     keys: list[Key] | None = None
     exclude: list[Key] = dataclasses.field(default_factory=list)
+    #: for a restore in place: the target's entries outside the selection stay as they are
+    in_place: bool = False
 
     @classmethod
     def of(cls, keys: Any, exclude: Any) -> Selection | None:
@@ -99,16 +101,24 @@ class Selection:
         return cls(parsed_keys, parsed_exclude)
 
     @classmethod
-    def of_report(cls, keys: Any, exclude: Any, report: bool) -> Selection | None:
+    def of_report(
+        cls, keys: Any, exclude: Any, report: bool, *, in_place: bool = False
+    ) -> Selection | None:
         """As :meth:`of`; a selection of everything when only a report is asked for."""
         selection = cls.of(keys, exclude)
-        return cls() if selection is None and report else selection
+        if selection is None:
+            return cls(in_place=in_place) if report else None
+        return dataclasses.replace(selection, in_place=in_place)
 
     def selects(self, key: Key) -> bool:
         """Whether ``key`` (and everything below it) is restored."""
         if any(_covers(p, key) for p in self.exclude):
             return False
         return self.keys is None or any(_covers(p, key) for p in self.keys)
+
+    def touches(self, key: Key) -> bool:
+        """Whether a restore of this selection concerns ``key`` (selects it or below it)."""
+        return self.selects(key) or self.reaches_below(key)
 
     def reaches_below(self, key: Key) -> bool:
         """Whether a pattern of ``keys`` names something below ``key`` (not excluded itself)."""
@@ -125,7 +135,7 @@ def _covers(pattern: Key, key: Key) -> bool:
 
 
 def prune(
-    root: Node, selection: Selection, *, where: str, strict: bool
+    root: Node, selection: Selection, *, where: str, strict: bool, in_place: bool = False
 ) -> tuple[Node, RestoreReport]:
     """The part of ``root`` that ``selection`` keeps, and the report.
 
@@ -135,7 +145,8 @@ def prune(
     """
     report = RestoreReport()
     used: set[Key] = set()
-    pruned = _prune(root, (), selection, report, used)
+    in_place = in_place or selection.in_place
+    pruned = _prune(root, (), selection, report, used, in_place)
     # lazy-stack members record their (shared) keys once each: keep each key once
     report.loaded = list(dict.fromkeys(report.loaded))
     report.skipped = list(dict.fromkeys(report.skipped))
@@ -152,11 +163,18 @@ def prune(
         )
     if pruned is None:  # nothing selected: an empty level of the same kind
         pruned = _emptied(root)
+        if in_place and isinstance(pruned, TensorDictNode):
+            pruned = dataclasses.replace(pruned, keep=_keeper(selection, ()))
     return pruned, report
 
 
 def _prune(
-    node: Node, key: Key, selection: Selection, report: RestoreReport, used: set[Key]
+    node: Node,
+    key: Key,
+    selection: Selection,
+    report: RestoreReport,
+    used: set[Key],
+    in_place: bool,
 ) -> Node | None:
     if selection.selects(key):
         _mark(key, selection, used)
@@ -166,14 +184,15 @@ def _prune(
     if isinstance(node, TensorDictNode):
         entries = {}
         for name, child in node.entries.items():
-            kept = _prune(child, (*key, name), selection, report, used)
+            kept = _prune(child, (*key, name), selection, report, used, in_place)
             if kept is not None:
                 entries[name] = kept
         if not entries and not selection.selects(key) and key:
             return None
-        return dataclasses.replace(node, entries=entries)
+        keep = _keeper(selection, key) if in_place else None
+        return dataclasses.replace(node, entries=entries, keep=keep)
     if isinstance(node, LazyStackNode):
-        kept_members = [_prune(m, key, selection, report, used) for m in node.members]
+        kept_members = [_prune(m, key, selection, report, used, in_place) for m in node.members]
         if key and not selection.selects(key) and all(_is_empty(m) for m in kept_members):
             return None
         members = [
@@ -191,6 +210,16 @@ def _prune(
         return node
     _leaves(node, key, report.skipped)
     return None
+
+
+def _keeper(selection: Selection, key: Key) -> Callable[[str], bool]:
+    """For a level at ``key``: whether the target's entry ``name`` is outside the selection
+    (no pattern selects it or reaches below it), so that an in-place restore keeps it."""
+
+    def keep(name: str) -> bool:
+        return not selection.touches((*key, name))
+
+    return keep
 
 
 def _mark(key: Key, selection: Selection, used: set[Key]) -> None:
