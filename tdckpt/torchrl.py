@@ -1,0 +1,229 @@
+"""TorchRL's ``torchrl.checkpoint`` with tdckpt's durability: checksums, fsync, verified loads.
+
+:class:`TdckptAdapter` is a TorchRL ``CheckpointAdapter``. Register it for a component
+(``Checkpoint.register(name, obj, adapter=TdckptAdapter())``) or for every module,
+optimizer, scheduler, TensorDict and RNG state of a checkpoint (:func:`use_tdckpt`), and
+TorchRL's ``Checkpoint.save`` / ``load`` keep their API while each component is written
+by tdckpt's training-state encoder (tensors as raw leaves with a checksum each, the rest as
+JSON data, a pickle only for a value that is not data) and every file is fsynced. Its
+payload is one tdckpt checkpoint, ``components/<NNNN-name>/tdckpt/``, which ``tdckpt
+inspect`` / ``verify`` / ``diff`` and plain ``TensorDict.load_memmap`` read.
+
+Loading re-reads every file of the component against the checksums its manifest recorded,
+validates the payload, and checks it against the live object (state-dict keys, shapes,
+dtypes, optimizer parameter groups) before anything is changed: a flipped byte, a
+truncated file or a mismatched shape raises a tdckpt error naming the component and the
+file, the live object unchanged. Pickled values load only with ``allow_pickle=True`` (or
+``tensor_load_kwargs={"weights_only": False}``).
+
+:class:`TdckptStorageCheckpointer` does the same for a replay buffer's tensordict storage:
+``ReplayBuffer(storage=LazyMemmapStorage(n), checkpointer=TdckptStorageCheckpointer())``.
+
+Needs ``torchrl`` (0.14.1 or later) and tensordict: ``pip install 'tdckpt[torchrl]'``.
+Importing :mod:`tdckpt` never imports TorchRL; this module does.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import torch
+from torchrl.checkpoint import Checkpoint, CheckpointAdapter, GlobalRNGState
+
+from tdckpt._manage.steps import StepIndex
+from tdckpt._manage.verify import verify_files
+from tdckpt._restore.engine import load_local
+from tdckpt._state.encode import to_tensordict
+from tdckpt._state.restore import restore_state
+from tdckpt._write.save import write_checkpoint
+from tdckpt.errors import CheckpointNotFoundError, IntegrityError
+from tdckpt.schema import Manifest
+
+__all__ = ["ADAPTER_ID", "ENTRY", "PAYLOAD", "TdckptAdapter", "use_tdckpt"]
+
+#: The ``adapter`` TorchRL's manifest records for a component written by :class:`TdckptAdapter`.
+ADAPTER_ID = "tdckpt.state"
+#: The folder, inside a component's folder, that holds its tdckpt checkpoint.
+PAYLOAD = "tdckpt"
+#: The name of the one training-state entry of that checkpoint.
+ENTRY = "component"
+#: ``tensor_load_kwargs`` the adapter understands (TorchRL's names for the pickle policy).
+_LOAD_KWARGS = frozenset({"weights_only", "mmap"})
+
+
+def component_name(path: Path) -> str:
+    """The component a TorchRL component folder (``components/0003-policy``) belongs to."""
+    index, sep, quoted = path.name.partition("-")
+    return unquote(quoted) if sep and index.isdigit() else path.name
+
+
+def _where(path: Path) -> str:
+    return f"component {component_name(path)!r} ({path / PAYLOAD})"
+
+
+class TdckptAdapter(CheckpointAdapter):  # type: ignore[misc,unused-ignore]
+    """A TorchRL checkpoint component written and read by tdckpt.
+
+    Works for what has ``state_dict()`` / ``load_state_dict()`` (a policy or any
+    ``nn.Module``, an optimizer, an LR scheduler, ``GlobalRNGState``, ...) and for
+    TensorDicts (restored in place).
+
+    Args:
+        allow_pickle: whether :meth:`load` loads values stored as pickles (a state_dict
+            value that is not JSON data, tensors or arrays); ``tensor_load_kwargs=
+            {"weights_only": ...}`` of ``Checkpoint.load`` decides instead when given.
+        fsync: make every file and folder of the component durable as it is written.
+        verify: before loading, re-read every file of the component and compare it with
+            the checksums its manifest recorded. False skips that read (the payload is
+            still validated and checked against the live object).
+
+    Example::
+
+        from torchrl.checkpoint import Checkpoint
+        from tdckpt.torchrl import TdckptAdapter
+
+        ckpt = Checkpoint().register("policy", policy, adapter=TdckptAdapter())
+        ckpt.save("runs/ckpt")
+        ckpt.load("runs/ckpt")  # verified, then restored in place
+    """
+
+    adapter_id = ADAPTER_ID
+    format_version = 1
+
+    def __init__(
+        self, *, allow_pickle: bool = False, fsync: bool = True, verify: bool = True
+    ) -> None:
+        self.allow_pickle = allow_pickle
+        self.fsync = fsync
+        self.verify = verify
+
+    def save(
+        self,
+        component: Any,
+        path: Path,
+        *,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+    ) -> None:
+        """Write ``component`` as one tdckpt checkpoint at ``path/tdckpt`` (fsynced)."""
+        path = Path(path)
+        if args or kwargs:
+            raise TypeError(
+                f"TdckptAdapter: {_where(path)}: state_dict() arguments are not supported "
+                f"(got args={args!r}, kwargs={dict(kwargs)!r}); nothing was written. Drop the "
+                "CheckpointOptions save_args/save_kwargs, or use TorchRL's "
+                "StateDictCheckpointAdapter for this component."
+            )
+        td, record = to_tensordict({ENTRY: component})
+        path.mkdir(parents=True, exist_ok=True)
+        # TorchRL writes every component into its private stage folder and renames the
+        # stage into place; the payload is complete (and synced) before that rename.
+        write_checkpoint(td, path / PAYLOAD, state=record, fsync=self.fsync)
+
+    def load(
+        self,
+        component: Any,
+        path: Path,
+        *,
+        map_location: Any,
+        tensor_load_kwargs: Mapping[str, Any],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+    ) -> None:
+        """Verify the component's files, then restore ``component`` in place (all or nothing).
+
+        Raises:
+            tdckpt.errors.IntegrityError: a file differs from what was saved (each named).
+            tdckpt.errors.RestoreError: the payload does not fit ``component`` (every
+                mismatch listed), or it is damaged.
+            tdckpt.errors.PickleNotAllowedError: the payload holds a pickle and pickles
+                are not allowed.
+        """
+        path = Path(path)
+        if args or kwargs:
+            raise TypeError(
+                f"TdckptAdapter: {_where(path)}: load_state_dict() arguments are not "
+                f"supported (got args={args!r}, kwargs={dict(kwargs)!r}); nothing was loaded."
+            )
+        unknown = sorted(set(tensor_load_kwargs) - _LOAD_KWARGS)
+        if unknown:
+            raise TypeError(
+                f"TdckptAdapter: tensor_load_kwargs {unknown} are torch.load options; tdckpt "
+                f"takes only {sorted(_LOAD_KWARGS)}. Nothing was loaded."
+            )
+        if map_location is not None and not isinstance(map_location, (str, torch.device)):
+            raise TypeError(
+                "TdckptAdapter: map_location must be None, a device or a device name, not "
+                f"{type(map_location).__name__}; tdckpt does not call code to place tensors."
+            )
+        allow = self.allow_pickle
+        if "weights_only" in tensor_load_kwargs:
+            allow = not tensor_load_kwargs["weights_only"]
+        payload = path / PAYLOAD
+        manifest = _manifest(payload, _where(path))
+        if self.verify:
+            _verify(payload, manifest, _where(path))
+        loaded = load_local(
+            payload, robust_key=True, allow_pickle=allow, mode="r", manifest_checked=True
+        )
+        restore_state(
+            {ENTRY: component},
+            loaded,
+            manifest.state,
+            where=_where(path),
+            device=map_location,
+        )
+
+
+def use_tdckpt(checkpoint: Checkpoint, adapter: TdckptAdapter | None = None) -> Checkpoint:
+    """Make ``checkpoint`` write its modules, optimizers, schedulers, TensorDicts and RNG state
+    through tdckpt (``Checkpoint.register_adapter`` for each of those types); returns it.
+
+    Components registered with an adapter of their own keep it; JSON values, replay buffers
+    (``dump``/``load``) and other objects keep TorchRL's adapters.
+
+    Example::
+
+        ckpt = use_tdckpt(Checkpoint(policy=policy, optim=optim, rng=GlobalRNGState()))
+    """
+    from tensordict import TensorDictBase
+
+    adapter = adapter if adapter is not None else TdckptAdapter()
+    for cls in (
+        torch.nn.Module,
+        torch.optim.Optimizer,
+        torch.optim.lr_scheduler.LRScheduler,
+        TensorDictBase,
+        GlobalRNGState,
+    ):
+        checkpoint.register_adapter(cls, adapter)
+    return checkpoint
+
+
+def _manifest(payload: Path, where: str) -> Manifest:
+    if not payload.is_dir():
+        raise CheckpointNotFoundError(
+            f"{where}: no tdckpt payload at {payload}; the component was not written by "
+            "tdckpt's TdckptAdapter, or the checkpoint is damaged. Nothing was loaded.",
+            path=str(payload),
+        )
+    return StepIndex(payload.parent, threading.RLock()).manifest(payload, "dir")
+
+
+def _verify(payload: Path, manifest: Manifest, where: str) -> None:
+    """Raise IntegrityError unless every file of ``payload`` matches its manifest's checksums."""
+    report = verify_files(manifest.step or 0, payload, manifest, archive=False)
+    if not report.ok:
+        problems = [str(p) for p in report.problems]
+        listed = "\n  ".join(problems[:20])
+        raise IntegrityError(
+            f"{where}: {len(problems)} file(s) differ from what was saved; nothing was "
+            f"loaded:\n  {listed}\nResume from another checkpoint.",
+            path=os.fspath(payload),
+            problems=problems,
+        )
