@@ -130,3 +130,31 @@ def test_cli_inspect_and_validate(tmp_path: Path, capsys: pytest.CaptureFixture[
     captured = capsys.readouterr()
     assert leaf.name in captured.out and "component 'policy'" in captured.out
     assert "error(s) in the TorchRL checkpoint" in captured.err
+
+
+def test_an_archive_too_large_to_unpack_is_not_unpacked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _checkpoint(tmp_path).save(tmp_path / "ckpt", format="archive")
+    import shutil
+
+    from tdckpt._interop import torchrl_checkpoint
+
+    # a disk with 100 bytes free: no component may be unpacked to be checked
+    monkeypatch.setattr(
+        torchrl_checkpoint.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(100, 0, 100)
+    )
+    report = check_torchrl_checkpoint(path)
+    assert {p.code for p in report.errors} == {"too-large"}
+    errors = {p.path for p in report.errors}
+    comps = _components_of_archive(path)
+    assert comps["policy"]["path"] in errors and comps["durable"]["path"] in errors
+    assert all(c.files == 0 for c in report.components if c.path in errors)
+
+
+def _components_of_archive(path: Path) -> dict[str, Any]:
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        components: dict[str, Any] = json.loads(archive.read("manifest.json"))["components"]
+    return components

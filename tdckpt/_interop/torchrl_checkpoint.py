@@ -288,7 +288,23 @@ def _extract(
     report: TorchRLCheckpointReport,
     where: str,
 ) -> list[PurePosixPath]:
-    present = []
+    present: list[PurePosixPath] = []
+    declared = 0
+    for member in listed:
+        with contextlib.suppress(KeyError):
+            declared += archive.getinfo((base / member).as_posix()).file_size
+    free = shutil.disk_usage(dest).free
+    if declared > free // 2:  # a hostile archive must not fill the disk
+        report.problems.append(
+            _error(
+                "too-large",
+                base.as_posix(),
+                f"{where}: its members declare {declared} bytes, more than half the "
+                f"{free} bytes free in {dest.parent}; not unpacked, not checked. Extract the "
+                "archive yourself and check the directory.",
+            )
+        )
+        return present
     for member in listed:
         name = (base / member).as_posix()
         try:
