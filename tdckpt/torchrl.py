@@ -25,9 +25,11 @@ Importing :mod:`tdckpt` never imports TorchRL; this module does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -287,7 +289,8 @@ class TdckptStorageCheckpointer(StorageCheckpointerBase):  # type: ignore[misc,u
         self._no_hooks(src)
         where = f"replay buffer storage {src}"
         manifest = _manifest(src, where)
-        if self.verify:
+        initialized = bool(getattr(storage, "initialized", False))
+        if self.verify and initialized:  # the data is copied into the live storage: check first
             _verify(src, manifest, where)
         meta = manifest.user_metadata.get(STORAGE_METADATA)
         rows = meta.get("len") if isinstance(meta, dict) else None
@@ -302,7 +305,7 @@ class TdckptStorageCheckpointer(StorageCheckpointerBase):  # type: ignore[misc,u
         )
         capacity = getattr(storage, "max_size", None)
         problems: list[str] = []
-        if getattr(storage, "initialized", False):
+        if initialized:
             problems = _differences(storage._storage, loaded)
         elif capacity is not None and loaded.batch_size[:1] != torch.Size([capacity]):
             problems = [
@@ -318,10 +321,49 @@ class TdckptStorageCheckpointer(StorageCheckpointerBase):  # type: ignore[misc,u
                 path=str(src),
                 problems=problems,
             )
-        if not storage.initialized:
+        if initialized:
+            storage._storage.update_(loaded)
+        elif not self.verify:
             storage._init(loaded[0])
-        storage._storage.update_(loaded)
+            storage._storage.update_(loaded)
+        else:
+            # An empty storage gets its tensordict while the checksums are read (the copy
+            # and the hashing overlap); on any failure it is put back as it was: empty.
+            before = dict(storage.__dict__)
+            scratch = getattr(storage, "scratch_dir", None)
+            existing = _files_under(scratch)
+            with ThreadPoolExecutor(1, thread_name_prefix="tdckpt-verify") as pool:
+                pending = pool.submit(_verify, src, manifest, where)
+                try:
+                    storage._init(loaded[0])
+                    storage._storage.update_(loaded)
+                    pending.result()
+                except BaseException:
+                    storage.__dict__.clear()
+                    storage.__dict__.update(before)
+                    _remove_new_files(scratch, existing)  # a LazyMemmapStorage's _init wrote them
+                    raise
         storage._len = rows
+
+
+def _files_under(root: Any) -> set[str]:
+    """Every file and folder under ``root`` (``root`` itself included), or none."""
+    if not root or not os.path.isdir(root):
+        return set()
+    found = {os.fspath(root)}
+    for d, dirs, files in os.walk(root):
+        found.update(os.path.join(d, name) for name in (*dirs, *files))
+    return found
+
+
+def _remove_new_files(root: Any, existing: set[str]) -> None:
+    """Remove what appeared under ``root`` since ``existing`` was listed, deepest first."""
+    for path in sorted(_files_under(root) - existing, key=len, reverse=True):
+        with contextlib.suppress(OSError):
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)  # empty by now: its new files went first
+            else:
+                os.unlink(path)
 
 
 def _differences(live: Any, saved: Any) -> list[str]:

@@ -101,6 +101,13 @@ def test_a_damaged_dump_leaves_the_buffer_unchanged(kind: str, tmp_path: Path) -
     with pytest.raises(IntegrityError, match=r"obs\.memmap"):
         target.loads(tmp_path / "rb")
     assert len(target) == 1 and (target[:1] == mine).all()
+    # an empty buffer (its checksums are read while the data is copied) stays empty
+    empty = _buffer(kind, tmp_path, "c")
+    with pytest.raises(IntegrityError, match=r"obs\.memmap"):
+        empty.loads(tmp_path / "rb")
+    assert not empty.storage.initialized and len(empty) == 0
+    empty.extend(mine)  # and still works
+    assert len(empty) == 1 and (empty[:1] == mine).all()
 
 
 def test_a_mismatched_storage_is_refused_before_any_change(kind: str, tmp_path: Path) -> None:
