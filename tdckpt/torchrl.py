@@ -28,14 +28,19 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
 import torch
-from torchrl.checkpoint import Checkpoint, CheckpointAdapter, GlobalRNGState
+from torchrl.checkpoint import (
+    Checkpoint,
+    CheckpointAdapter,
+    CheckpointLoadResult,
+    GlobalRNGState,
+)
 from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
 
 from tdckpt._manage.steps import StepIndex
@@ -59,8 +64,11 @@ __all__ = [
     "ENTRY",
     "PAYLOAD",
     "STORAGE_METADATA",
+    "JSONComponent",
     "TdckptAdapter",
     "TdckptStorageCheckpointer",
+    "restore_checkpoint",
+    "training_state",
     "use_tdckpt",
 ]
 
@@ -390,6 +398,105 @@ def _describe(t: torch.Tensor) -> str:
 
 def _key(key: Any) -> str:
     return ".".join(key) if isinstance(key, tuple) else str(key)
+
+
+class JSONComponent:
+    """A JSON value of a TorchRL ``Checkpoint`` (a config dict, a list, a number) as a
+    state-dict object, so :class:`tdckpt.CheckpointManager` saves and restores it.
+
+    A dict or list is restored in place (as TorchRL's ``JSONCheckpointAdapter`` does);
+    another value replaces :attr:`value`.
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        value = state["value"]
+        if isinstance(self.value, MutableMapping) and isinstance(value, Mapping):
+            self.value.clear()
+            self.value.update(value)
+        elif isinstance(self.value, list) and isinstance(value, list):
+            self.value[:] = value
+        else:
+            self.value = value
+
+
+def training_state(
+    checkpoint: Checkpoint, components: Collection[str] | None = None
+) -> dict[str, Any]:
+    """A TorchRL ``Checkpoint``'s components as a training state for the manager.
+
+    ``mgr.save(step, training_state(ckpt))`` / ``mgr.restore_into(training_state(ckpt),
+    step)``: steps, retention, verify, object storage, ranks and ``save_async`` for the
+    objects TorchRL users already register. Live objects are passed as they are (a replay
+    buffer through its ``state_dict``); JSON values are wrapped in :class:`JSONComponent`.
+    """
+    live = checkpoint.components
+    names = list(live) if components is None else list(components)
+    unknown = sorted(set(names) - set(live))
+    if unknown:
+        raise KeyError(f"not components of this Checkpoint: {unknown} (it has {sorted(live)})")
+    out: dict[str, Any] = {}
+    for name in names:
+        value = live[name]
+        has_state = callable(getattr(value, "state_dict", None)) and callable(
+            getattr(value, "load_state_dict", None)
+        )
+        out[name] = value if has_state or _is_tensordict(value) else JSONComponent(value)
+    return out
+
+
+def restore_checkpoint(
+    manager: Any,
+    checkpoint: Checkpoint,
+    step: int | None = None,
+    *,
+    components: Collection[str] | None = None,
+    verify: bool = True,
+    allow_pickle: bool | None = False,
+) -> CheckpointLoadResult:
+    """Restore ``checkpoint``'s components from a step of ``manager``, all or nothing.
+
+    Every selected component is checked against the step before the first one changes
+    (tdckpt's training-state restore); the step may hold more entries than selected.
+
+    Returns:
+        TorchRL's ``CheckpointLoadResult``: ``loaded`` (every selected component),
+        ``unrequested`` (entries of the step not selected), ``values`` (the JSON values).
+
+    Raises:
+        tdckpt.errors.RestoreError: a selected component is not in the step, or does not
+            fit it (every mismatch listed); nothing was changed.
+        tdckpt.errors.IntegrityError: ``verify`` and a file differs from what was saved.
+    """
+    state = training_state(checkpoint, components)
+    resolved = manager.latest_step() if step is None else step
+    manager.restore_into(state, resolved, verify=verify, strict=False, allow_pickle=allow_pickle)
+    result = CheckpointLoadResult(loaded=set(state))
+    result.unrequested = _step_entries(manager, resolved) - set(state)
+    result.values = {n: v.value for n, v in state.items() if isinstance(v, JSONComponent)}
+    return result
+
+
+def _step_entries(manager: Any, step: int) -> set[str]:
+    """The entry names a local step's manifest records (empty when it cannot be read)."""
+    try:
+        where = Path(manager.path(step))
+        kind = "archive" if where.is_file() else "dir"
+        manifest = StepIndex(where.parent, threading.RLock()).manifest(where, kind)
+    except (OSError, TypeError, ValueError):  # remote, archived or unreadable: unknown
+        return set()
+    return set(manifest.state.entries) if manifest.state is not None else set()
+
+
+def _is_tensordict(value: Any) -> bool:
+    from tensordict import is_tensor_collection
+
+    return bool(is_tensor_collection(value))
 
 
 def _manifest(payload: Path, where: str) -> Manifest:
