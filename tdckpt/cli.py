@@ -602,7 +602,29 @@ def _manager(root: str, args: argparse.Namespace) -> Any:
     return CheckpointManager(root)
 
 
+def _rotation(args: argparse.Namespace) -> Any:
+    """The entries of a TorchRL ``CheckpointRotation`` folder given as the root, or None."""
+    if _storage_options(args) is not None or "://" in args.root:
+        return None
+    from tdckpt._interop.torchrl_checkpoint import rotation_entries
+
+    return rotation_entries(args.root)
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
+    rotation = _rotation(args)
+    if rotation is not None:  # TorchRL's CheckpointRotation folder: its checkpoints by step
+        if args.json:
+            _print_json([entry.to_json() for entry in rotation])
+            return EXIT_OK
+        _out(f"{'step':>10}  {'format':<9} {'size':>12}  {'created':<32} components / metadata")
+        for e in rotation:
+            meta = json.dumps(_jsonable(e.metadata), sort_keys=True) if e.metadata else ""
+            _out(
+                f"{e.step:>10}  {e.container:<9} {e.size:>12}  {_clean(e.created_at or '-'):<32} "
+                f"{_clean(','.join(e.components))} {_clean(meta)}".rstrip()
+            )
+        return EXIT_OK
     rows = _manager(args.root, args).list_steps()
     if args.json:
         _print_json([row.to_json() for row in rows])
@@ -622,6 +644,17 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    rotation = _rotation(args)
+    if rotation is not None:  # TorchRL's CheckpointRotation folder: check one checkpoint
+        chosen = [e for e in rotation if args.step is None or e.step == args.step]
+        if not chosen:
+            raise CheckpointNotFoundError(
+                f"{args.root}: no TorchRL checkpoint of step {args.step} (steps: "
+                f"{', '.join(str(e.step) for e in rotation)}).",
+                path=args.root,
+            )
+        args.prefix = os.fspath(chosen[-1].path)
+        return _torchrl_report(args, inspect=False)
     with _progress("verify", unit="B") as bar:
         report = _manager(args.root, args).verify(args.step, progress=bar)
     if args.json:

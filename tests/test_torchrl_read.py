@@ -158,3 +158,40 @@ def _components_of_archive(path: Path) -> dict[str, Any]:
     with zipfile.ZipFile(path) as archive:
         components: dict[str, Any] = json.loads(archive.read("manifest.json"))["components"]
     return components
+
+
+def test_ls_and_verify_of_a_rotation_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchrl.checkpoint import CheckpointRotation
+
+    ckpt = _checkpoint(tmp_path)
+    rotation = CheckpointRotation(tmp_path / "rot", keep_last=2)
+    for step in (1, 2, 3):
+        rotation.save(ckpt, step=step, metadata={"reward": float(step)})
+    before = sorted(p.name for p in (tmp_path / "rot").iterdir())
+    assert main(["ls", str(tmp_path / "rot")]) == EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["step", "format", "size"]
+    assert [line.split()[0] for line in lines[1:]] == ["2", "3"]  # keep_last=2 pruned step 1
+    assert "buffer,config,durable,optim,policy,rng" in lines[2] and '"reward": 3.0' in lines[2]
+    assert main(["ls", "--json", str(tmp_path / "rot")]) == EXIT_OK
+    assert [e["step"] for e in json.loads(capsys.readouterr().out)] == [2, 3]
+
+    assert main(["verify", str(tmp_path / "rot")]) == EXIT_OK  # the latest step
+    assert "checkpoint-000000000003" in capsys.readouterr().out
+    latest = rotation.latest()
+    assert latest is not None
+    comp = latest / _components(latest)["durable"]["path"]
+    leaf = max(comp.rglob("*.memmap"), key=lambda p: p.stat().st_size)
+    data = bytearray(leaf.read_bytes())
+    data[0] ^= 0x01
+    leaf.write_bytes(bytes(data))
+    assert main(["verify", str(tmp_path / "rot")]) == EXIT_PROBLEM
+    captured = capsys.readouterr()
+    assert "checksum-changed" not in captured.err and leaf.name in captured.out
+    assert main(["verify", str(tmp_path / "rot"), "--step", "2"]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "rot"), "--step", "7"]) == EXIT_PROBLEM
+    assert "no TorchRL checkpoint of step 7" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "rot").iterdir()) == before  # nothing written

@@ -38,9 +38,11 @@ __all__ = [
     "FORMAT",
     "MANIFEST",
     "ComponentReport",
+    "RotationEntry",
     "TorchRLCheckpointReport",
     "check_torchrl_checkpoint",
     "is_torchrl_checkpoint",
+    "rotation_entries",
 ]
 
 #: What TorchRL's manifest says its format is.
@@ -424,3 +426,76 @@ def _verify_tdckpt(
             )
         )
     comp.verified = result.ok
+
+
+@dataclass(frozen=True)
+class RotationEntry:
+    """One checkpoint of a TorchRL ``CheckpointRotation`` folder."""
+
+    step: int
+    path: Path
+    container: str
+    created_at: str | None
+    metadata: dict[str, Any]
+    components: list[str]
+    size: int
+
+    def to_json(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["path"] = os.fspath(self.path)
+        return data
+
+
+def rotation_entries(root: str | os.PathLike[str]) -> list[RotationEntry] | None:
+    """The checkpoints of a TorchRL ``CheckpointRotation`` folder, by step; None when ``root``
+    is not one (no ``<prefix>-<step>`` / ``<prefix>-<step>.torchrl`` TorchRL checkpoint in it,
+    or it holds tdckpt steps: folders named by plain decimal numbers).
+
+    Reads only the manifests; a damaged entry is listed with what could be read.
+    """
+    folder = Path(root)
+    try:
+        children = sorted(folder.iterdir()) if folder.is_dir() else None
+    except OSError:
+        return None
+    if children is None or any(c.name.isdigit() for c in children):
+        return None
+    found: list[RotationEntry] = []
+    for child in children:
+        name = child.name.removesuffix(".torchrl")
+        head, sep, digits = name.rpartition("-")
+        if not sep or not head or not digits.isdigit():
+            continue
+        raw = _read_manifest_bytes(child)
+        try:
+            manifest = json.loads(raw) if raw is not None else None
+        except ValueError:
+            manifest = None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            continue
+        comps = manifest.get("components")
+        found.append(
+            RotationEntry(
+                step=int(digits),
+                path=child,
+                container="archive" if child.is_file() else "directory",
+                created_at=str(manifest.get("created_at")) if manifest.get("created_at") else None,
+                metadata=meta if isinstance(meta := manifest.get("metadata"), dict) else {},
+                components=sorted(comps) if isinstance(comps, dict) else [],
+                size=_size(child),
+            )
+        )
+    if not found:
+        return None
+    return sorted(found, key=lambda e: (e.step, e.created_at or "", e.path.name))
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for d, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(d, f)).st_size
+    return total
