@@ -48,7 +48,8 @@ from tdckpt._manage.verify import verify_files
 from tdckpt._restore.engine import load_local
 from tdckpt._state.encode import to_tensordict
 from tdckpt._state.restore import restore_state
-from tdckpt._write.export import save
+from tdckpt._write.atomic import fsync_dir
+from tdckpt._write.export import save as _save_prefix
 from tdckpt._write.save import write_checkpoint
 from tdckpt.errors import (
     CheckpointNotFoundError,
@@ -68,6 +69,7 @@ __all__ = [
     "TdckptAdapter",
     "TdckptStorageCheckpointer",
     "restore_checkpoint",
+    "save",
     "training_state",
     "use_tdckpt",
 ]
@@ -283,7 +285,7 @@ class TdckptStorageCheckpointer(StorageCheckpointerBase):  # type: ignore[misc,u
                 path=str(dest),
             )
         metadata = {STORAGE_METADATA: {"len": int(storage._len), "type": type(storage).__name__}}
-        save(data, dest, metadata=metadata, overwrite=True, fsync=self.fsync)
+        _save_prefix(data, dest, metadata=metadata, overwrite=True, fsync=self.fsync)
 
     def loads(self, storage: Any, path: str | os.PathLike[str]) -> None:
         """Verify the dump at ``path``, check it fits ``storage``, then copy it in.
@@ -398,6 +400,38 @@ def _describe(t: torch.Tensor) -> str:
 
 def _key(key: Any) -> str:
     return ".".join(key) if isinstance(key, tuple) else str(key)
+
+
+def save(checkpoint: Checkpoint, path: str | os.PathLike[str], **kwargs: Any) -> Path:
+    """``checkpoint.save(path, **kwargs)``, then make the whole checkpoint durable.
+
+    TorchRL writes its ``manifest.json``, the files of its own adapters (JSON values, a
+    replay buffer's ``dump``) and renames the checkpoint into place without syncing any of
+    it. This fsyncs every file and folder of the checkpoint (a component :class:`TdckptAdapter`
+    wrote is already synced: its fsync costs a system call) and the folder it was renamed
+    into, so that once this returns the checkpoint survives a power loss.
+
+    Returns:
+        The checkpoint's path, as ``Checkpoint.save`` returns it.
+    """
+    dest = Path(checkpoint.save(path, **kwargs))
+    if dest.is_dir():
+        for dirpath, _, filenames in os.walk(dest, topdown=False):
+            for name in filenames:
+                _fsync_file(os.path.join(dirpath, name))
+            fsync_dir(dirpath)
+    else:
+        _fsync_file(os.fspath(dest))
+    fsync_dir(dest.parent)
+    return dest
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class JSONComponent:

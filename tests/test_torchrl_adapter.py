@@ -263,3 +263,31 @@ def test_a_tensordict_component_is_restored_in_place(tmp_path: Path) -> None:
     ckpt.load(path)
     assert ckpt.components["data"] is target
     assert (target == data).all()
+
+
+@pytest.mark.parametrize("fmt", ["directory", "archive"])
+def test_save_makes_the_whole_checkpoint_durable(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from tdckpt.torchrl import save
+
+    run = _Run(tmp_path, "a", seed=0)
+    run.step(0)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:  # records what is synced, then syncs it
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = save(run.checkpoint(), tmp_path / "ckpt", format=fmt)
+    monkeypatch.undo()
+    assert path == (tmp_path / "ckpt").absolute()
+    everything = [path] if fmt == "archive" else [*path.rglob("*"), path]
+    assert {os.path.realpath(p) for p in everything} <= set(synced)  # manifest.json included
+    assert os.path.realpath(tmp_path) in synced  # the rename into place
+    resumed = _Run(tmp_path, "b", seed=3)
+    assert resumed.checkpoint().load(path).loaded == {"policy", "optim", "rng", "buffer"}
