@@ -26,6 +26,7 @@ Importing :mod:`tdckpt` never imports TorchRL; this module does.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from collections.abc import Collection, Mapping, MutableMapping
@@ -40,6 +41,7 @@ from torchrl.checkpoint import (
     CheckpointAdapter,
     CheckpointLoadResult,
     GlobalRNGState,
+    StateDictCheckpointAdapter,
 )
 from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
 
@@ -47,7 +49,7 @@ from tdckpt._manage.steps import StepIndex
 from tdckpt._manage.verify import verify_files
 from tdckpt._restore.engine import load_local
 from tdckpt._state.encode import to_tensordict
-from tdckpt._state.restore import restore_state
+from tdckpt._state.restore import _compare, restore_state
 from tdckpt._write.atomic import fsync_dir
 from tdckpt._write.export import save as _save_prefix
 from tdckpt._write.save import write_checkpoint
@@ -55,6 +57,7 @@ from tdckpt.errors import (
     CheckpointNotFoundError,
     IntegrityError,
     MetadataError,
+    PickleNotAllowedError,
     RestoreError,
     UnsupportedContentError,
 )
@@ -65,6 +68,7 @@ __all__ = [
     "ENTRY",
     "PAYLOAD",
     "STORAGE_METADATA",
+    "CheckedStateDictAdapter",
     "JSONComponent",
     "TdckptAdapter",
     "TdckptStorageCheckpointer",
@@ -208,6 +212,93 @@ class TdckptAdapter(CheckpointAdapter):  # type: ignore[misc,unused-ignore]
             where=_where(path),
             device=map_location,
         )
+
+
+class CheckedStateDictAdapter(StateDictCheckpointAdapter):  # type: ignore[misc,unused-ignore]
+    """TorchRL's own state-dict adapter, its loads checked by tdckpt first.
+
+    Same adapter id and files as TorchRL's default ``StateDictCheckpointAdapter``: it reads
+    what plain TorchRL wrote and writes what plain TorchRL reads. Before a component
+    changes, the payload is validated by tdckpt's reader (a missing, truncated or malformed
+    file of ``state/`` or ``state.tdz`` is refused, naming the file), decoded, and compared
+    with the live object's ``state_dict()`` (keys, shapes, dtypes): a mismatch raises
+    :class:`~tdckpt.errors.RestoreError` listing every difference, where torch's
+    ``load_state_dict`` would have copied the parameters that did fit. A ``torch.save``
+    payload (``state.pt``, a pickle) loads only with ``allow_pickle=True``; a consolidated
+    payload (``state.tdc``) is TorchRL's to read. TorchRL keeps no checksums, so a flipped
+    byte inside a tensor cannot be found: write with :class:`TdckptAdapter` for that.
+
+    Example::
+
+        ckpt = Checkpoint(policy=policy, optim=optim)
+        ckpt.register_adapter(object, CheckedStateDictAdapter())  # or per type / component
+        ckpt.load("runs/plain-torchrl-ckpt")
+    """
+
+    def __init__(
+        self,
+        payload_format: Any = "directory",
+        *,
+        archive_compression: str | int | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        super().__init__(payload_format, archive_compression=archive_compression)
+        self.allow_pickle = allow_pickle
+
+    def load(
+        self,
+        component: Any,
+        path: Path,
+        *,
+        map_location: Any,
+        tensor_load_kwargs: Mapping[str, Any],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+    ) -> Any:
+        """Validate, decode and check the payload, then ``component.load_state_dict``."""
+        from torchrl.checkpoint._checkpoint import _decode_state_dict_value
+
+        from tdckpt._restore.engine import load_memmap
+
+        path = Path(path)
+        where = f"component {component_name(path)!r} ({path})"
+        options = {"map_location": map_location, "tensor_load_kwargs": tensor_load_kwargs}
+        if (path / self.state_torch).exists():
+            if not self.allow_pickle:
+                raise PickleNotAllowedError(
+                    f"{where}: {self.state_torch} is a torch.save payload (a pickle); nothing "
+                    "was loaded. Pass CheckedStateDictAdapter(allow_pickle=True) to load it "
+                    "if you trust where it came from.",
+                    path=str(path / self.state_torch),
+                )
+            return super().load(component, path, args=args, kwargs=kwargs, **options)
+        payload = next(
+            (p for p in (path / self.state_directory, path / self.state_archive) if p.exists()),
+            None,
+        )
+        if payload is None:  # a consolidated payload, or none: TorchRL says which
+            return super().load(component, path, args=args, kwargs=kwargs, **options)
+        tensors = load_memmap(payload, allow_pickle=False, mode="r")
+        try:
+            schema = json.loads((path / self.schema_filename).read_bytes())
+            state = _decode_state_dict_value(schema, tensors, map_location)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise MetadataError(
+                f"{where}: {self.schema_filename} is missing or does not match the payload "
+                f"({type(exc).__name__}: {exc}); nothing was loaded.",
+                path=str(path / self.schema_filename),
+            ) from exc
+        problems: list[str] = []
+        _compare(component.state_dict(), state, "", problems)
+        if problems:
+            raise RestoreError(
+                f"{where}: the saved state does not fit the live object; nothing was loaded:\n  "
+                + "\n  ".join(problems),
+                path=str(path),
+                problems=problems,
+            )
+        component.load_state_dict(state, *args, **kwargs)
+        return None
 
 
 def use_tdckpt(checkpoint: Checkpoint, adapter: TdckptAdapter | None = None) -> Checkpoint:

@@ -20,6 +20,7 @@ pytest.importorskip("torchrl.checkpoint", reason="torchrl: the tests-0.14 sessio
 from tensordict import TensorDict
 from torchrl.checkpoint import (
     Checkpoint,
+    CheckpointError,
     GlobalRNGState,
     StateDictCheckpointAdapter,
 )
@@ -195,3 +196,85 @@ def test_ls_and_verify_of_a_rotation_folder(
     assert main(["verify", str(tmp_path / "rot"), "--step", "7"]) == EXIT_PROBLEM
     assert "no TorchRL checkpoint of step 7" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "rot").iterdir()) == before  # nothing written
+
+
+def _plain(tmp: Path, hidden: int = 4, seed: int = 0) -> Checkpoint:
+    torch.manual_seed(seed)
+    policy = torch.nn.Sequential(
+        torch.nn.Linear(3, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 2)
+    )
+    optim = torch.optim.Adam(policy.parameters())
+    policy(torch.randn(2, 3)).sum().backward()
+    optim.step()
+    return Checkpoint(policy=policy, optim=optim, rng=GlobalRNGState())
+
+
+def _checked(ckpt: Checkpoint, **kwargs: Any) -> Checkpoint:
+    from tdckpt.torchrl import CheckedStateDictAdapter
+
+    return ckpt.register_adapter(object, CheckedStateDictAdapter(**kwargs))
+
+
+def test_a_plain_torchrl_checkpoint_is_restored_checked(tmp_path: Path) -> None:
+    source = _plain(tmp_path, seed=0)
+    path = source.save(tmp_path / "ckpt")  # plain TorchRL: no tdckpt anywhere
+    expected = torch.randn(3)
+    target = _checked(_plain(tmp_path, seed=1))
+    assert target.load(path).loaded == {"policy", "optim", "rng"}
+    assert torch.equal(torch.randn(3), expected)
+    for a, b in zip(
+        source.components["policy"].parameters(),
+        target.components["policy"].parameters(),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    # and what it writes, plain TorchRL reads
+    again = _checked(_plain(tmp_path, seed=2)).save(tmp_path / "again")
+    assert _plain(tmp_path, seed=3).load(again).loaded == {"policy", "optim", "rng"}
+
+
+def test_a_truncated_or_mismatched_plain_checkpoint_changes_nothing(tmp_path: Path) -> None:
+    from tdckpt.errors import PickleNotAllowedError, RestoreError, TdckptError
+
+    path = _plain(tmp_path, seed=0).save(tmp_path / "ckpt")
+    wider = _checked(Checkpoint(policy=_plain(tmp_path, hidden=8, seed=1).components["policy"]))
+    before = [p.clone() for p in wider.components["policy"].parameters()]
+    with pytest.raises(CheckpointError) as caught:  # torch would copy what fits, then raise
+        wider.load(path, components=["policy"])
+    assert isinstance(caught.value.__cause__, RestoreError)
+    assert "0.weight: the target has float32[8, 3], the step float32[4, 3]" in str(caught.value)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(before, wider.components["policy"].parameters(), strict=True)
+    )
+
+    leaf = max(
+        (path / _components(path)["policy"]["path"]).rglob("*.memmap"),
+        key=lambda p: p.stat().st_size,
+    )
+    leaf.write_bytes(leaf.read_bytes()[:-4])
+    target = _checked(_plain(tmp_path, seed=1))
+    before = [p.clone() for p in target.components["policy"].parameters()]
+    with pytest.raises(CheckpointError) as caught:
+        target.load(path, components=["policy"])
+    assert isinstance(caught.value.__cause__, TdckptError) and leaf.name in str(caught.value)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(before, target.components["policy"].parameters(), strict=True)
+    )
+
+    torch_path = (
+        Checkpoint()
+        .register(
+            "policy",
+            torch.nn.Linear(2, 2),
+            adapter=StateDictCheckpointAdapter(payload_format="torch"),
+        )
+        .save(tmp_path / "pt")
+    )
+    with pytest.raises(CheckpointError) as caught:
+        _checked(Checkpoint(policy=torch.nn.Linear(2, 2))).load(torch_path)
+    assert isinstance(caught.value.__cause__, PickleNotAllowedError)
+    assert _checked(Checkpoint(policy=torch.nn.Linear(2, 2)), allow_pickle=True).load(
+        torch_path
+    ).loaded == {"policy"}
