@@ -96,8 +96,12 @@ def component_name(path: Path) -> str:
     return unquote(quoted) if sep and index.isdigit() else path.name
 
 
-def _where(path: Path) -> str:
-    return f"component {component_name(path)!r} ({path / PAYLOAD})"
+def _where(path: Path, payload: str | None = PAYLOAD) -> str:
+    """The component and its folder inside the checkpoint (``components/0002-policy/...``):
+    what the user's checkpoint holds, never the temporary folder TorchRL unpacks an archive
+    into."""
+    inside = f"{path.parent.name}/{path.name}" + (f"/{payload}" if payload else "")
+    return f"component {component_name(path)!r} ({inside})"
 
 
 class TdckptAdapter(CheckpointAdapter):  # type: ignore[misc,unused-ignore]
@@ -261,7 +265,7 @@ class CheckedStateDictAdapter(StateDictCheckpointAdapter):  # type: ignore[misc,
         from tdckpt._restore.engine import load_memmap
 
         path = Path(path)
-        where = f"component {component_name(path)!r} ({path})"
+        where = _where(path, None)
         options = {"map_location": map_location, "tensor_load_kwargs": tensor_load_kwargs}
         if (path / self.state_torch).exists():
             if not self.allow_pickle:

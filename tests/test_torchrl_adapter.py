@@ -291,3 +291,20 @@ def test_save_makes_the_whole_checkpoint_durable(
     assert os.path.realpath(tmp_path) in synced  # the rename into place
     resumed = _Run(tmp_path, "b", seed=3)
     assert resumed.checkpoint().load(path).loaded == {"policy", "optim", "rng", "buffer"}
+
+
+def test_errors_name_the_file_inside_the_archive_not_a_temporary_folder(tmp_path: Path) -> None:
+    source = _Run(tmp_path, "s", seed=0)
+    root = source.checkpoint().save(tmp_path / "ckpt.zip", components=["policy"], format="archive")
+    damaged = tmp_path / "damaged.zip"
+    with zipfile.ZipFile(root) as src, zipfile.ZipFile(damaged, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith(".memmap"):
+                data = data[:-4]
+            dst.writestr(info, data)
+    with pytest.raises(CheckpointError) as caught:
+        _Run(tmp_path, "t", seed=5).checkpoint().load(damaged, components=["policy"])
+    message = str(caught.value.__cause__)
+    assert "component 'policy' (components/0000-policy/tdckpt)" in message
+    assert "torchrl-checkpoint-load-" not in message
