@@ -15,6 +15,9 @@
 * remote: object storage, ``CheckpointManager("s3://...")`` save / restore_into vs DCP's
   FsspecWriter / FsspecReader on one local moto server, requests counted
   (benchmarks/bench_remote.py).
+* torchrl: a 1M-transition ``LazyMemmapStorage`` buffer and a policy through
+  ``torchrl.checkpoint``, TorchRL's default adapters (+ fsync) vs tdckpt's
+  (benchmarks/bench_torchrl.py; needs torchrl).
 * upgrade: ``tdckpt upgrade`` of a legacy (tensordict 0.12-layout) checkpoint with a 1 GiB
   leaf vs one with a 1 KiB leaf, without a backup (leaves hard-linked, read once for their
   checksum) and with one (leaves copied - or reflinked where the file system can - so that
@@ -543,6 +546,7 @@ BENCHES = {
     "async": lambda work, quick: __import__("bench_async").bench(work, quick),
     "state": lambda work, quick: __import__("bench_state").bench(work, quick),
     "remote": lambda work, quick: __import__("bench_remote").bench(work, quick),
+    "torchrl": lambda work, quick: __import__("bench_torchrl").bench(work, quick),
 }
 
 
@@ -558,7 +562,8 @@ def main() -> int:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHES)}")
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="tdckpt-bench-") as tmp:
-        for name in args.which or [b for b in BENCHES if b not in ("restore_into", "consolidated")]:
+        skipped = ("restore_into", "consolidated", "torchrl")  # by name only
+        for name in args.which or [b for b in BENCHES if b not in skipped]:
             BENCHES[name](Path(tmp), args.quick)
     return 0
 

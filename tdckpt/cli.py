@@ -429,6 +429,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     sharded = describe_sharded(args.prefix)
     if sharded is not None:
         return _print_sharded(sharded, as_json=args.json)
+    if _is_torchrl(args):
+        return _torchrl_report(args, inspect=True)
     with _prefix_hints(args.prefix):
         result = inspect(
             args.prefix, robust_key=_robust(args.robust_key), storage_options=_storage_options(args)
@@ -498,9 +500,55 @@ def _print_tree(info: Any, indent: str) -> None:
             _print_tree(child, indent + "  ")
 
 
+def _is_torchrl(args: argparse.Namespace) -> bool:
+    """Whether the prefix is a checkpoint written by TorchRL's ``torchrl.checkpoint``."""
+    if _storage_options(args) is not None or "://" in args.prefix:
+        return False
+    from tdckpt._interop.torchrl_checkpoint import is_torchrl_checkpoint
+
+    return is_torchrl_checkpoint(args.prefix)
+
+
+def _torchrl_report(args: argparse.Namespace, *, inspect: bool) -> int:
+    """``inspect`` / ``validate`` of a TorchRL checkpoint: each component, every problem."""
+    from tdckpt._interop.torchrl_checkpoint import check_torchrl_checkpoint
+
+    report = check_torchrl_checkpoint(args.prefix)
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        versions = report.manifest.get("versions") or {}
+        written = ", ".join(f"{k} {_clean(str(v))}" for k, v in sorted(versions.items()))
+        _out(f"torchrl checkpoint {_clean(report.path)} ({report.container}; {written})")
+        for comp in report.components:
+            what = [f"{comp.files} file(s), {comp.bytes} bytes"]
+            if comp.tensordicts:
+                what.append(f"{len(comp.tensordicts)} tensordict(s), {comp.leaves} leaves")
+            if comp.verified:
+                what.append("checksums verified")
+            if comp.pickles:
+                what.append(f"{len(comp.pickles)} pickle(s)")
+            _out(f"  {_clean(comp.name)}  {_clean(comp.adapter)}  ({'; '.join(what)})")
+        for p in report.problems if not inspect else report.errors:
+            _out(str(p))
+        _out(
+            f"{_clean(report.path)}: {'ok' if report.ok else f'{len(report.errors)} error(s)'}"
+            f", {len(report.warnings)} warning(s)"
+        )
+    if report.ok or inspect:
+        return EXIT_OK
+    _print_error(
+        f"{report.path}: {len(report.errors)} error(s) in the TorchRL checkpoint, listed in "
+        "the report on stdout (each names the component and the file)."
+    )
+    return EXIT_PROBLEM
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from tdckpt._read.inspect import validate
 
+    if _is_torchrl(args):
+        return _torchrl_report(args, inspect=False)
     report = validate(
         args.prefix, robust_key=_robust(args.robust_key), storage_options=_storage_options(args)
     )
@@ -553,7 +601,29 @@ def _manager(root: str, args: argparse.Namespace) -> Any:
     return CheckpointManager(root)
 
 
+def _rotation(args: argparse.Namespace) -> Any:
+    """The entries of a TorchRL ``CheckpointRotation`` folder given as the root, or None."""
+    if _storage_options(args) is not None or "://" in args.root:
+        return None
+    from tdckpt._interop.torchrl_checkpoint import rotation_entries
+
+    return rotation_entries(args.root)
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
+    rotation = _rotation(args)
+    if rotation is not None:  # TorchRL's CheckpointRotation folder: its checkpoints by step
+        if args.json:
+            _print_json([entry.to_json() for entry in rotation])
+            return EXIT_OK
+        _out(f"{'step':>10}  {'format':<9} {'size':>12}  {'created':<32} components / metadata")
+        for e in rotation:
+            meta = json.dumps(_jsonable(e.metadata), sort_keys=True) if e.metadata else ""
+            _out(
+                f"{e.step:>10}  {e.container:<9} {e.size:>12}  {_clean(e.created_at or '-'):<32} "
+                f"{_clean(','.join(e.components))} {_clean(meta)}".rstrip()
+            )
+        return EXIT_OK
     rows = _manager(args.root, args).list_steps()
     if args.json:
         _print_json([row.to_json() for row in rows])
@@ -573,6 +643,17 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    rotation = _rotation(args)
+    if rotation is not None:  # TorchRL's CheckpointRotation folder: check one checkpoint
+        chosen = [e for e in rotation if args.step is None or e.step == args.step]
+        if not chosen:
+            raise CheckpointNotFoundError(
+                f"{args.root}: no TorchRL checkpoint of step {args.step} (steps: "
+                f"{', '.join(str(e.step) for e in rotation)}).",
+                path=args.root,
+            )
+        args.prefix = os.fspath(chosen[-1].path)
+        return _torchrl_report(args, inspect=False)
     with _progress("verify", unit="B") as bar:
         report = _manager(args.root, args).verify(args.step, progress=bar)
     if args.json:

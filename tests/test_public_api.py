@@ -12,7 +12,10 @@ def test_all_is_sorted_and_complete() -> None:
     assert list(tdckpt.__all__) == sorted(tdckpt.__all__)
     public = {name for name in vars(tdckpt) if not name.startswith("_")}
     modules = {"errors", "warnings", "schema", "retention", "save_policy", "manager", "cli"}
-    modules |= {"lightning"}  # public, imported only by who uses it (it imports Lightning)
+    modules |= {
+        "lightning",
+        "torchrl",
+    }  # public, imported by their users only (they import Lightning, TorchRL)
     assert public - modules - {"annotations"} == set(tdckpt.__all__) - {"__version__"}
 
 
