@@ -8,10 +8,10 @@
 from __future__ import annotations
 
 import json
-import warnings
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
