@@ -1,0 +1,228 @@
+"""Values restored into live objects are checked before the first ``load_state_dict``.
+
+Each test saves a real training state, edits the step's saved structure (or a leaf) the way a
+damaged or hostile step would hold it - the manifest kept consistent, so only tdckpt's own
+checks can catch it - and restores: the restore must refuse with a RestoreError naming the
+entry and the key, and no live object (module, optimizer, scheduler, generators) changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _state_tamper import item, rewrite, set_item, tamper
+
+from tdckpt import CheckpointManager, RandomState
+from tdckpt.errors import RestoreError
+
+
+def _train(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 3)).square().mean().backward()
+        opt.step()
+        sched.step()
+    return {"model": model, "optim": opt, "sched": sched, "rng": RandomState()}
+
+
+def _fresh(seed: int = 7) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return {"model": model, "optim": opt, "sched": sched, "rng": RandomState()}
+
+
+def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """Everything a restore could change: module tensors, optimizer and scheduler state,
+    every generator of the process."""
+    return {
+        "model": {k: v.clone() for k, v in state["model"].state_dict().items()},
+        "params": [id(p) for p in state["model"].parameters()],
+        "optim": copy.deepcopy(state["optim"].state_dict()),
+        "sched": copy.deepcopy(state["sched"].state_dict()),
+        "rng": (random.getstate(), np.random.get_state(legacy=True), torch.get_rng_state()),
+    }
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return bool(a == b or (a != a and b != b))
+
+
+@pytest.fixture
+def step(tmp_path: Path) -> Path:
+    random.seed(1)
+    np.random.seed(2)
+    np.random.normal()  # a cached gaussian in the legacy state
+    with CheckpointManager(tmp_path / "run") as mgr:
+        return mgr.save(1, _train())
+
+
+def _refused(step: Path, *says: str, target: dict[str, Any] | None = None) -> RestoreError:
+    """Restoring the step into fresh objects raises naming ``says``; nothing changes."""
+    target = target if target is not None else _fresh()
+    before = _snapshot(target)
+    with CheckpointManager(step.parent) as mgr, pytest.raises(RestoreError) as info:
+        mgr.restore_into(target, step=int(step.name), allow_pickle=False)
+    message = str(info.value)
+    assert "nothing was changed" in message, message
+    for text in says:
+        assert text in message, message
+    assert _same(_snapshot(target), before)
+    return info.value
+
+
+def _restores(step: Path) -> dict[str, Any]:
+    target = _fresh()
+    with CheckpointManager(step.parent) as mgr:
+        mgr.restore_into(target, step=int(step.name), allow_pickle=False)
+    return target
+
+
+def _sd(node: Any) -> Any:
+    return node["state_dict"]  # the top level is plain JSON: {"state_dict": ..., ...}
+
+
+# -- generator states --------------------------------------------------------------------------
+
+
+def _numpy(node: Any) -> Any:
+    return item(_sd(node), "numpy")
+
+
+def _python(node: Any) -> Any:
+    return item(_sd(node), "python")
+
+
+_RNG_EDITS = {
+    "pos out of bounds": (lambda s: set_item(_numpy(s), "pos", 100000), "'numpy.pos' is 100000"),
+    "pos negative": (lambda s: set_item(_numpy(s), "pos", -1), "'numpy.pos' is -1"),
+    "pos 625": (lambda s: set_item(_numpy(s), "pos", 625), "'numpy.pos' is 625"),
+    "pos a str": (lambda s: set_item(_numpy(s), "pos", "3"), "'numpy.pos' is '3'"),
+    "pos a float": (lambda s: set_item(_numpy(s), "pos", 3.0), "'numpy.pos' is 3.0"),
+    "pos a bool": (lambda s: set_item(_numpy(s), "pos", True), "'numpy.pos' is True"),
+    "kind": (lambda s: set_item(_numpy(s), "kind", "PCG64"), "'numpy.kind' is 'PCG64'"),
+    "has_gauss 2": (lambda s: set_item(_numpy(s), "has_gauss", 2), "'numpy.has_gauss' is 2"),
+    "has_gauss a str": (
+        lambda s: set_item(_numpy(s), "has_gauss", "1"),
+        "'numpy.has_gauss' is '1'",
+    ),
+    "cached_gaussian a str": (
+        lambda s: set_item(_numpy(s), "cached_gaussian", "x"),
+        "'numpy.cached_gaussian' is 'x'",
+    ),
+    "keys of another length": (
+        lambda s: set_item(_numpy(s), "keys", {"tensor": "python.state"}),
+        "'numpy.keys' is int64[625], expected int64[624]",
+    ),
+    "numpy unknown field": (lambda s: set_item(_numpy(s), "extra", 1), "unknown keys 'extra'"),
+    "python version": (lambda s: set_item(_python(s), "version", 2), "'python.version' is 2"),
+    "python version a str": (
+        lambda s: set_item(_python(s), "version", "3"),
+        "'python.version' is '3'",
+    ),
+    "python gauss a str": (
+        lambda s: set_item(_python(s), "gauss", "x"),
+        "'python.gauss' is 'x'",
+    ),
+    "python state of another length": (
+        lambda s: set_item(_python(s), "state", {"tensor": "numpy.keys"}),
+        "'python.state' is int64[624], expected int64[625]",
+    ),
+    "torch state of another shape": (
+        lambda s: set_item(_sd(s), "torch", {"tensor": "numpy.keys"}),
+        "'torch' is not a torch.uint8 tensor of shape (5056,)",
+    ),
+    "cuda not a list": (lambda s: set_item(_sd(s), "cuda", 3), "'cuda' is a int"),
+    "cuda state not uint8": (
+        lambda s: set_item(_sd(s), "cuda", [{"tensor": "numpy.keys"}]),
+        "'cuda.0' is not a uint8 vector",
+    ),
+    "unknown generator": (lambda s: set_item(_sd(s), "jax", 1), "unknown keys 'jax'"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(_RNG_EDITS))
+def test_a_generator_state_the_generator_cannot_take_is_refused(step: Path, edit: str) -> None:
+    change, says = _RNG_EDITS[edit]
+    tamper(step, "rng", change)
+    _refused(step, "entry 'rng'", says)
+
+
+def _leaf(step: Path, rel: str, values: torch.Tensor) -> None:
+    rewrite(step, rel, values.numpy().tobytes())
+
+
+@pytest.mark.parametrize(
+    ("rel", "edit", "says"),
+    [
+        ("numpy.keys.memmap", lambda t: t.index_fill_(0, torch.tensor([3]), -1), "'numpy.keys'"),
+        ("numpy.keys.memmap", lambda t: t.index_fill_(0, torch.tensor([0]), 2**32), "'numpy.keys'"),
+        (
+            "python.state.memmap",
+            lambda t: t.index_fill_(0, torch.tensor([624]), 625),
+            "'python.state' ends with index 625",
+        ),
+        (
+            "python.state.memmap",
+            lambda t: t.index_fill_(0, torch.tensor([5]), 2**40),
+            "'python.state' holds 1 words outside 0..2**32-1 (first at 5)",
+        ),
+    ],
+)
+def test_generator_words_out_of_range_are_refused(
+    step: Path, rel: str, edit: Any, says: str
+) -> None:
+    path = step / "rng" / rel
+    words = torch.from_numpy(np.fromfile(path, dtype=np.int64).copy())
+    _leaf(step, f"rng/{rel}", edit(words))
+    _refused(step, "entry 'rng'", says)
+
+
+def test_a_torch_generator_state_torch_refuses_is_refused_first(step: Path) -> None:
+    garbage = torch.randint(0, 256, (5056,), dtype=torch.uint8, generator=torch.Generator())
+    rewrite(step, "rng/torch.memmap", garbage.numpy().tobytes())
+    _refused(step, "entry 'rng'", "'torch' is refused by torch's generator")
+
+
+def test_random_state_load_state_dict_checks_pos_itself() -> None:
+    rng = RandomState()
+    state = rng.state_dict()
+    state["numpy"]["pos"] = 100000
+    before = np.random.get_state(legacy=True)
+    with pytest.raises(ValueError, match=r"'numpy.pos' is 100000, expected an int in 0..624"):
+        rng.load_state_dict(state)
+    assert _same(np.random.get_state(legacy=True), before)
+
+
+def test_a_valid_generator_state_still_restores_exactly(step: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    np.random.normal()
+    expected = (random.random(), np.random.normal(), np.random.randint(1 << 30))
+    random.seed(5)
+    np.random.seed(5)
+    _restores(step)
+    assert (random.random(), np.random.normal(), np.random.randint(1 << 30)) == expected
