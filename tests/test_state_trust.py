@@ -18,8 +18,9 @@ import pytest
 import torch
 from _state_tamper import item, rewrite, set_item, tamper
 
+import tdckpt
 from tdckpt import CheckpointManager, RandomState
-from tdckpt.errors import RestoreError
+from tdckpt.errors import RestoreError, UnsupportedContentError
 
 
 def _train(seed: int = 0) -> dict[str, Any]:
@@ -226,3 +227,77 @@ def test_a_valid_generator_state_still_restores_exactly(step: Path) -> None:
     np.random.seed(5)
     _restores(step)
     assert (random.random(), np.random.normal(), np.random.randint(1 << 30)) == expected
+
+
+# -- the decoder's budgets are the encoder's -------------------------------------------------
+
+
+def _nested(depth: int) -> Any:
+    node: Any = [0.5]
+    for _ in range(depth - 1):
+        node = [node]
+    return node
+
+
+def test_a_structure_nested_900_deep_is_refused_by_validate_and_restore(step: Path) -> None:
+    # Before: validate said ok and restore_into died with a RecursionError.
+    tamper(step, "sched", lambda s: set_item(_sd(s), "base_lrs", _nested(900)))
+    report = tdckpt.validate(step)
+    assert [p.code for p in report.errors] == ["state-structure"], report.errors
+    assert "nests more than 100 levels deep" in report.errors[0].message
+    assert report.errors[0].key == ("sched", "__state__")
+    _refused(step, "entry 'sched'", "nests more than 100 levels deep (at 'state_dict.base_lrs")
+
+
+def test_a_4000_digit_integer_is_refused_by_validate_and_restore(step: Path) -> None:
+    tamper(step, "sched", lambda s: set_item(_sd(s), "last_epoch", 10**3999))
+    report = tdckpt.validate(step)
+    assert [p.code for p in report.errors] == ["state-structure"], report.errors
+    assert "an integer of 13285 bits at 'state_dict.last_epoch'" in report.errors[0].message
+    _refused(step, "entry 'sched'", "an integer of 13285 bits", "more than the 1024 bits")
+
+
+class Holder:
+    """Any object with state_dict/load_state_dict: its state is whatever it was given."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
+
+
+def test_what_the_encoder_writes_at_its_budgets_reads_back(tmp_path: Path) -> None:
+    from tdckpt._read.state_structure import MAX_STATE_DEPTH, MAX_STATE_INT_BITS
+
+    # The state_dict is level 0, its "value" list level 1: the innermost float is at the limit.
+    deep = _nested(MAX_STATE_DEPTH - 2)
+    big = (1 << MAX_STATE_INT_BITS) - 1
+    with CheckpointManager(tmp_path) as mgr:
+        path = mgr.save(1, {"h": Holder([deep, big, -big, (1 << 128) + 5])})
+        assert tdckpt.validate(path).ok
+        target = Holder(None)
+        mgr.restore_into({"h": target})
+    assert target.value == [deep, big, -big, (1 << 128) + 5]
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (_nested(100), "nests more than 100 levels deep"),
+        (1 << 1024, "an integer of 1025 bits"),
+        ({1 << 2000: 1}, "an integer of 2001 bits"),
+        (-(10**3999), "an integer of 13285 bits"),
+        (10**5000, "an integer of 16610 bits"),  # past Python's int-to-str limit too
+    ],
+    ids=["deep", "1025 bits", "dict key", "4000 digits", "5001 digits"],
+)
+def test_the_encoder_refuses_what_the_decoder_would(tmp_path: Path, value: Any, says: str) -> None:
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(UnsupportedContentError, match="entry 'h': its state_dict") as info:
+            mgr.save(1, {"h": Holder(value)})
+        assert says in str(info.value)
+        assert mgr.steps() == []

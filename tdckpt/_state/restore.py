@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from tdckpt._read.state_structure import structure_problem
 from tdckpt._state.encode import STRUCTURE_KEY, entry_kind, param_signature, type_name
 from tdckpt.errors import RestoreError
 from tdckpt.schema import StateRecord
@@ -137,6 +138,12 @@ def _structure(entry_td: Any, where: str) -> dict[str, Any]:
     decoded = _Decoder(entry_td, where)
     if type(raw) is not dict or "state_dict" not in raw:
         raise RestoreError(f"{where}: the saved structure is not a dict with a state_dict.")
+    beyond = structure_problem(raw)  # the encoder's budgets: depth, values, integer size
+    if beyond is not None:
+        raise RestoreError(
+            f"{where}: the saved structure {beyond}; tdckpt never writes that, so the step "
+            "is damaged or hostile, and nothing was changed. Restore the step from a backup.",
+        )
     out = {key: decoded.decode(value) for key, value in raw.items()}
     if out.get("metadata") is not None and isinstance(out["state_dict"], OrderedDict):
         out["state_dict"]._metadata = out["metadata"]  # type: ignore[attr-defined]
