@@ -9,6 +9,7 @@ entry and the key, and no live object (module, optimizer, scheduler, generators)
 from __future__ import annotations
 
 import copy
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -301,3 +302,189 @@ def test_the_encoder_refuses_what_the_decoder_would(tmp_path: Path, value: Any, 
             mgr.save(1, {"h": Holder(value)})
         assert says in str(info.value)
         assert mgr.steps() == []
+
+
+# -- optimizer states ------------------------------------------------------------------------
+
+
+def _groups(s: Any) -> list[Any]:
+    return item(_sd(s), "param_groups")  # type: ignore[no-any-return]
+
+
+def _group(s: Any) -> Any:
+    return _groups(s)[0]
+
+
+def _pstate(s: Any, i: int) -> Any:
+    return item(item(_sd(s), "state"), i)
+
+
+def _del(node: Any, key: Any) -> None:
+    ((_, body),) = node.items()
+    body[:] = [pair for pair in body if pair[0] != key]
+
+
+_OPTIM_EDITS: dict[str, tuple[Any, str]] = {
+    "moment of another shape": (
+        lambda s: set_item(_pstate(s, 0), "exp_avg", {"tensor": "state.1.exp_avg"}),
+        "state[0]['exp_avg'] is a float32[4] tensor, its parameter a float32[4, 3] tensor",
+    ),
+    "moment not a tensor": (
+        lambda s: set_item(_pstate(s, 2), "exp_avg_sq", 0.5),
+        "state[2]['exp_avg_sq'] is 0.5, expected a tensor",
+    ),
+    "moment missing": (
+        lambda s: _del(_pstate(s, 1), "exp_avg_sq"),
+        "state[1] lacks 'exp_avg_sq'",
+    ),
+    "state not a dict": (lambda s: set_item(item(_sd(s), "state"), 0, 5), "state[0] is 5"),
+    "state of an unknown parameter": (
+        lambda s: set_item(item(_sd(s), "state"), 9, {"dict": []}),
+        "state holds entries for parameter ids no group lists: [9]",
+    ),
+    "step negative": (
+        lambda s: set_item(_pstate(s, 0), "step", -1),
+        "state[0]['step'] is -1, expected a finite step count >= 0",
+    ),
+    "step a str": (lambda s: set_item(_pstate(s, 0), "step", "x"), "state[0]['step'] is 'x'"),
+    "step a vector": (
+        lambda s: set_item(_pstate(s, 0), "step", {"tensor": "state.1.exp_avg"}),
+        "state[0]['step'] is a float32[4] tensor, expected a step count",
+    ),
+    "signature emptied": (
+        lambda s: s.update(params=[]),
+        "the step's parameter signature lists 0 parameters, the target 4",
+    ),
+    "signature missing": (
+        lambda s: s.__delitem__("params"),
+        "the step's parameter signature lists None parameters",
+    ),
+    "signature changed": (
+        lambda s: s["params"].__setitem__(0, [[3, 4], "float32"]),
+        "parameter 0 is float32[4, 3] in the target, float32[3, 4] in the step",
+    ),
+    "group params emptied": (
+        lambda s: set_item(_group(s), "params", []),
+        "parameters per group: [4] in the target, [0] in the step",
+    ),
+    "group params twice": (
+        lambda s: set_item(_group(s), "params", [0, 0, 2, 3]),
+        "name a parameter id twice",
+    ),
+    "group params not ids": (
+        lambda s: set_item(_group(s), "params", ["a", 1, 2, 3]),
+        "params are not lists of parameter ids",
+    ),
+    "group not a dict": (lambda s: _groups(s).__setitem__(0, 3), "param_groups are not all dicts"),
+    "lr a str": (
+        lambda s: set_item(_group(s), "lr", "fast"),
+        "param_groups[0]['lr'] is 'fast', expected a number",
+    ),
+    "lr a bool": (lambda s: set_item(_group(s), "lr", True), "param_groups[0]['lr'] is True"),
+    "lr negative": (
+        lambda s: set_item(_group(s), "lr", -0.1),
+        "param_groups[0]['lr'] is -0.1, expected a finite number >= 0",
+    ),
+    "lr nan": (
+        lambda s: set_item(_group(s), "lr", {"float": "nan"}),
+        "param_groups[0]['lr'] is nan",
+    ),
+    "lr missing": (lambda s: _del(_group(s), "lr"), "param_groups[0]['lr'] is missing"),
+    "eps a list": (
+        lambda s: set_item(_group(s), "eps", [1e-8]),
+        "param_groups[0]['eps'] is [1e-08]",
+    ),
+    "amsgrad an int": (
+        lambda s: set_item(_group(s), "amsgrad", 1),
+        "param_groups[0]['amsgrad'] is 1, expected a bool",
+    ),
+    "betas of one item": (
+        lambda s: set_item(_group(s), "betas", {"tuple": [0.9]}),
+        "param_groups[0]['betas'] is (0.9,), expected a tuple of 2",
+    ),
+    "betas a list": (
+        lambda s: set_item(_group(s), "betas", [0.9, 0.999]),
+        "expected a tuple of 2",
+    ),
+    "betas of strs": (
+        lambda s: set_item(_group(s), "betas", {"tuple": ["a", 0.9]}),
+        "param_groups[0]['betas'][0] is 'a', expected a number",
+    ),
+    "beta past 1": (
+        lambda s: set_item(_group(s), "betas", {"tuple": [0.9, 1.5]}),
+        "param_groups[0]['betas'][1] is 1.5, expected a number in [0, 1)",
+    ),
+    "a huge int": (
+        lambda s: set_item(_group(s), "weight_decay", 2**100),
+        "param_groups[0]['weight_decay'] is an int of 101 bits, expected an int within 64 bits",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(_OPTIM_EDITS))
+def test_an_optimizer_state_the_optimizer_cannot_step_with_is_refused(
+    step: Path, edit: str
+) -> None:
+    change, says = _OPTIM_EDITS[edit]
+    tamper(step, "optim", change)
+    _refused(step, "entry 'optim' (a Adam)", says)
+
+
+def test_a_moment_of_a_non_floating_dtype_is_refused(step: Path) -> None:
+    meta = json.loads((step / "optim" / "meta.json").read_text())
+    meta["state.0.exp_avg"]["dtype"] = "torch.int32"  # same item size: the file still fits
+    rewrite(step, "optim/meta.json", json.dumps(meta).encode())
+    _refused(step, "state[0]['exp_avg'] is a int32[4, 3] tensor, expected the parameter's kind")
+
+
+def test_a_trained_target_checks_the_state_against_its_own(step: Path) -> None:
+    tamper(step, "optim", lambda s: set_item(_pstate(s, 0), "extra", 1))
+    target = _train(seed=3)  # holds state for every parameter already
+    _refused(step, "state[0] holds ['exp_avg', 'exp_avg_sq', 'extra', 'step']", target=target)
+
+
+def test_numbers_may_change_kind_and_the_restored_optimizer_steps(step: Path) -> None:
+    # An int where the target holds a float (and back) is a number all the same.
+    tamper(step, "optim", lambda s: set_item(_group(s), "lr", 1))
+    tamper(step, "sched", lambda s: set_item(_sd(s), "gamma", 1))
+    target = _restores(step)
+    assert target["optim"].param_groups[0]["lr"] == 1
+    target["optim"].zero_grad()
+    target["model"](torch.randn(5, 3)).square().mean().backward()
+    target["optim"].step()
+    target["sched"].step()
+
+
+# -- scheduler states --------------------------------------------------------------------------
+
+_SCHED_EDITS: dict[str, tuple[Any, str]] = {
+    "last_epoch a str": (
+        lambda s: set_item(_sd(s), "last_epoch", "abc"),
+        "'last_epoch' is 'abc', expected a number (the target holds 0)",
+    ),
+    "last_epoch past 64 bits": (
+        lambda s: set_item(_sd(s), "last_epoch", 2**70),
+        "'last_epoch' is an int of 71 bits, expected an int within 64 bits",
+    ),
+    "last_epoch a bool": (lambda s: set_item(_sd(s), "last_epoch", False), "'last_epoch' is False"),
+    "gamma nan": (lambda s: set_item(_sd(s), "gamma", {"float": "nan"}), "'gamma' is nan"),
+    "base_lrs longer": (
+        lambda s: set_item(_sd(s), "base_lrs", [0.1, 0.2]),
+        "'base_lrs' is [0.1, 0.2], expected a list of 1",
+    ),
+    "last lr a str": (
+        lambda s: set_item(_sd(s), "_last_lr", ["x"]),
+        "'_last_lr'[0] is 'x', expected a number",
+    ),
+    "a flag an int": (
+        lambda s: set_item(_sd(s), "_get_lr_called_within_step", 0),
+        "'_get_lr_called_within_step' is 0, expected a bool",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(_SCHED_EDITS))
+def test_a_scheduler_state_of_other_types_is_refused(step: Path, edit: str) -> None:
+    change, says = _SCHED_EDITS[edit]
+    tamper(step, "sched", change)
+    _refused(step, "entry 'sched' (a StepLR)", says)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from tdckpt._read.state_structure import structure_problem
+from tdckpt._state.check import optimizer_problems, scheduler_problems
 from tdckpt._state.encode import STRUCTURE_KEY, entry_kind, param_signature, type_name
 from tdckpt.errors import RestoreError
 from tdckpt.schema import StateRecord
@@ -436,27 +437,9 @@ def _optimizer_action(
     if saved_type != type_name(optimizer):
         problems.append(f"{where}: the step holds the state of a {saved_type.replace(':', '.')}")
         return None
-    groups = state.get("param_groups") if isinstance(state, dict) else None
-    if not isinstance(groups, list) or not isinstance(state.get("state"), dict):
-        problems.append(f"{where}: the step's state_dict has no param_groups/state")
-        return None
-    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
-    saved_sizes = [len(g.get("params", [])) for g in groups]
-    if live_sizes != saved_sizes:
-        problems.append(
-            f"{where}: parameters per group: {live_sizes} in the target, {saved_sizes} in the step"
-        )
-        return None
-    live_sig = param_signature(optimizer)
-    saved_sig = saved.get("params")
-    if isinstance(saved_sig, list):
-        for i, (mine, theirs) in enumerate(zip(live_sig, saved_sig, strict=False)):
-            if list(mine) != list(theirs):
-                problems.append(
-                    f"{where}: parameter {i} is {mine[1]}{mine[0]} in the target, "
-                    f"{theirs[1]}{theirs[0]} in the step"
-                )
-    if problems:
+    mine = optimizer_problems(optimizer, state, param_signature(optimizer), saved.get("params"))
+    problems.extend(f"{where}: {p}" for p in mine)
+    if mine:
         return None
     before: list[dict[str, Any]] = []
 
@@ -492,7 +475,10 @@ def _stateful_action(
             return None
     else:
         mine: list[str] = []
-        _compare(target.state_dict(), state, "", mine)
+        live = target.state_dict()
+        _compare(live, state, "", mine)
+        if kind == "scheduler" and not mine:
+            mine += scheduler_problems(live, state)
         problems.extend(f"{where}: {p}" for p in mine)
         if mine:
             return None
