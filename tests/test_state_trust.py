@@ -488,3 +488,72 @@ def test_a_scheduler_state_of_other_types_is_refused(step: Path, edit: str) -> N
     change, says = _SCHED_EDITS[edit]
     tamper(step, "sched", change)
     _refused(step, "entry 'sched' (a StepLR)", says)
+
+
+# -- what the training-state fuzzer found ----------------------------------------------------
+
+
+def _holder_step(tmp_path: Path) -> Path:
+    with CheckpointManager(tmp_path / "run") as mgr:
+        return mgr.save(1, {"h": Holder({"count": 3, "arr": np.arange(3), "t": torch.ones(2)})})
+
+
+def _refused_holder(step: Path, says: str) -> None:
+    target = Holder("untouched")
+    with CheckpointManager(step.parent) as mgr, pytest.raises(RestoreError, match=says):
+        mgr.restore_into({"h": target}, allow_pickle=False)
+    assert target.value == "untouched"
+
+
+def test_a_dict_key_that_cannot_be_a_key_is_refused(tmp_path: Path) -> None:
+    # Before: TypeError: unhashable type: 'dict' (a tagged dict as a dict's key).
+    step = _holder_step(tmp_path)
+    tamper(step, "h", lambda s: set_item(_sd(s), "value", {"dict": [[{"dict": []}, 1]]}))
+    _refused_holder(step, "not what tdckpt writes")
+
+
+def test_a_leaf_name_that_is_not_a_str_is_refused(tmp_path: Path) -> None:
+    # Before: TypeError: unhashable type: 'dict' ({"tensor": {...}}).
+    step = _holder_step(tmp_path)
+    tamper(step, "h", lambda s: set_item(_sd(s), "value", {"tensor": {"dict": []}}))
+    _refused_holder(step, "names the leaf")
+
+
+def test_an_array_leaf_numpy_cannot_hold_is_refused(tmp_path: Path) -> None:
+    # tdckpt stores only bool, int and float arrays; before, a complex leaf came back as an
+    # array it never writes, and a bfloat16 one raised TypeError from Tensor.numpy().
+    step = _holder_step(tmp_path)
+    meta = json.loads((step / "h" / "meta.json").read_text())
+    (leaf,) = (k for k in meta if k.startswith("value.arr"))
+    assert meta[leaf]["dtype"] == "torch.int64"
+    meta[leaf]["dtype"] = "torch.complex64"  # the same item size: the file still fits
+    rewrite(step, "h/meta.json", json.dumps(meta).encode())
+    _refused_holder(step, "has no NumPy equivalent")
+
+
+def test_a_scheduler_state_with_a_key_that_is_no_attribute_name_is_refused(step: Path) -> None:
+    # Before: restored (a NaN attribute on the scheduler), found by the fuzzer.
+    tamper(step, "sched", lambda s: _sd(s)["dict"].append([{"float": "nan"}, 1]))
+    _refused(step, "entry 'sched'", "keys that are not attribute names")
+
+
+def test_a_tensordict_entry_leaf_of_another_shape_or_dtype_is_refused(tmp_path: Path) -> None:
+    from tensordict import TensorDict
+
+    # Before: the target's leaf was replaced by the step's, whatever its dtype or shape.
+    with CheckpointManager(tmp_path) as mgr:
+        saved = TensorDict(a=torch.arange(6.0).reshape(2, 3), b=torch.ones(2))
+        mgr.save(1, {"buf": saved, "rng": RandomState()})
+        target = TensorDict(a=torch.zeros(2, 3, dtype=torch.int64), b=torch.zeros(2, 1))
+        with pytest.raises(RestoreError) as info:
+            mgr.restore_into({"buf": target, "rng": RandomState()})
+    assert "'a' is int64[2, 3] in the target, float32[2, 3] in the step" in str(info.value)
+    assert "'b' is float32[2, 1] in the target, float32[2] in the step" in str(info.value)
+    assert torch.equal(target["a"], torch.zeros(2, 3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("value", [{"ndarray": "state.0.exp_avg"}, {"tensor": "state.0.exp_avg"}])
+def test_a_signature_entry_that_is_an_array_is_refused(step: Path, value: Any) -> None:
+    # Found by the fuzzer: "Boolean value of Tensor with more than one value is ambiguous".
+    tamper(step, "optim", lambda s: s["params"].__setitem__(1, value))
+    _refused(step, "entry 'optim'", "parameter 1 is float32[4] in the target, a")

@@ -157,6 +157,9 @@ def scheduler_problems(live: Mapping[str, Any], saved: Any) -> list[str]:
     """Every value of a scheduler's saved state against the type the live one holds."""
     if not isinstance(saved, Mapping):
         return [f"the step's state_dict is {_show(saved)}, not a dict"]
+    odd = [k for k in saved if type(k) is not str]
+    if odd:  # a scheduler's state is its attributes: str names only
+        return [f"the step's state_dict has keys that are not attribute names: {odd[:5]!r:.100}"]
     out: list[str] = []
     for key, value in live.items():
         if key in saved:
@@ -173,14 +176,22 @@ def _signature_problems(live_sig: list[list[Any]], saved_sig: Any) -> list[str]:
         ]
     out = []
     for i, (mine, theirs) in enumerate(zip(live_sig, saved_sig, strict=True)):
-        if not isinstance(theirs, list) or list(mine) != theirs:
-            shown = (
-                f"{theirs[1]}{theirs[0]}"
-                if isinstance(theirs, list) and len(theirs) == 2
-                else f"{theirs!r:.60}"
-            )
-            out.append(f"parameter {i} is {mine[1]}{mine[0]} in the target, {shown} in the step")
+        if _is_signature(theirs) and theirs == list(mine):
+            continue
+        shown = f"{theirs[1]}{theirs[0]}" if _is_signature(theirs) else _show(theirs)
+        out.append(f"parameter {i} is {mine[1]}{mine[0]} in the target, {shown} in the step")
     return out
+
+
+def _is_signature(entry: Any) -> bool:
+    """``[shape, dtype]`` as ``param_signature`` writes it: a list of ints and a str."""
+    return (
+        type(entry) is list
+        and len(entry) == 2
+        and type(entry[0]) is list
+        and all(type(d) is int for d in entry[0])
+        and type(entry[1]) is str
+    )
 
 
 def _group_problems(i: int, live: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:

@@ -69,14 +69,14 @@ class _Decoder:
     def _leaf(self, name: Any) -> Any:
         if type(name) is not str or name not in self.td.keys():  # noqa: SIM118 (TensorDict has no 'in')
             raise RestoreError(
-                f"{self.where}: the saved structure names the leaf {name!r}, which the "
+                f"{self.where}: the saved structure names the leaf {name!r:.100}, which the "
                 "step does not hold; the step is damaged (run verify).",
                 key=name,
             )
         return self.td.get(name)
 
     def tensor(self, name: Any) -> Any:
-        if name not in self.tensors:
+        if type(name) is not str or name not in self.tensors:
             value = self._leaf(name)
             if not isinstance(value, torch.Tensor):
                 raise RestoreError(
@@ -101,7 +101,12 @@ class _Decoder:
                 for pair in body:
                     if type(pair) is not list or len(pair) != 2:
                         break
-                    out[self.decode(pair[0])] = self.decode(pair[1])
+                    key = self.decode(pair[0])
+                    try:
+                        hash(key)
+                    except TypeError:
+                        break  # a key tdckpt cannot have written: refused below
+                    out[key] = self.decode(pair[1])
                 else:
                     return out
             if tag == "float" and body in ("nan", "inf", "-inf"):
@@ -109,7 +114,14 @@ class _Decoder:
             if tag in ("tensor", "alias"):
                 return self.tensor(body)
             if tag == "ndarray":
-                return self.tensor(body).numpy()
+                tensor = self.tensor(body)
+                if tensor.dtype not in _NUMPY_DTYPES:
+                    raise RestoreError(
+                        f"{self.where}: the leaf {body!r} should be a NumPy array, but its "
+                        f"dtype {tensor.dtype} has no NumPy equivalent; the step is damaged.",
+                        key=body,
+                    )
+                return tensor.numpy()
             if tag == "td":
                 return self._leaf(body)
             if tag == "pickle":
@@ -119,6 +131,22 @@ class _Decoder:
             f"{self.where}: the saved structure holds {node!r:.100}, which is not what tdckpt "
             "writes; the step is damaged or was not written by tdckpt.",
         )
+
+
+#: The dtypes a NumPy array is saved as (``encode`` stores only bool, ints, uints, floats).
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+    }
+)
 
 
 def _is_non_tensor(value: Any) -> bool:
@@ -506,6 +534,17 @@ def _tensordict_action(name: str, target: Any, saved: Any, problems: list[str]) 
             problems.append(f"{where}: keys the step lacks: {_list(missing)}")
         if unexpected:
             problems.append(f"{where}: keys the target lacks: {_list(unexpected)}")
+    for key in sorted(live_keys & saved_keys, key=str):
+        mine, theirs = target.get(key), saved.get(key)
+        if (
+            isinstance(mine, torch.Tensor)
+            and isinstance(theirs, torch.Tensor)
+            and (mine.shape != theirs.shape or mine.dtype != theirs.dtype)
+        ):
+            problems.append(
+                f"{where}: {key!r} is {_describe(mine)} in the target, {_describe(theirs)} "
+                "in the step"
+            )
     if tuple(target.batch_size) != tuple(saved.batch_size):
         problems.append(
             f"{where}: batch size {list(target.batch_size)} in the target, "
