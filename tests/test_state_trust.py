@@ -557,3 +557,10 @@ def test_a_signature_entry_that_is_an_array_is_refused(step: Path, value: Any) -
     # Found by the fuzzer: "Boolean value of Tensor with more than one value is ambiguous".
     tamper(step, "optim", lambda s: s["params"].__setitem__(1, value))
     _refused(step, "entry 'optim'", "parameter 1 is float32[4] in the target, a")
+
+
+def test_a_module_state_with_a_key_that_is_no_name_is_refused(step: Path) -> None:
+    # Found by the fuzzer: a tensor as a state-dict key ("Boolean value of Tensor with more
+    # than one value is ambiguous" from the tied-parameter check).
+    tamper(step, "model", lambda s: _sd(s)["odict"].append([{"tensor": "0.weight"}, 1]))
+    _refused(step, "entry 'model'", "keys that are not names")

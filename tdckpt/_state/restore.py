@@ -6,9 +6,13 @@
    the target is compared with what the step holds: its kind (module, optimizer, ...), and
    for a module its state-dict keys, shapes, dtypes and tied parameters; for an optimizer
    its class, parameter groups and the shape and dtype of every parameter; for a scheduler
-   or any other object the keys and tensor shapes of its ``state_dict()``. Every mismatch
-   of every entry is reported in one :class:`~tdckpt.errors.RestoreError`, and nothing has
-   been changed.
+   or any other object the keys and tensor shapes of its ``state_dict()``. The values too,
+   against what each live object can use (:mod:`tdckpt._state.check`: optimizer state
+   tensors against their parameters, group hyperparameters and scheduler values by kind
+   and range; :meth:`RandomState._check <tdckpt.RandomState>` for the generators), and the
+   saved structure against the encoder's budgets
+   (:mod:`tdckpt._read.state_structure`). Every mismatch of every entry is reported in one
+   :class:`~tdckpt.errors.RestoreError`, and nothing has been changed.
 2. **Apply**, entry by entry, each with a way back. Should one fail anyway (a hook raising,
    memory running out), the entries already restored are put back as they were and the
    error is raised.
@@ -304,6 +308,12 @@ def _module_action(
     where = f"entry {name!r} (a {type(module).__name__})"
     if not isinstance(state, dict):
         problems.append(f"{where}: the step's state_dict is not a dict")
+        return None
+    odd = [k for k in state if type(k) is not str]
+    if odd:  # a module's state-dict keys are names
+        problems.append(
+            f"{where}: the step's state_dict has keys that are not names: {odd[:5]!r:.100}"
+        )
         return None
     live = module.state_dict()
     missing = [k for k in live if k not in state]

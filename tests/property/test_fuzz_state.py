@@ -5,7 +5,8 @@ SGD with momentum and a StepLR; the process's generators; a plain stateful objec
 copied and the saved structure of one entry (``<entry>/__state__/meta.json``) or the dtype
 of one of its tensors is mutated: values replaced by other values of every JSON kind and
 every tag tdckpt writes (tensors, aliases, tuples, dicts, NaN, huge integers, structures
-nested hundreds deep), items deleted or duplicated. The manifest is kept consistent, so
+nested hundreds deep), items deleted or duplicated; or the manifest's record of what the
+entry was (its kind, its class) is changed. The manifest is kept consistent, so
 only the restore's own checks stand between the mutant and the live objects. For every
 mutant, ``restore_into`` (``allow_pickle=False``) into freshly built objects either
 
@@ -46,6 +47,7 @@ import tdckpt
 from tdckpt import CheckpointManager, RandomState
 from tdckpt._state import to_state_dicts
 from tdckpt.errors import TdckptError
+from tdckpt.schema import MANIFEST_NAME, STATE_KINDS
 
 
 class Holder:
@@ -208,7 +210,29 @@ def mutate(data: Any, step: Path) -> str:
     meta_rel = f"{entry}/meta.json"
     leaves_meta = json.loads((step / meta_rel).read_text())
     leaves = sorted(k for k, v in leaves_meta.items() if isinstance(v, dict) and "dtype" in v)
-    op = data.draw(st.sampled_from(["replace", "replace", "delete", "duplicate", "dtype"]), "op")
+    ops = ["replace", "replace", "delete", "duplicate", "dtype", "record"]
+    op = data.draw(st.sampled_from(ops), "op")
+    if op == "record":  # what the manifest says the entry was
+        manifest = json.loads((step / MANIFEST_NAME).read_text())
+        record = manifest["state"]["entries"][entry]
+        field = data.draw(st.sampled_from(["kind", "type"]), "field")
+        record[field] = data.draw(
+            st.sampled_from(STATE_KINDS)
+            if field == "kind"
+            else st.sampled_from(
+                [
+                    "torch.optim.sgd:SGD",
+                    "torch.optim.adam:Adam",
+                    "torch.optim.lr_scheduler:StepLR",
+                    "torch.optim.lr_scheduler:MultiStepLR",
+                    "tdckpt._state.rng:RandomState",
+                    "builtins:object",
+                ]
+            ),
+            "record",
+        )
+        (step / MANIFEST_NAME).write_text(json.dumps(manifest))
+        return f"{entry}: manifest record {field} -> {record[field]}"
     if op == "dtype" and leaves:
         leaf = data.draw(st.sampled_from(leaves), "leaf")
         old = leaves_meta[leaf]["dtype"]
