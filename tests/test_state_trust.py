@@ -500,8 +500,9 @@ def _holder_step(tmp_path: Path) -> Path:
 
 def _refused_holder(step: Path, says: str) -> None:
     target = Holder("untouched")
-    with CheckpointManager(step.parent) as mgr, pytest.raises(RestoreError, match=says):
+    with CheckpointManager(step.parent) as mgr, pytest.raises(RestoreError, match=says) as info:
         mgr.restore_into({"h": target}, allow_pickle=False)
+    assert "nothing was changed" in str(info.value)
     assert target.value == "untouched"
 
 
@@ -564,3 +565,11 @@ def test_a_module_state_with_a_key_that_is_no_name_is_refused(step: Path) -> Non
     # than one value is ambiguous" from the tied-parameter check).
     tamper(step, "model", lambda s: _sd(s)["odict"].append([{"tensor": "0.weight"}, 1]))
     _refused(step, "entry 'model'", "keys that are not names")
+
+
+def test_every_entry_s_problems_are_reported_at_once(step: Path) -> None:
+    tamper(step, "rng", lambda s: set_item(_numpy(s), "pos", 100000))
+    tamper(step, "optim", lambda s: set_item(_group(s), "lr", "fast"))
+    tamper(step, "sched", lambda s: set_item(_sd(s), "base_lrs", _nested(900)))
+    err = _refused(step, "'numpy.pos' is 100000", "'lr'] is 'fast'", "nests more than 100")
+    assert len(err.facts["problems"]) == 3

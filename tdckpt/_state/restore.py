@@ -175,7 +175,7 @@ def _structure(entry_td: Any, where: str) -> dict[str, Any]:
     if beyond is not None:
         raise RestoreError(
             f"{where}: the saved structure {beyond}; tdckpt never writes that, so the step "
-            "is damaged or hostile, and nothing was changed. Restore the step from a backup.",
+            "is damaged or hostile. Restore the step from a backup.",
         )
     out = {key: decoded.decode(value) for key, value in raw.items()}
     if out.get("metadata") is not None and isinstance(out["state_dict"], OrderedDict):
@@ -639,7 +639,11 @@ def restore_state(
         if kind == "tensordict":
             action = _tensordict_action(name, target, entry_td, problems)
         else:
-            saved = _structure(entry_td, f"{where}: entry {name!r}")
+            try:
+                saved = _structure(entry_td, f"entry {name!r}")
+            except RestoreError as exc:  # damaged: reported with every other entry's problems
+                problems.append(str(exc))
+                continue
             if kind == "module":
                 action = _module_action(name, target, saved, dev, problems)
             elif kind == "optimizer":
