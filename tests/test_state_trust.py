@@ -394,6 +394,10 @@ _OPTIM_EDITS: dict[str, tuple[Any, str]] = {
         lambda s: set_item(_group(s), "eps", [1e-8]),
         "param_groups[0]['eps'] is [1e-08]",
     ),
+    "foreach a list": (
+        lambda s: set_item(_group(s), "foreach", [1]),
+        "param_groups[0]['foreach'] is [1], expected None, a bool, number or str",
+    ),
     "amsgrad an int": (
         lambda s: set_item(_group(s), "amsgrad", 1),
         "param_groups[0]['amsgrad'] is 1, expected a bool",
@@ -573,3 +577,81 @@ def test_every_entry_s_problems_are_reported_at_once(step: Path) -> None:
     tamper(step, "sched", lambda s: set_item(_sd(s), "base_lrs", _nested(900)))
     err = _refused(step, "'numpy.pos' is 100000", "'lr'] is 'fast'", "nests more than 100")
     assert len(err.facts["problems"]) == 3
+
+
+# -- what is legal still restores --------------------------------------------------------------
+
+_O = torch.optim
+_S = torch.optim.lr_scheduler
+_OPTIMIZERS: dict[str, Any] = {
+    "SGD": lambda p: _O.SGD(p, lr=0.1),
+    "SGD-momentum": lambda p: _O.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    "Adam-amsgrad": lambda p: _O.Adam(p, amsgrad=True),
+    "Adam-tensor-lr": lambda p: _O.Adam(p, lr=torch.tensor(0.01)),
+    "AdamW": lambda p: _O.AdamW(p),
+    "Adagrad": lambda p: _O.Adagrad(p),
+    "Adadelta": lambda p: _O.Adadelta(p),
+    "Adamax": lambda p: _O.Adamax(p),
+    "ASGD": lambda p: _O.ASGD(p),
+    "NAdam": lambda p: _O.NAdam(p),
+    "RAdam": lambda p: _O.RAdam(p),
+    "RMSprop": lambda p: _O.RMSprop(p, centered=True, momentum=0.5),
+    "Rprop": lambda p: _O.Rprop(p),
+    "LBFGS": lambda p: _O.LBFGS(p, history_size=3, line_search_fn="strong_wolfe"),
+    "Adafactor": lambda p: _O.Adafactor(p),
+}
+_SCHEDULERS: dict[str, Any] = {
+    "LambdaLR": lambda o: _S.LambdaLR(o, lambda e: 0.9**e),
+    "MultiStepLR": lambda o: _S.MultiStepLR(o, [1, 3]),
+    "LinearLR": lambda o: _S.LinearLR(o),
+    "SequentialLR": lambda o: _S.SequentialLR(
+        o, [_S.ConstantLR(o), _S.ExponentialLR(o, 0.9)], milestones=[2]
+    ),
+    "ChainedScheduler": lambda o: _S.ChainedScheduler([_S.ConstantLR(o), _S.ExponentialLR(o, 0.9)]),
+    "ReduceLROnPlateau": lambda o: _S.ReduceLROnPlateau(o),
+    "CyclicLR": lambda o: _S.CyclicLR(o, 0.01, 0.1),
+    "OneCycleLR": lambda o: _S.OneCycleLR(o, 0.1, total_steps=20),
+    "CosineAnnealingWarmRestarts": lambda o: _S.CosineAnnealingWarmRestarts(o, 3),
+    "PolynomialLR": lambda o: _S.PolynomialLR(o),
+}
+
+
+def _build(optimizer: str, scheduler: str, seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = _OPTIMIZERS[optimizer](model.parameters())
+    return {"model": model, "optim": opt, "sched": _SCHEDULERS[scheduler](opt)}
+
+
+def _steps(state: dict[str, Any], n: int) -> None:
+    model, opt, sched = state["model"], state["optim"], state["sched"]
+    for _ in range(n):
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(torch.randn(5, 3)).square().mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        sched.step(1.0) if isinstance(sched, _S.ReduceLROnPlateau) else sched.step()
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "scheduler"),
+    [(name, "MultiStepLR") for name in _OPTIMIZERS]
+    + [("SGD-momentum", name) for name in _SCHEDULERS if name != "MultiStepLR"],
+)
+def test_every_torch_optimizer_and_scheduler_still_restores(
+    tmp_path: Path, optimizer: str, scheduler: str
+) -> None:
+    state = _build(optimizer, scheduler, seed=0)
+    _steps(state, 3)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state)
+        for trained in (0, 2):  # a fresh target, and one that holds state of its own
+            target = _build(optimizer, scheduler, seed=1)
+            _steps(target, trained)
+            mgr.restore_into(target)
+            assert _same(target["sched"].state_dict(), state["sched"].state_dict())
+            _steps(target, 1)

@@ -205,6 +205,11 @@ def _group_problems(i: int, live: Mapping[str, Any], saved: Mapping[str, Any]) -
                 out.append(f"{where} is missing (the target's is {_show(value)})")
             continue
         found = value_problems(value, saved[key], where)
+        if value is None and not (
+            saved[key] is None or type(saved[key]) in (bool, int, float, str)
+        ):
+            # An option not set (foreach, fused, line_search_fn): a flag, a number or a name.
+            found.append(f"{where} is {_show(saved[key])}, expected None, a bool, number or str")
         out += found
         if found:
             continue
