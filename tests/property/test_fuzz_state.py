@@ -13,9 +13,9 @@ mutant, ``restore_into`` (``allow_pickle=False``) into freshly built objects eit
 * raises a :class:`~tdckpt.errors.TdckptError`, and then no live object changed (module
   tensors and parameter identities, optimizer and scheduler state, every generator of the
   process), and a ``validate`` error implies exactly this outcome; or
-* succeeds, and then the module holds the step's tensors, the scheduler the step's values,
-  and one more training step (forward, backward, optimizer and scheduler step, random
-  draws) runs without an exception.
+* succeeds, and then the module holds the step's tensors, the scheduler and the
+  optimizer's parameter groups the step's values, and one more training step (forward,
+  backward, optimizer and scheduler step, random draws) runs without an exception.
 
 Never another exception type. The number of examples is ``--fuzz-examples=N`` (or
 ``TDCKPT_FUZZ_EXAMPLES``), as for ``test_fuzz_metadata.py``::
@@ -279,6 +279,11 @@ def _check_restored(target: dict[str, Any], root: Path, kind: int, what: str) ->
     live_sched = target["sched"].state_dict()
     for k, v in saved["sched"].items():
         assert same(live_sched[k], v), (what, k)
+    live_groups = target["optim"].param_groups
+    for live_group, saved_group in zip(live_groups, saved["optim"]["param_groups"], strict=True):
+        for k, v in saved_group.items():
+            if k != "params":
+                assert same(live_group[k], v), (what, k)
     train(target, 1)
 
 
