@@ -655,3 +655,17 @@ def test_every_torch_optimizer_and_scheduler_still_restores(
             mgr.restore_into(target)
             assert _same(target["sched"].state_dict(), state["sched"].state_dict())
             _steps(target, 1)
+
+
+def test_an_integer_past_python_s_4300_digit_limit_is_refused_too(step: Path) -> None:
+    rel = "sched/__state__/meta.json"
+    raw = (step / rel).read_text()
+    assert '["last_epoch", 2]' in raw
+    rewrite(step, rel, raw.replace('["last_epoch", 2]', f'["last_epoch", {"9" * 5000}]').encode())
+    assert [p.code for p in tdckpt.validate(step).errors] == ["bad-json"]
+    target = _fresh()
+    before = _snapshot(target)
+    with CheckpointManager(step.parent) as mgr, pytest.raises(tdckpt.errors.TdckptError) as info:
+        mgr.restore_into(target)
+    assert "4300 digits" in str(info.value) and "nothing was changed" in str(info.value)
+    assert _same(_snapshot(target), before)
