@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _state_tamper import item, rewrite, set_item, tamper
+from _state_tamper import item, pairs, rewrite, set_item, tamper
 
 import tdckpt
 from tdckpt import CheckpointManager, RandomState
@@ -669,3 +669,11 @@ def test_an_integer_past_python_s_4300_digit_limit_is_refused_too(step: Path) ->
         mgr.restore_into(target)
     assert "4300 digits" in str(info.value) and "nothing was changed" in str(info.value)
     assert _same(_snapshot(target), before)
+
+
+@pytest.mark.parametrize("where", ["group", "state"])
+def test_an_optimizer_state_with_a_key_that_is_no_name_is_refused(step: Path, where: str) -> None:
+    # Found by the fuzzer: a tensor as a param group's key was loaded into the optimizer.
+    node = (lambda s: _group(s)) if where == "group" else (lambda s: _pstate(s, 0))
+    tamper(step, "optim", lambda s: pairs(node(s)).append([{"tensor": "state.0.step"}, 1]))
+    _refused(step, "entry 'optim'", "keys that are not names")

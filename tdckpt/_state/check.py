@@ -294,6 +294,12 @@ def optimizer_problems(
         return ["the step's state_dict has no param_groups/state"]
     if not all(isinstance(g, Mapping) for g in groups):
         return ["the step's param_groups are not all dicts"]
+    odd = [k for g in groups for k in g if type(k) is not str]
+    odd += [
+        k for v in per_param.values() if isinstance(v, Mapping) for k in v if type(k) is not str
+    ]
+    if odd:  # option names, state names
+        return [f"the step's param_groups or state have keys that are not names: {odd[:5]!r:.100}"]
     ids = [g.get("params") for g in groups]
     if not all(isinstance(p, list) and all(type(i) is int for i in p) for p in ids):
         return ["the step's param_groups' params are not lists of parameter ids"]
