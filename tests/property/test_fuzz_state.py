@@ -196,7 +196,9 @@ def _nested(depth: int) -> Any:
     return node
 
 
-_SAME_SIZE = {
+#: Other dtypes for a leaf (of the same item size or not: a file longer than the new dtype
+#: needs is legal, a shorter one a validation error).
+_OTHER_DTYPES = {
     "torch.float32": ["torch.int32", "torch.float16"],
     "torch.float64": ["torch.int64", "torch.complex64"],
     "torch.int64": ["torch.float64", "torch.int32", "torch.bool"],
@@ -236,9 +238,7 @@ def mutate(data: Any, step: Path) -> str:
     if op == "dtype" and leaves:
         leaf = data.draw(st.sampled_from(leaves), "leaf")
         old = leaves_meta[leaf]["dtype"]
-        new = data.draw(st.sampled_from(_SAME_SIZE.get(old, [old])), "dtype")
-        if new == "torch.bool" and old != "torch.uint8":
-            new = old  # bool only where the item size is one byte
+        new = data.draw(st.sampled_from(_OTHER_DTYPES.get(old, [old])), "dtype")
         leaves_meta[leaf]["dtype"] = new
         rewrite(step, meta_rel, json.dumps(leaves_meta).encode())
         return f"{entry}: leaf {leaf} dtype {old} -> {new}"
