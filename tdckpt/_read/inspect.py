@@ -22,6 +22,7 @@ from tdckpt._read.nodes import (
     pickled_nodes,
 )
 from tdckpt._read.pipeline import open_checkpoint
+from tdckpt._read.state_structure import state_problems
 from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import Inspection, NodeInfo, Problem, ValidationReport
 from tdckpt.errors import TdckptError
@@ -79,6 +80,7 @@ def validate(
         )
     try:
         problems = list(opened.problems)
+        problems += state_problems(opened.manifest_model, opened.root)
         if opened.root is not None:
             for node in pickled_nodes(opened.root):
                 problems.append(

@@ -43,6 +43,12 @@ from typing import Any
 import torch
 
 from tdckpt._keys import LEAF_SUFFIX, encode_key
+from tdckpt._read.state_structure import (
+    MAX_STATE_DEPTH,
+    MAX_STATE_INT_BITS,
+    MAX_STATE_NODES,
+    STATE_STRUCTURE_KEY,
+)
 from tdckpt.errors import UnsupportedContentError
 from tdckpt.schema import STATE_KINDS, StateEntryRecord, StateRecord
 
@@ -59,15 +65,13 @@ __all__ = [
 #: What an entry of a training state can be, as the manifest records it.
 KINDS = STATE_KINDS
 #: The key, inside an entry, of its JSON structure.
-STRUCTURE_KEY = "__state__"
+STRUCTURE_KEY = STATE_STRUCTURE_KEY
 #: Leaf names an entry cannot use: its structure's, and the fields of tensordict's meta.json.
 _TAKEN = frozenset({STRUCTURE_KEY, "shape", "device", "_type"})
 #: The dict classes stored as JSON, each under its tag.
 _DICT_TAGS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter"}
 #: The longest file name a file system takes (a leaf's encoded name plus its suffix).
 _MAX_FILE_NAME = 255
-#: How deep a state_dict may nest.
-_MAX_DEPTH = 100
 
 
 def _is_tensor_collection(obj: Any) -> bool:
@@ -143,6 +147,7 @@ class _Encoder:
         self.leaves: dict[str, Any] = {}
         self._seen: dict[int, str] = {}
         self._keep: list[Any] = []  # what _seen's ids refer to stays alive meanwhile
+        self.nodes = 0
 
     def _leaf_name(self, path: str) -> str:
         # The structure records the leaf's name, so any unique name restores: a path that
@@ -159,17 +164,31 @@ class _Encoder:
             name = f"{name}#{n}"
         return name
 
+    def _refuse(self, what: str, path: str, fix: str = "") -> UnsupportedContentError:
+        return UnsupportedContentError(
+            f"state entry {self.entry!r}: its state_dict {what} at {path!r}; tdckpt reads "
+            "back only what fits its budgets (see tdckpt._read.state_structure), so nothing "
+            f"was written.{fix}",
+            problems=[f"{self.entry}: {what} at {path!r}"],
+            keys=[(self.entry,)],
+        )
+
     def encode(self, value: Any, path: str, depth: int = 0) -> Any:
         from tensordict import NonTensorData, is_tensor_collection
 
-        if depth > _MAX_DEPTH:
-            raise UnsupportedContentError(
-                f"state entry {self.entry!r}: its state_dict nests more than {_MAX_DEPTH} "
-                f"levels deep at {path!r}.",
-                problems=[f"{self.entry}: nested too deep at {path!r}"],
-                keys=[(self.entry,)],
-            )
+        # The budgets are the decoder's (one constant each): what is written reads back.
+        if depth > MAX_STATE_DEPTH:
+            raise self._refuse(f"nests more than {MAX_STATE_DEPTH} levels deep", path)
+        self.nodes += 1
+        if self.nodes > MAX_STATE_NODES:
+            raise self._refuse(f"holds more than {MAX_STATE_NODES} values", path)
         kind = type(value)
+        if kind is int and value.bit_length() > MAX_STATE_INT_BITS:
+            raise self._refuse(
+                f"holds an integer of {value.bit_length()} bits (more than {MAX_STATE_INT_BITS})",
+                path,
+                " Store such a number as a str (or hex) in state_dict().",
+            )
         if value is None or kind in (bool, int, str):
             return value
         if kind is float:

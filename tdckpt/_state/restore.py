@@ -6,9 +6,13 @@
    the target is compared with what the step holds: its kind (module, optimizer, ...), and
    for a module its state-dict keys, shapes, dtypes and tied parameters; for an optimizer
    its class, parameter groups and the shape and dtype of every parameter; for a scheduler
-   or any other object the keys and tensor shapes of its ``state_dict()``. Every mismatch
-   of every entry is reported in one :class:`~tdckpt.errors.RestoreError`, and nothing has
-   been changed.
+   or any other object the keys and tensor shapes of its ``state_dict()``. The values too,
+   against what each live object can use (:mod:`tdckpt._state.check`: optimizer state
+   tensors against their parameters, group hyperparameters and scheduler values by kind
+   and range; :meth:`RandomState._check <tdckpt.RandomState>` for the generators), and the
+   saved structure against the encoder's budgets
+   (:mod:`tdckpt._read.state_structure`). Every mismatch of every entry is reported in one
+   :class:`~tdckpt.errors.RestoreError`, and nothing has been changed.
 2. **Apply**, entry by entry, each with a way back. Should one fail anyway (a hook raising,
    memory running out), the entries already restored are put back as they were and the
    error is raised.
@@ -33,6 +37,8 @@ from typing import Any
 
 import torch
 
+from tdckpt._read.state_structure import structure_problem
+from tdckpt._state.check import optimizer_problems, scheduler_problems
 from tdckpt._state.encode import STRUCTURE_KEY, entry_kind, param_signature, type_name
 from tdckpt.errors import RestoreError
 from tdckpt.schema import StateRecord
@@ -67,14 +73,14 @@ class _Decoder:
     def _leaf(self, name: Any) -> Any:
         if type(name) is not str or name not in self.td.keys():  # noqa: SIM118 (TensorDict has no 'in')
             raise RestoreError(
-                f"{self.where}: the saved structure names the leaf {name!r}, which the "
+                f"{self.where}: the saved structure names the leaf {name!r:.100}, which the "
                 "step does not hold; the step is damaged (run verify).",
                 key=name,
             )
         return self.td.get(name)
 
     def tensor(self, name: Any) -> Any:
-        if name not in self.tensors:
+        if type(name) is not str or name not in self.tensors:
             value = self._leaf(name)
             if not isinstance(value, torch.Tensor):
                 raise RestoreError(
@@ -99,7 +105,12 @@ class _Decoder:
                 for pair in body:
                     if type(pair) is not list or len(pair) != 2:
                         break
-                    out[self.decode(pair[0])] = self.decode(pair[1])
+                    key = self.decode(pair[0])
+                    try:
+                        hash(key)
+                    except TypeError:
+                        break  # a key tdckpt cannot have written: refused below
+                    out[key] = self.decode(pair[1])
                 else:
                     return out
             if tag == "float" and body in ("nan", "inf", "-inf"):
@@ -107,7 +118,14 @@ class _Decoder:
             if tag in ("tensor", "alias"):
                 return self.tensor(body)
             if tag == "ndarray":
-                return self.tensor(body).numpy()
+                tensor = self.tensor(body)
+                if tensor.dtype not in _NUMPY_DTYPES:
+                    raise RestoreError(
+                        f"{self.where}: the leaf {body!r} should be a NumPy array, but its "
+                        f"dtype {tensor.dtype} has no NumPy equivalent; the step is damaged.",
+                        key=body,
+                    )
+                return tensor.numpy()
             if tag == "td":
                 return self._leaf(body)
             if tag == "pickle":
@@ -117,6 +135,22 @@ class _Decoder:
             f"{self.where}: the saved structure holds {node!r:.100}, which is not what tdckpt "
             "writes; the step is damaged or was not written by tdckpt.",
         )
+
+
+#: The dtypes a NumPy array is saved as (``encode`` stores only bool, ints, uints, floats).
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+    }
+)
 
 
 def _is_non_tensor(value: Any) -> bool:
@@ -137,6 +171,12 @@ def _structure(entry_td: Any, where: str) -> dict[str, Any]:
     decoded = _Decoder(entry_td, where)
     if type(raw) is not dict or "state_dict" not in raw:
         raise RestoreError(f"{where}: the saved structure is not a dict with a state_dict.")
+    beyond = structure_problem(raw)  # the encoder's budgets: depth, values, integer size
+    if beyond is not None:
+        raise RestoreError(
+            f"{where}: the saved structure {beyond}; tdckpt never writes that, so the step "
+            "is damaged or hostile. Restore the step from a backup.",
+        )
     out = {key: decoded.decode(value) for key, value in raw.items()}
     if out.get("metadata") is not None and isinstance(out["state_dict"], OrderedDict):
         out["state_dict"]._metadata = out["metadata"]  # type: ignore[attr-defined]
@@ -268,6 +308,12 @@ def _module_action(
     where = f"entry {name!r} (a {type(module).__name__})"
     if not isinstance(state, dict):
         problems.append(f"{where}: the step's state_dict is not a dict")
+        return None
+    odd = [k for k in state if type(k) is not str]
+    if odd:  # a module's state-dict keys are names
+        problems.append(
+            f"{where}: the step's state_dict has keys that are not names: {odd[:5]!r:.100}"
+        )
         return None
     live = module.state_dict()
     missing = [k for k in live if k not in state]
@@ -429,27 +475,9 @@ def _optimizer_action(
     if saved_type != type_name(optimizer):
         problems.append(f"{where}: the step holds the state of a {saved_type.replace(':', '.')}")
         return None
-    groups = state.get("param_groups") if isinstance(state, dict) else None
-    if not isinstance(groups, list) or not isinstance(state.get("state"), dict):
-        problems.append(f"{where}: the step's state_dict has no param_groups/state")
-        return None
-    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
-    saved_sizes = [len(g.get("params", [])) for g in groups]
-    if live_sizes != saved_sizes:
-        problems.append(
-            f"{where}: parameters per group: {live_sizes} in the target, {saved_sizes} in the step"
-        )
-        return None
-    live_sig = param_signature(optimizer)
-    saved_sig = saved.get("params")
-    if isinstance(saved_sig, list):
-        for i, (mine, theirs) in enumerate(zip(live_sig, saved_sig, strict=False)):
-            if list(mine) != list(theirs):
-                problems.append(
-                    f"{where}: parameter {i} is {mine[1]}{mine[0]} in the target, "
-                    f"{theirs[1]}{theirs[0]} in the step"
-                )
-    if problems:
+    mine = optimizer_problems(optimizer, state, param_signature(optimizer), saved.get("params"))
+    problems.extend(f"{where}: {p}" for p in mine)
+    if mine:
         return None
     before: list[dict[str, Any]] = []
 
@@ -485,7 +513,10 @@ def _stateful_action(
             return None
     else:
         mine: list[str] = []
-        _compare(target.state_dict(), state, "", mine)
+        live = target.state_dict()
+        _compare(live, state, "", mine)
+        if kind == "scheduler" and not mine:
+            mine += scheduler_problems(live, state)
         problems.extend(f"{where}: {p}" for p in mine)
         if mine:
             return None
@@ -513,6 +544,17 @@ def _tensordict_action(name: str, target: Any, saved: Any, problems: list[str]) 
             problems.append(f"{where}: keys the step lacks: {_list(missing)}")
         if unexpected:
             problems.append(f"{where}: keys the target lacks: {_list(unexpected)}")
+    for key in sorted(live_keys & saved_keys, key=str):
+        mine, theirs = target.get(key), saved.get(key)
+        if (
+            isinstance(mine, torch.Tensor)
+            and isinstance(theirs, torch.Tensor)
+            and (mine.shape != theirs.shape or mine.dtype != theirs.dtype)
+        ):
+            problems.append(
+                f"{where}: {key!r} is {_describe(mine)} in the target, {_describe(theirs)} "
+                "in the step"
+            )
     if tuple(target.batch_size) != tuple(saved.batch_size):
         problems.append(
             f"{where}: batch size {list(target.batch_size)} in the target, "
@@ -597,7 +639,11 @@ def restore_state(
         if kind == "tensordict":
             action = _tensordict_action(name, target, entry_td, problems)
         else:
-            saved = _structure(entry_td, f"{where}: entry {name!r}")
+            try:
+                saved = _structure(entry_td, f"entry {name!r}")
+            except RestoreError as exc:  # damaged: reported with every other entry's problems
+                problems.append(str(exc))
+                continue
             if kind == "module":
                 action = _module_action(name, target, saved, dev, problems)
             elif kind == "optimizer":

@@ -15,6 +15,9 @@ import torch
 
 __all__ = ["RandomState"]
 
+#: MT19937's state words (Python's and NumPy's generators).
+_MT_WORDS = 624
+
 
 def _numpy() -> Any:
     try:
@@ -112,39 +115,129 @@ class RandomState:
 
     @staticmethod
     def _check(state: Any) -> None:
-        """Refuse a state that is not :meth:`state_dict`'s output, before setting anything."""
-        problems = []
+        """Refuse a state that is not :meth:`state_dict`'s output, before setting anything.
+
+        Every generator's state is checked as the generator itself would read it, on a
+        scratch generator where one exists (so the process's generators are untouched):
+        Python's version, its 625 words (each a 32-bit value, the last an index up to 624)
+        and ``gauss``; torch's CPU state (size, dtype and content); NumPy's kind, its 624
+        32-bit keys, ``pos`` (0..624: NumPy itself does not check it and reads out of
+        bounds), ``has_gauss`` and ``cached_gaussian``; every CUDA state's shape and dtype.
+
+        Raises:
+            ValueError: naming every key that is wrong (``'numpy.pos'``, ...).
+        """
         if not isinstance(state, dict):
-            raise ValueError(f"expected RandomState.state_dict() output, got a {type(state)}")
-        python = state.get("python")
-        if not (
-            isinstance(python, dict)
-            and isinstance(python.get("state"), torch.Tensor)
-            and python["state"].dim() == 1
-            and isinstance(python.get("version"), int)
-            and (python.get("gauss") is None or isinstance(python.get("gauss"), float))
-        ):
-            problems.append("'python' is not Python's random state")
-        torch_state = state.get("torch")
-        expected = torch.get_rng_state()
-        if not (
-            isinstance(torch_state, torch.Tensor)
-            and torch_state.shape == expected.shape
-            and torch_state.dtype == expected.dtype
-        ):
-            problems.append(
-                f"'torch' is not a {expected.dtype} tensor of shape {tuple(expected.shape)}"
-            )
-        numpy_state = state.get("numpy")
-        if numpy_state is not None and not (
-            isinstance(numpy_state, dict)
-            and isinstance(numpy_state.get("keys"), torch.Tensor)
-            and numpy_state["keys"].shape == (624,)
-            and numpy_state.get("kind") == "MT19937"
-        ):
-            problems.append("'numpy' is not NumPy's MT19937 state")
-        cuda = state.get("cuda", [])
-        if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) for t in cuda):
-            problems.append("'cuda' is not a list of generator states")
+            raise ValueError(f"not a RandomState state: expected a dict, got a {type(state)}")
+        problems = [*_python_problems(state.get("python")), *_torch_problems(state.get("torch"))]
+        if state.get("numpy") is not None:
+            problems += _numpy_problems(state["numpy"])
+        problems += _cuda_problems(state.get("cuda", []))
+        unknown = sorted(map(repr, set(state) - {"python", "torch", "numpy", "cuda"}))
+        if unknown:
+            problems.append(f"unknown keys {', '.join(unknown)}")
         if problems:
             raise ValueError("not a RandomState state: " + "; ".join(problems))
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _words(tensor: Any, key: str, length: int) -> tuple[list[str], list[int]]:
+    """``tensor`` as a list of ``length`` ints (an int64 vector), or the problems with it."""
+    if not isinstance(tensor, torch.Tensor):
+        return [f"{key!r} is a {type(tensor).__name__}, expected an int64 tensor"], []
+    if tensor.dtype != torch.int64 or tuple(tensor.shape) != (length,):
+        got = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+        return [f"{key!r} is {got}, expected int64[{length}]"], []
+    return [], [int(x) for x in tensor.tolist()]
+
+
+def _python_problems(python: Any) -> list[str]:
+    if not isinstance(python, dict):
+        return [f"'python' is a {type(python).__name__}, expected Python's random state"]
+    problems = []
+    version = random.getstate()[0]
+    if not _is_int(python.get("version")) or python["version"] != version:
+        problems.append(f"'python.version' is {python.get('version')!r:.40}, expected {version}")
+    gauss = python.get("gauss")
+    if gauss is not None and type(gauss) is not float:
+        problems.append(f"'python.gauss' is {gauss!r:.40}, expected None or a float")
+    more, words = _words(python.get("state"), "python.state", _MT_WORDS + 1)
+    problems += more
+    if words:
+        bad = [i for i, w in enumerate(words[:-1]) if not 0 <= w < 2**32]
+        if bad:
+            problems.append(
+                f"'python.state' holds {len(bad)} words outside 0..2**32-1 (first at {bad[0]})"
+            )
+        if not 0 <= words[-1] <= _MT_WORDS:
+            problems.append(f"'python.state' ends with index {words[-1]}, expected 0..{_MT_WORDS}")
+    if not problems:
+        try:
+            random.Random().setstate((version, tuple(words), gauss))
+        except (ValueError, TypeError, OverflowError) as exc:
+            problems.append(f"'python' is refused by random.setstate ({exc})")
+    return problems
+
+
+def _torch_problems(torch_state: Any) -> list[str]:
+    expected = torch.get_rng_state()
+    if not (
+        isinstance(torch_state, torch.Tensor)
+        and torch_state.shape == expected.shape
+        and torch_state.dtype == expected.dtype
+    ):
+        return [f"'torch' is not a {expected.dtype} tensor of shape {tuple(expected.shape)}"]
+    try:
+        torch.Generator().set_state(torch_state.to("cpu").contiguous())
+    except RuntimeError as exc:
+        return [f"'torch' is refused by torch's generator ({exc})"]
+    return []
+
+
+def _numpy_problems(numpy_state: Any) -> list[str]:
+    if not isinstance(numpy_state, dict):
+        return [f"'numpy' is a {type(numpy_state).__name__}, expected NumPy's MT19937 state"]
+    problems = []
+    if numpy_state.get("kind") != "MT19937":
+        problems.append(f"'numpy.kind' is {numpy_state.get('kind')!r:.40}, expected 'MT19937'")
+    more, keys = _words(numpy_state.get("keys"), "numpy.keys", _MT_WORDS)
+    problems += more
+    bad = [i for i, w in enumerate(keys) if not 0 <= w < 2**32]
+    if bad:
+        problems.append(
+            f"'numpy.keys' holds {len(bad)} values outside 0..2**32-1 (first at {bad[0]})"
+        )
+    pos: Any = numpy_state.get("pos")
+    if not _is_int(pos) or not 0 <= pos <= _MT_WORDS:
+        problems.append(f"'numpy.pos' is {pos!r:.40}, expected an int in 0..{_MT_WORDS}")
+    has_gauss = numpy_state.get("has_gauss")
+    if not _is_int(has_gauss) or has_gauss not in (0, 1):
+        problems.append(f"'numpy.has_gauss' is {has_gauss!r:.40}, expected 0 or 1")
+    if type(numpy_state.get("cached_gaussian")) is not float:
+        problems.append(
+            f"'numpy.cached_gaussian' is {numpy_state.get('cached_gaussian')!r:.40}, "
+            "expected a float"
+        )
+    unknown = set(numpy_state) - {"kind", "keys", "pos", "has_gauss", "cached_gaussian"}
+    if unknown:
+        problems.append(f"'numpy' has unknown keys {', '.join(sorted(map(repr, unknown)))}")
+    return problems
+
+
+def _cuda_problems(cuda: Any) -> list[str]:
+    if not isinstance(cuda, list):
+        return [f"'cuda' is a {type(cuda).__name__}, expected a list of generator states"]
+    problems = []
+    live = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i, t in enumerate(cuda):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
+            problems.append(f"'cuda.{i}' is not a uint8 vector (a CUDA generator's state)")
+        elif i < live and t.shape != torch.cuda.get_rng_state(i).shape:
+            expected = tuple(torch.cuda.get_rng_state(i).shape)
+            problems.append(
+                f"'cuda.{i}' has shape {tuple(t.shape)}, device {i}'s generator state {expected}"
+            )
+    return problems
