@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from _tdversion import TD_VERSION
 from fixture_types import FixtureTC
+from packaging.version import Version
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict
 from tensordict.utils import _STR_DTYPE_TO_DTYPE
 
@@ -165,6 +167,10 @@ def test_non_tensor_data_and_stacks(tmp_path: Path) -> None:
     assert torch.equal(ours["x"], torch.ones(2))
 
 
+@pytest.mark.skipif(
+    TD_VERSION is not None and Version("0.15") > TD_VERSION,
+    reason="tensordict < 0.15 cannot consolidate a tensorclass",
+)
 def test_tensorclass(tmp_path: Path) -> None:
     tc = FixtureTC(
         obs=torch.arange(4.0).reshape(2, 2),

@@ -97,7 +97,7 @@ def test_a_pattern_that_selects_nothing(prefix: Path) -> None:
 
 
 def test_a_pickled_value_left_out_needs_no_allow_pickle(tmp_path: Path) -> None:
-    TensorDict(w=torch.ones(2), extra=NonTensorData({1, 2})).memmap(tmp_path / "p")
+    tdckpt.save(TensorDict(w=torch.ones(2), extra=NonTensorData({1, 2})), tmp_path / "p")
     with pytest.raises(PickleNotAllowedError):
         tdckpt.load_memmap(tmp_path / "p", allow_pickle=False)
     out = tdckpt.load_memmap(tmp_path / "p", allow_pickle=False, exclude="extra")

@@ -77,27 +77,16 @@ def _routed_load_memmap(original: Callable[..., Any]) -> Callable[..., Any]:
         prefix: str | os.PathLike[str],
         device: Any = None,
         non_blocking: bool = False,
-        *,
-        out: Any = None,
-        robust_key: bool | None = True,
-        subpath: Any = None,
-        mode: str | None = None,
-        num_threads: int = 0,
-        allow_pickle: bool | None = None,
+        **kwargs: Any,
     ) -> Any:
-        if subpath is not None or not isinstance(prefix, (str, os.PathLike)):
-            return func(
-                cls,
-                prefix,
-                device,
-                non_blocking,
-                out=out,
-                robust_key=robust_key,
-                subpath=subpath,
-                mode=mode,
-                num_threads=num_threads,
-                allow_pickle=allow_pickle,
-            )
+        if kwargs.get("subpath") is not None or not isinstance(prefix, (str, os.PathLike)):
+            # tensordict's own, with exactly the arguments given (its defaults differ
+            # between releases: 0.14 takes mode "r"/"r+" only)
+            return func(cls, prefix, device, non_blocking, **kwargs)
+        out = kwargs.get("out")
+        robust_key = kwargs.get("robust_key", True)
+        allow_pickle = kwargs.get("allow_pickle")
+        mode = kwargs.get("mode")
         if out is not None:
             return tdckpt.load_memmap_(
                 out, prefix, robust_key, allow_pickle=allow_pickle, mode=mode
