@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import os
-import stat
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -69,18 +68,16 @@ _SWAP_RETRIES = 10
 
 
 def _identity(prefix: str | os.PathLike[str]) -> tuple[int, int, int] | None:
-    """What the prefix names now (device, inode, and a directory's ctime), or None if nothing.
+    """What the prefix names now (device, inode, ctime), or None if nothing.
 
-    A directory's change time too: a tree swapped in may reuse the inode number of the one it
-    replaced (removed meanwhile), and a rename changes the renamed directory's ctime. A file's
-    is left out: writing into it changes its ctime, and a file changed in place is refused
-    as such (not read again as if it were another file).
+    The change time too: a tree swapped in may reuse the inode number of the one it replaced
+    (removed meanwhile), and a rename changes the renamed directory's ctime.
     """
     try:
         st = os.stat(prefix)
     except (OSError, ValueError):
         return None
-    return st.st_dev, st.st_ino, st.st_ctime_ns if stat.S_ISDIR(st.st_mode) else 0
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 def _swapped(prefix: str | os.PathLike[str], before: tuple[int, int, int] | None) -> bool:
