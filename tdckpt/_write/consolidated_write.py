@@ -16,7 +16,6 @@ checks (refusing what it could not restore), fsyncs it and checksums it.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from datetime import datetime, timezone
@@ -25,11 +24,15 @@ from typing import Any
 
 from tdckpt._read.consolidated import DATA_NAME, ConsolidatedStorage, open_consolidated
 from tdckpt._write.checksum import CHUNK_BYTES, DEFAULT_CHECKSUM, new_hasher
-from tdckpt._write.save import _write_small, _writer_versions, check_json_data
+from tdckpt._write.save import (
+    _writer_versions,
+    check_json_data,
+    discard_written,
+    write_manifest_last,
+)
 from tdckpt.errors import CheckpointExistsError, MetadataError, TdckptError, UnsupportedContentError
 from tdckpt.schema import (
     FORMAT_VERSION,
-    MANIFEST_NAME,
     MANIFEST_SCHEMA_VERSION,
     ConsolidatedRecord,
     FileRecord,
@@ -104,21 +107,9 @@ def write_consolidated(
     try:
         _consolidate(obj, data)
         manifest = _manifest(data, checksum, step, metadata, state, fsync=fsync)
-        text = json.dumps(manifest.model_dump(mode="json"), indent=1, allow_nan=False) + "\n"
-        # The manifest is the last file: its presence means the data file is complete.
-        _write_small(dest / MANIFEST_NAME, text.encode("utf-8"), fsync=fsync)
-        if fsync:
-            from tdckpt._write.atomic import fsync_dir
-
-            fsync_dir(dest)
+        write_manifest_last(dest, manifest, fsync=fsync)
     except BaseException:
-        from tdckpt._write.atomic import remove_tree
-
-        if created:
-            remove_tree(dest, ignore_errors=True)
-        else:
-            for child in dest.iterdir():
-                remove_tree(child, ignore_errors=True)
+        discard_written(dest, created=created)
         raise
     return manifest
 

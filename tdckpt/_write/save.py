@@ -68,9 +68,11 @@ __all__ = [
     "UnsupportedContentError",
     "check_json_data",
     "class_id",
+    "discard_written",
     "new_hasher",
     "prepare_checkpoint",
     "write_checkpoint",
+    "write_manifest_last",
 ]
 
 #: The largest single write() (Linux caps one call just under 2 GiB).
@@ -757,25 +759,36 @@ def write_checkpoint(
             user_metadata=metadata,
             state=state,
         )
-        text = json.dumps(manifest.model_dump(mode="json"), indent=1, allow_nan=False) + "\n"
-        # The manifest is the last file: its presence means every other file is complete.
-        _write_small(dest / MANIFEST_NAME, text.encode("utf-8"), fsync=fsync)
-        if fsync:
-            from tdckpt._write.atomic import fsync_dir
-
-            fsync_dir(dest)
+        write_manifest_last(dest, manifest, fsync=fsync)
     except BaseException:
-        from tdckpt._write.atomic import remove_tree
-
-        if created:
-            remove_tree(dest, ignore_errors=True)
-        else:
-            for child in dest.iterdir():
-                remove_tree(child, ignore_errors=True)
+        discard_written(dest, created=created)
         raise
     finally:
         writer.close()
     return manifest
+
+
+def write_manifest_last(dest: Path, manifest: Manifest, *, fsync: bool) -> None:
+    """Write ``manifest`` into ``dest`` as its last file - its presence means every other
+    file is complete - then make the folder's entries durable."""
+    text = json.dumps(manifest.model_dump(mode="json"), indent=1, allow_nan=False) + "\n"
+    _write_small(dest / MANIFEST_NAME, text.encode("utf-8"), fsync=fsync)
+    if fsync:
+        from tdckpt._write.atomic import fsync_dir
+
+        fsync_dir(dest)
+
+
+def discard_written(dest: Path, *, created: bool) -> None:
+    """After a failed write into ``dest``: remove it if the write created it, else what the
+    write put into it (the folder was new or empty)."""
+    from tdckpt._write.atomic import remove_tree
+
+    if created:
+        remove_tree(dest, ignore_errors=True)
+    else:
+        for child in dest.iterdir():
+            remove_tree(child, ignore_errors=True)
 
 
 def _write_small(path: Path, data: bytes, *, fsync: bool) -> None:
