@@ -67,20 +67,16 @@ _MODES = (None, "r", "r+")
 _SWAP_RETRIES = 10
 
 
-def _identity(prefix: str | os.PathLike[str]) -> tuple[int, int, int] | None:
-    """What the prefix names now (device, inode, ctime), or None if nothing.
-
-    The change time too: a tree swapped in may reuse the inode number of the one it replaced
-    (removed meanwhile), and a rename changes the renamed directory's ctime.
-    """
+def _identity(prefix: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """What the prefix names now (device, inode), or None if nothing."""
     try:
         st = os.stat(prefix)
     except (OSError, ValueError):
         return None
-    return st.st_dev, st.st_ino, st.st_ctime_ns
+    return st.st_dev, st.st_ino
 
 
-def _swapped(prefix: str | os.PathLike[str], before: tuple[int, int, int] | None) -> bool:
+def _swapped(prefix: str | os.PathLike[str], before: tuple[int, int] | None) -> bool:
     """Whether ``prefix`` now names another tree than when the failed read began.
 
     ``tdckpt.save(..., overwrite=True)`` swaps in the new tree atomically and then removes
@@ -647,7 +643,7 @@ class _Reading:
         self.lane = robust_key is True
         self.defer = True
         self.swaps = 0
-        self.identity: tuple[int, int, int] | None = None
+        self.identity: tuple[int, int] | None = None
         self.opened: OpenedCheckpoint | None = None
         self.from_lane = False
 
