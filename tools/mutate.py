@@ -682,6 +682,49 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
         "if False:",
         "no full read after a failed shortcut",
     ),
+    # -- the trust checks of the new surfaces (issue 22) -----------------------------------
+    (
+        "T01",
+        "tdckpt/_state/rng.py",
+        "if not _is_int(pos) or not 0 <= pos <= _MT_WORDS:",
+        "if not _is_int(pos):",
+        "NumPy pos range unchecked (out-of-bounds reads)",
+    ),
+    (
+        "T02",
+        "tdckpt/_state/check.py",
+        "if key in _PARAM_SHAPED and value.shape != param.shape:",
+        "if False:",
+        "optimizer state shape not checked against its parameter",
+    ),
+    (
+        "H01",
+        "tdckpt/_shard/check.py",
+        "if rows != shard.stop - shard.start:",
+        "if False:",
+        "a shard's real rows not checked against the manifest",
+    ),
+    (
+        "H02",
+        "tdckpt/_shard/manifest.py",
+        "if found != recorded:",
+        "if False:",
+        "sharded manifest checksum not checked",
+    ),
+    (
+        "M01",
+        "tdckpt/_read/expected.py",
+        "if found == digest:",
+        "if True:",
+        "metadata read on restore not compared with the manifest",
+    ),
+    (
+        "R01",
+        "tdckpt/_remote/manager.py",
+        "                if step in damaged:\n                    # A record this tdckpt cannot read",
+        "                if False:\n                    # A record this tdckpt cannot read",
+        "gc collects attempts of a step whose record it cannot read",
+    ),
 ]
 
 DEFAULT_TESTS = {
@@ -709,6 +752,12 @@ DEFAULT_TESTS = {
         "tests/test_hardening_storage.py",
         "tests/test_restore_failures.py",
     ],
+    "tdckpt/_state/rng.py": ["tests/test_state_trust.py"],
+    "tdckpt/_state/check.py": ["tests/test_state_trust.py"],
+    "tdckpt/_shard/check.py": ["tests/test_sharded_checks.py"],
+    "tdckpt/_shard/manifest.py": ["tests/test_sharded_checks.py"],
+    "tdckpt/_read/expected.py": ["tests/test_metadata_checked.py"],
+    "tdckpt/_remote/manager.py": ["tests/test_remote_trust.py"],
 }
 
 
