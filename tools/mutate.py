@@ -684,14 +684,14 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     ),
     # -- the trust checks of the new surfaces (issue 22) -----------------------------------
     (
-        "T01",
+        "G01",
         "tdckpt/_state/rng.py",
         "if not _is_int(pos) or not 0 <= pos <= _MT_WORDS:",
         "if not _is_int(pos):",
         "NumPy pos range unchecked (out-of-bounds reads)",
     ),
     (
-        "T02",
+        "G02",
         "tdckpt/_state/check.py",
         "if key in _PARAM_SHAPED and value.shape != param.shape:",
         "if False:",
