@@ -32,7 +32,14 @@ import torch
 
 from tdckpt._read.archive_index import FLAG_LZMA_EOS, METHOD_NAMES, Entry, read_index, where
 from tdckpt._read.expected import check_read
-from tdckpt._read.storage import MAX_JSON_BYTES, Listing, MapMode, Storage, check_component
+from tdckpt._read.storage import (
+    MAX_JSON_BYTES,
+    Listing,
+    MapMode,
+    Storage,
+    check_component,
+    map_reopened_writable,
+)
 from tdckpt.errors import CheckpointNotFoundError, MetadataError
 
 __all__ = ["ArchiveStorage"]
@@ -266,34 +273,8 @@ class ArchiveStorage(Storage):
             return base
 
     def _map_writable(self) -> mmap.mmap:
-        """A shared, writable mapping of the very file that was opened and validated.
-
-        The read-only descriptor cannot be made writable, so the file is opened again for
-        writing: through ``/proc/self/fd`` where there is one (that names the open file
-        itself, whatever its path names now), else by its path; either way the new
-        descriptor must be the same file (device, inode) of the same size.
-        """
-        proc = f"/proc/self/fd/{self._fd}"
-        again = proc if os.path.exists(proc) else self.location
-        try:
-            fd = os.open(again, os.O_RDWR | _OPEN_FLAGS)
-        except PermissionError as exc:
-            raise PermissionError(
-                exc.errno,
-                f"{self.location}: mode='r+' needs a writable archive; use mode='r' or "
-                "mode=None, or make the file writable",
-            ) from exc
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino, st.st_size) != self._stat:
-                raise MetadataError(
-                    f"{self.location}: the archive was replaced or resized since it was "
-                    "opened; reopen it before mapping it with mode='r+'.",
-                    path=self.location,
-                )
-            return mmap.mmap(fd, self._stat[2], access=mmap.ACCESS_WRITE)
-        finally:
-            os.close(fd)  # mmap holds its own duplicate
+        """A shared, writable mapping of the very file that was opened and validated."""
+        return map_reopened_writable(self._fd, self.location, self._stat, self._stat[2])
 
     # -- inflating -------------------------------------------------------------------
     def _corrupt(self, entry: Entry, what: str) -> NoReturn:

@@ -61,6 +61,7 @@ from tdckpt._read.storage import (
     MapMode,
     Storage,
     check_component,
+    map_reopened_writable,
     parse_json,
 )
 from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsafePathError
@@ -376,26 +377,7 @@ class ConsolidatedStorage(Storage):
 
     def _map_writable(self, size: int) -> mmap.mmap:
         """A shared mapping of the very file checked (reopened through /proc/self/fd)."""
-        proc = f"/proc/self/fd/{self._fd}"
-        again = proc if os.path.exists(proc) else self.location
-        try:
-            fd = os.open(again, os.O_RDWR | (_OPEN_FLAGS & ~os.O_RDONLY))
-        except PermissionError as exc:
-            raise PermissionError(
-                exc.errno,
-                f"{self.location}: mode='r+' needs a writable file; use mode='r' or mode=None",
-            ) from exc
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino, st.st_size) != self._stat:
-                raise MetadataError(
-                    f"{self.location}: the file was replaced or resized since it was checked; "
-                    "restore it again.",
-                    path=self.location,
-                )
-            return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
-        finally:
-            os.close(fd)
+        return map_reopened_writable(self._fd, self.location, self._stat, size)
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -945,3 +945,42 @@ def _read_upto(fd: int, size: int) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+def map_reopened_writable(
+    fd: int, location: str, identity: tuple[int, int, int], size: int
+) -> mmap.mmap:
+    """A shared, writable mapping of the single file open read-only at ``fd`` (an archive, a
+    consolidated file), which was validated as ``identity`` ``(device, inode, size)``.
+
+    The read-only descriptor cannot be made writable, so the file is opened again for
+    writing: through ``/proc/self/fd`` where there is one (that names the open file itself,
+    whatever its path names now), else by its path; either way the new descriptor must be
+    the same file of the same size.
+
+    Raises:
+        PermissionError: the file is not writable (with the fix: another mode).
+        MetadataError: the path now names another file, or the file was resized.
+    """
+    proc = f"/proc/self/fd/{fd}"
+    again = proc if os.path.exists(proc) else location
+    flags = os.O_RDWR | sum(getattr(os, f, 0) for f in ("O_CLOEXEC", "O_NONBLOCK", "O_NOCTTY"))
+    try:
+        writable = os.open(again, flags)
+    except PermissionError as exc:
+        raise PermissionError(
+            exc.errno,
+            f"{location}: mode='r+' needs a writable file; use mode='r' or mode=None, or make "
+            "the file writable",
+        ) from exc
+    try:
+        st = os.fstat(writable)
+        if (st.st_dev, st.st_ino, st.st_size) != identity:
+            raise MetadataError(
+                f"{location}: the file was replaced or resized since it was checked; restore "
+                "it again.",
+                path=location,
+            )
+        return mmap.mmap(writable, size, access=mmap.ACCESS_WRITE)
+    finally:
+        os.close(writable)  # mmap holds its own duplicate
