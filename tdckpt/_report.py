@@ -40,14 +40,10 @@ class Problem:
         return data
 
 
-@dataclass
-class ValidationReport:
-    """Every problem found in a checkpoint, all at once."""
+class ProblemList:
+    """``errors``, ``warnings`` and ``ok`` of a report that holds ``problems``."""
 
-    prefix: str
-    problems: list[Problem] = field(default_factory=list)
-    generation: str | None = None
-    key_encoding: str | None = None
+    problems: list[Problem]
 
     @property
     def errors(self) -> list[Problem]:
@@ -59,8 +55,18 @@ class ValidationReport:
 
     @property
     def ok(self) -> bool:
-        """True when nothing prevents a faithful restore."""
+        """True when no problem is an error (nothing prevents a faithful restore)."""
         return not self.errors
+
+
+@dataclass
+class ValidationReport(ProblemList):
+    """Every problem found in a checkpoint, all at once."""
+
+    prefix: str
+    problems: list[Problem] = field(default_factory=list)
+    generation: str | None = None
+    key_encoding: str | None = None
 
     def __bool__(self) -> bool:
         return self.ok

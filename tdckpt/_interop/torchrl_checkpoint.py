@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from tdckpt._report import Problem
+from tdckpt._report import Problem, ProblemList
 from tdckpt.errors import TdckptError
 
 __all__ = [
@@ -76,27 +76,17 @@ class ComponentReport:
 
 
 @dataclass
-class TorchRLCheckpointReport:
-    """What :func:`check_torchrl_checkpoint` found: each component, and every problem at once."""
+class TorchRLCheckpointReport(ProblemList):
+    """What :func:`check_torchrl_checkpoint` found: each component, and every problem at once.
+
+    ``ok``: every listed file is present and every payload tdckpt can read is valid.
+    """
 
     path: str
     container: str
     manifest: dict[str, Any] = field(default_factory=dict)
     components: list[ComponentReport] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
-
-    @property
-    def errors(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "error"]
-
-    @property
-    def warnings(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "warning"]
-
-    @property
-    def ok(self) -> bool:
-        """True when every listed file is present and every payload tdckpt can read is valid."""
-        return not self.errors
 
     def to_json(self) -> dict[str, Any]:
         return {
