@@ -310,3 +310,19 @@ def test_in_place_failure_leaves_the_target_as_it_was(prefix: Path) -> None:
     with pytest.raises(RestoreError):
         tdckpt.load_memmap_(target, prefix, keys=["model", "buffer"])
     assert (target == before).all()
+
+
+def test_rename_refuses_what_it_cannot_move(tmp_path: Path) -> None:
+    import fixture_types  # noqa: F401 - the saved tensorclass, imported as a user would
+
+    # a tensorclass's fields are fixed by its class: renaming them is refused, nothing returned
+    prefix = copy_case(tmp_path, "0.15.3", "tensorclass")
+    with pytest.raises(RestoreError, match="cannot move the fields of a tensorclass"):
+        tdckpt.load_memmap(prefix, rename={"obs": "observation"}, allow_pickle=True)
+    assert tdckpt.load_memmap(prefix, dtype=torch.float16, allow_pickle=True).obs.dtype == (
+        torch.float16
+    )
+    # a checkpoint of a non-tensor value alone: no keys to move
+    TensorDict(v=NonTensorData("x")).memmap(tmp_path / "nt")
+    out = tdckpt.load_memmap(tmp_path / "nt", rename={"v": "w"})
+    assert out["w"] == "x"
