@@ -133,7 +133,12 @@ def _mutate_sharded(data: Any, doc: dict[str, Any]) -> str:
         if field == "all":
             shards[i], shards[j] = shards[j], shards[i]
         else:
-            shards[i]["prefix"], shards[j]["prefix"] = shards[j]["prefix"], shards[i]["prefix"]
+            # (a generic mutation may have deleted a prefix: a missing one moves as missing)
+            a, b = shards[i].pop("prefix", None), shards[j].pop("prefix", None)
+            if b is not None:
+                shards[i]["prefix"] = b
+            if a is not None:
+                shards[j]["prefix"] = a
         return f"swap {field} of shards {i} and {j}"
     if op == "drop":
         i = data.draw(st.integers(0, len(shards) - 1), label="drop")
