@@ -37,10 +37,6 @@ class ResolvedClass:
     cls: type | None
     problem: str | None
 
-    @property
-    def imported(self) -> bool:
-        return self.cls is not None or self.problem is not None
-
 
 def _is_tensorclass(obj: Any) -> bool:
     if not isinstance(obj, type):

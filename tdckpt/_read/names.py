@@ -369,39 +369,37 @@ def _normalize_dir(node: VDir, robust_key: bool | None, result: NamesResult) -> 
 
     # What no key claimed: sidecars stay; other files and metadata-less directories
     # are strays (left behind by tensordict's own quirks, or foreign).
-    if True:
-        for name, vfile in node.files.items():
-            if id(vfile) in claimed_files:
-                continue
-            if name in SIDECARS or name.endswith(".meta.pt"):
-                new_files.setdefault(name, vfile)
-                continue
-            result.problems.append(
-                Problem(
-                    "stray-file",
-                    "warning",
-                    join(node.source, name),
-                    (),
-                    "no key of this directory's meta.json names this file; it is ignored "
-                    "(tensordict leaves such files behind when a key is renamed or lost).",
-                )
+    for name, vfile in node.files.items():
+        if id(vfile) in claimed_files:
+            continue
+        if name in SIDECARS or name.endswith(".meta.pt"):
+            new_files.setdefault(name, vfile)
+            continue
+        result.problems.append(
+            Problem(
+                "stray-file",
+                "warning",
+                join(node.source, name),
+                (),
+                "no key of this directory's meta.json names this file; it is ignored "
+                "(tensordict leaves such files behind when a key is renamed or lost).",
             )
-    if True:
-        for name, vdir in node.dirs.items():
-            if id(vdir) in claimed_dirs or _holds_claimed(vdir, claimed_dirs):
-                continue
-            if name in ("_tensordict", "_source"):
-                new_dirs.setdefault(name, vdir)
-                continue
-            result.problems.append(
-                Problem(
-                    "stray-directory",
-                    "warning",
-                    vdir.source,
-                    (),
-                    "no key of the parent meta.json names this directory; it is ignored.",
-                )
+        )
+    for name, vdir in node.dirs.items():
+        if id(vdir) in claimed_dirs or _holds_claimed(vdir, claimed_dirs):
+            continue
+        if name in ("_tensordict", "_source"):
+            new_dirs.setdefault(name, vdir)
+            continue
+        result.problems.append(
+            Problem(
+                "stray-directory",
+                "warning",
+                vdir.source,
+                (),
+                "no key of the parent meta.json names this directory; it is ignored.",
             )
+        )
     node.files = new_files
     node.dirs = new_dirs
 
