@@ -21,6 +21,7 @@ from tensordict import TensorDict
 import tdckpt
 from tdckpt import CheckpointManager, KeepLast
 from tdckpt.errors import CheckpointNotFoundError, RestoreError
+from tdckpt.warnings import TdckptDeprecationWarning
 
 
 @pytest.fixture(params=["dir", "archive", "memory", "s3"])
@@ -78,22 +79,39 @@ def test_refusals_are_the_same_error_on_every_root(root: dict[str, Any]) -> None
 
 
 def test_one_signature_for_every_root(tmp_path: Path) -> None:
-    # What the object-storage manager takes, the base class declares (mypy users can pass
-    # it), and a local root refuses what only object storage means - clearly.
-    from tdckpt._remote.manager import RemoteCheckpointManager
-
+    # One class for every root (no subclass swapped in by __new__): what object storage
+    # takes, the class declares (mypy users can pass it), and a local root refuses what only
+    # object storage means - clearly.
     base = inspect.signature(CheckpointManager.__init__).parameters
-    remote_params = inspect.signature(RemoteCheckpointManager.__init__).parameters
-    assert set(remote_params) <= set(base)
+    assert {"storage_options", "lease_ttl", "cache_dir", "group", "timeout"} <= set(base)
     for name, value in (("lease_ttl", 5.0), ("cache_dir", tmp_path)):
         with pytest.raises(ValueError, match=f"{name} is for object-storage roots"):
             CheckpointManager(tmp_path / "run", **{name: value})
     with pytest.raises(ValueError, match="group= and timeout="):
         CheckpointManager("memory://x/run", group=object())
-    for method in ("gc", "restore", "restore_into", "verify", "save", "save_async"):
-        local = inspect.signature(getattr(CheckpointManager, method)).parameters
-        far = inspect.signature(getattr(RemoteCheckpointManager, method)).parameters
-        assert list(far) == list(local), method
+    with CheckpointManager(f"memory://t{uuid.uuid4().hex[:12]}/run") as far:
+        assert type(far) is CheckpointManager
+    assert type(CheckpointManager(tmp_path / "run")) is CheckpointManager
+    assert CheckpointManager.__new__ is object.__new__
+
+
+def test_remote_checkpoint_manager_is_a_deprecated_alias() -> None:
+    from tdckpt.manager import RemoteCheckpointManager
+
+    url = f"memory://t{uuid.uuid4().hex[:12]}/run"
+    with pytest.warns(TdckptDeprecationWarning) as caught:
+        mgr = RemoteCheckpointManager(url, retention=KeepLast(1))  # the line warned about
+    assert len(caught) == 1
+    warning = caught[0]
+    assert warning.filename == __file__
+    assert "RemoteCheckpointManager is deprecated" in str(warning.message)
+    assert "Use CheckpointManager" in str(warning.message)
+    assert warning.message.since == "0.1" and warning.message.removal == "0.2"  # type: ignore[union-attr]
+    with mgr:
+        assert type(mgr) is CheckpointManager and mgr.root == url
+        mgr.save(1, _td(1))
+        mgr.save(2, _td(2))
+        assert mgr.steps() == [2]
 
 
 def test_local_gc_grace_period_keeps_fresh_leftovers(tmp_path: Path) -> None:
