@@ -1,8 +1,9 @@
-"""One ``CheckpointManager`` contract on every kind of root: local folders, archives, memory://, S3.
+"""One ``CheckpointManager`` contract on every kind of root: local folders, archives, memory://,
+S3, and a 2-rank group (real gloo processes, tests/_shard_child.py ``substitution``).
 
 Each public method is called the same way on each root and must either work alike or
-refuse with the same error class. (The storage-seam issue extends this to a 2-rank group
-and makes the object-storage manager a layer, not a subclass.)
+refuse with the same error class. One class serves every root: the object-storage root and
+the sharded steps are layers under it (tdckpt._store, tdckpt._shard), not subclasses.
 """
 
 from __future__ import annotations
@@ -122,3 +123,49 @@ def test_local_gc_grace_period_keeps_fresh_leftovers(tmp_path: Path) -> None:
         assert mgr.gc(grace_period=3600) == []
         assert leftover.exists()
         assert mgr.gc() == [leftover] and not leftover.exists()
+
+
+def test_every_public_method_on_a_two_rank_group(tmp_path: Path) -> None:
+    """The column of a collective manager: the same calls, each rank with its shard.
+
+    What differs by design: ``tdckpt_group`` is the group; ``keys=`` of a sharded restore is
+    refused (NotImplementedError) until selective restores reach sharded steps. A refusal
+    rank 0 decides for the shared root is the same class on every rank.
+    """
+    from _shard_child import LENGTHS, spawn_ranks
+
+    from tdckpt._shard.rows import even_part
+
+    args = {"out": str(tmp_path / "o"), "root": str(tmp_path / "root"), "timeout": 60}
+    results = spawn_ranks("substitution", 2, args, timeout=240)
+    for rank, res in enumerate(results):
+        assert res is not None, f"rank {rank} died"
+        assert "ok" in res, f"rank {rank} raised:\n{res['error'][2]}"
+        out = res["ok"]
+        assert out["group"] and out["empty"] == [[], None]
+        assert out["steps"] == [[3, 4], 4]
+        assert out["best"] == [4, {"loss": 1.0 / 3}]
+        assert out["list_steps"] == [[3, "sharded", "committed"], [4, "sharded", "committed"]]
+        assert out["verify"] == [True, True]
+        assert out["prune_gc"] == [[], []]
+        start, stop = even_part(sum(LENGTHS[2]), rank, 2)  # torch.tensor_split's part
+        assert out["restore"] == [[stop - start], True, True]
+        assert out["restore_into"] == [True]
+        for name in ("restore_keys", "restore_into_keys"):
+            kind, message = out[name]
+            assert kind == "NotImplementedError" and "sharded steps" in message, out[name]
+        assert out["metadata_missing"][0] == "CheckpointNotFoundError"
+        assert "no committed step 7" in out["metadata_missing"][1]
+        kind, message = out["gc_negative"]
+        assert kind == "ValueError" and "grace_period" in message
+        # before: rank 1 raised RestoreError / CollectiveError for rank 0's refusal
+        kind, message = out["restore_missing"]
+        assert kind == "CheckpointNotFoundError" and "step 7" in message, out["restore_missing"]
+        kind, message = out["save_existing"]
+        assert kind == "CheckpointExistsError" and "step 3 already exists" in message
+        assert out["steps_after"] == [3, 4]
+    # outside the group the sharded steps restore whole, like any other root's
+    with CheckpointManager(tmp_path / "root" / "sub") as mgr:
+        assert mgr.steps() == [3, 4] and mgr.verify(4).ok
+        whole = mgr.restore(4)
+        assert whole.batch_size == (sum(LENGTHS[2]),) and bool((whole["step"] == 4).all())

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tdckpt._shard.group import rank0_refusal
 from tdckpt._shard.rows import ReadStats, even_part, read_rows, row_range
 from tdckpt._shard.steps import ShardSteps
 from tdckpt.errors import RestoreError
@@ -43,7 +44,12 @@ def _agreed_step(mgr: ShardSteps, step: int | None) -> int | None:
     if isinstance(agreed, str):
         if group.rank == 0:
             mgr.resolve(step)  # raise the real error here
-        raise RestoreError(f"rank 0 could not pick the step to restore: {agreed}", step=step)
+        raise rank0_refusal(  # the class rank 0 raised (no such step, ...)
+            agreed.split(":", 1)[0],
+            f"rank 0 could not pick the step to restore: {agreed}",
+            RestoreError,
+            step=step,
+        )
     if step is not None and agreed != step:  # pragma: no cover - ranks passed other steps
         raise RestoreError(
             f"rank {group.rank} asked for step {step} but rank 0 for {agreed}; every rank "

@@ -36,7 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tdckpt._shard.group import ShardGroup
+from tdckpt._shard.group import ShardGroup, rank0_refusal
 from tdckpt._shard.manifest import ShardResult, build_manifest
 from tdckpt._shard.steps import ShardSteps
 from tdckpt._write import atomic as _atomic
@@ -292,8 +292,10 @@ def _follow(
 ) -> Path:
     plan = group.broadcast(None, "announce the attempt")
     if "error" in plan:
-        raise CollectiveError(
+        raise rank0_refusal(
+            plan.get("kind", ""),
             f"rank 0 refused to save step {step}, so nothing was written: {plan['error']}",
+            CollectiveError,
             rank=group.rank,
             phase="announce the attempt",
             step=step,
@@ -372,8 +374,8 @@ def _lead(
         if isinstance(exc, CollectiveError) and exc.facts.get("broken"):
             raise  # the group is broken: the others fail on their own collectives
         message = f"{type(exc).__name__}: {exc}"
-        if not announced:
-            group.broadcast({"error": message}, "announce the attempt")
+        if not announced:  # rank 0's refusal: every rank raises its class
+            group.broadcast({"error": message, "kind": type(exc).__name__}, "announce the attempt")
         else:
             group.broadcast({"error": f"rank 0: {message}"}, "broadcast the outcome")
         raise
