@@ -373,15 +373,7 @@ class CheckpointManager:
 
     def step_infos(self) -> list[StepInfo]:
         """What retention policies see: every committed step with its metadata, oldest first."""
-        return [
-            StepInfo(
-                step=step,
-                path=record.where,
-                metadata=copy.deepcopy(record.manifest.user_metadata),
-                created=record.manifest.created,
-            )
-            for step, record in sorted(self._steps.records().items())
-        ]
+        return [_info(record) for _, record in sorted(self._steps.records().items())]
 
     def list_steps(self) -> list[StepStatus]:
         """Every step-like entry of the root with its status, for ``tdckpt ls``.
@@ -576,8 +568,9 @@ class CheckpointManager:
             ...         mgr.restore(1)["w"].tolist(), mgr.metadata(1)
             ([0.0, 0.0, 0.0], {'loss': 0.5})
         """
-        if self._shard is not None:
-            return self._save_async_collective(step, state, metadata, replicated)
+        collective = self._shard is not None
+        if collective and is_state_mapping(state):
+            self.save(step, state)  # raises the collective refusal of a training state
         self._refuse_replicated(replicated)
         step = _atomic.check_step(step)
         if metadata is not None:
@@ -591,46 +584,27 @@ class CheckpointManager:
         obj, record = self._saveable(state)  # on the caller's thread, before the snapshot
         with self._staging_lock:  # one snapshot at a time uses the staging buffer
             self._background.drain(before=f"this save of step {step} started", stacklevel=2)
-            with self._writing:
-                self._ensure_lock()
-                if self._steps.existing(step):
-                    raise self._steps.exists_error(step)
+            if not collective:  # (a collective save checks on rank 0, in the protocol)
+                with self._writing:
+                    self._ensure_lock()
+                    if self._steps.existing(step):
+                        raise self._steps.exists_error(step)
             answered = self._schedule.save_started()
-            snapshot: Any
-            if self._steps.capabilities.file_backed:
-                # staged into reused buffers, written as files by the background thread
-                prepared = prepare_checkpoint(obj, Path(self.root, _atomic.step_name(step)))
-                snapshot = self._staging.stage(prepared)
-            else:  # encoded in memory by the background thread: a detached copy
+            job: Callable[[], Path | str]
+            if collective or not self._steps.capabilities.file_backed:
                 from tdckpt._write.snapshot import detached_copy
 
+                # tensors cloned, non-tensor values deep-copied; a shard's errors (a bad
+                # shard, ...) surface in the protocol, on every rank
                 snapshot = detached_copy(obj)
-            future = self._background.submit(
-                step, lambda: self._save_in_background(step, snapshot, metadata, record)
-            )
-        self._schedule.saved(step, answered)
-        return future
-
-    def _save_async_collective(
-        self, step: int, obj: Any, metadata: dict[str, Any] | None, replicated: Any
-    ) -> SaveFuture:
-        from tdckpt._write.snapshot import detached_copy
-
-        step = _atomic.check_step(step)
-        if metadata is not None:
-            check_json_data(metadata)
-            metadata = copy.deepcopy(metadata)
-        if is_state_mapping(obj):
-            self.save(step, obj)  # raises the collective refusal of a training state
-        replicated = tuple(replicated)
-        with self._staging_lock:
-            self._background.drain(before=f"this save of step {step} started", stacklevel=3)
-            answered = self._schedule.save_started()
-            snapshot = detached_copy(obj)  # errors (bad shard, ...) surface in the protocol
-
-            def job() -> Path:
-                return self._save_collective(step, snapshot, metadata, False, replicated)
-
+            else:  # staged into reused buffers, written as files by the background thread
+                prepared = prepare_checkpoint(obj, Path(self.root, _atomic.step_name(step)))
+                snapshot = self._staging.stage(prepared)
+            if collective:
+                shards = tuple(replicated)
+                job = lambda: self._save_collective(step, snapshot, metadata, False, shards)  # noqa: E731
+            else:
+                job = lambda: self._save_in_background(step, snapshot, metadata, record)  # noqa: E731
             future = self._background.submit(step, job)
         self._schedule.saved(step, answered)
         return future
@@ -737,12 +711,15 @@ class CheckpointManager:
             return to_tensordict(obj)
         return obj, None
 
-    def _claim(self, step: int, *, overwrite: bool) -> bool:
-        """Refuse an existing step unless ``overwrite``, and one being restored or verified;
-        mark an existing one as being overwritten (under ``_writing``): when this returns
-        True the caller discards ``step`` from ``_overwriting`` (and notifies) when done."""
+    @contextlib.contextmanager
+    def _claimed(self, step: int, overwrite: bool) -> Iterator[None]:
+        """Under ``_writing``: the writer lock taken and ``step`` claimed while the block
+        runs - refused if it exists without ``overwrite``, or is being restored or
+        verified; an existing one is marked as being overwritten (restores of it wait)."""
+        self._ensure_lock()
         if not self._steps.existing(step):
-            return False
+            yield
+            return
         if not overwrite:
             raise self._steps.exists_error(step)
         with self._state:
@@ -755,7 +732,12 @@ class CheckpointManager:
                     step=step,
                 )
             self._overwriting.add(step)
-        return True
+        try:
+            yield
+        finally:
+            with self._state:
+                self._overwriting.discard(step)
+                self._swapped.notify_all()
 
     def _save_locked(
         self,
@@ -772,9 +754,7 @@ class CheckpointManager:
         ``obj`` is what to write: an object, or a staged snapshot of one (the background
         thread of :meth:`save_async`).
         """
-        self._ensure_lock()
-        claimed = self._claim(step, overwrite=overwrite)
-        try:
+        with self._claimed(step, overwrite):
             attempt = self._steps.begin(step, overwrite=overwrite)
             try:
                 with progress_bar(progress, "save") as report:
@@ -784,11 +764,6 @@ class CheckpointManager:
                 raise
             # _warn_not_removed <- remove <- commit <- _save_locked <- save <- caller
             path = self._steps.commit(attempt, stacklevel=4)
-        finally:
-            if claimed:
-                with self._state:
-                    self._overwriting.discard(step)
-                    self._swapped.notify_all()
         self._retain(step, stacklevel=4)  # _retain <- _save_locked <- save <- caller
         return path
 
@@ -850,18 +825,9 @@ class CheckpointManager:
 
     @contextlib.contextmanager
     def _turn(self, step: int, overwrite: bool) -> Iterator[None]:
-        """This process's exclusive turn to write ``step``: the writer lock taken, the step
-        claimed (see :meth:`_claim`) and released when the block ends."""
-        with self._writing:
-            self._ensure_lock()
-            claimed = self._claim(step, overwrite=overwrite)
-            try:
-                yield
-            finally:
-                if claimed:
-                    with self._state:
-                        self._overwriting.discard(step)
-                        self._swapped.notify_all()
+        """This process's exclusive turn to write ``step`` (see :meth:`_claimed`)."""
+        with self._writing, self._claimed(step, overwrite):
+            yield
 
     def _apply_retention(self, *, just_saved: int | None, stacklevel: int) -> list[Path | str]:
         """Retire the steps the policy does not keep, then remove them. ``stacklevel``: of
@@ -869,7 +835,8 @@ class CheckpointManager:
         if type(self.retention) is KeepAll:
             return []  # keeps everything: no listing needed
         with self._state:
-            infos = self.step_infos()
+            records = self._steps.records()
+            infos = [_info(record) for _, record in sorted(records.items())]
             if not infos:
                 return []
             keep = set(self.retention.select_to_keep(infos))
@@ -878,7 +845,7 @@ class CheckpointManager:
             if just_saved is not None:
                 keep.add(just_saved)
             keep.update(self._in_use)
-            retired = self._steps.retire([i.step for i in infos if i.step not in keep])
+            retired = self._steps.retire([records[i.step] for i in infos if i.step not in keep])
         # The (slow) removal runs without _state: restores of other steps need not wait.
         return self._steps.remove(retired, stacklevel=stacklevel + 1)
 
@@ -1218,6 +1185,15 @@ class CheckpointManager:
             return isinstance(self._resolve(step)[2], ShardedManifest)
         except TdckptError:
             return False  # the plain path raises the error
+
+
+def _info(record: StepRecord) -> StepInfo:
+    return StepInfo(
+        step=record.step,
+        path=record.where,
+        metadata=copy.deepcopy(record.manifest.user_metadata),
+        created=record.manifest.created,
+    )
 
 
 def _metadata_checked(path: Path, record: StepRecord) -> Any:

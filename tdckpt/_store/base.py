@@ -150,8 +150,8 @@ class StepStore(Protocol):
         ...
 
     # -- deleting --------------------------------------------------------------------------
-    def retire(self, steps: list[int]) -> list[Any]:
-        """Make ``steps`` unlisted now (their data is removed by :meth:`remove`)."""
+    def retire(self, records: list[StepRecord]) -> list[Any]:
+        """Make these steps unlisted now (their data is removed by :meth:`remove`)."""
         ...
 
     def remove(self, retired: list[Any], *, stacklevel: int) -> list[Path | str]:

@@ -254,10 +254,11 @@ class LocalStepStore:
         _atomic.remove_tree(attempt.where, ignore_errors=True)
 
     # -- deleting --------------------------------------------------------------------------
-    def retire(self, steps: list[int]) -> list[tuple[Path, Path]]:
+    def retire(self, records: list[StepRecord]) -> list[tuple[Path, Path]]:
+        """Rename every form of each step aside (folder and archive)."""
         entries = self._index.entries()
         return self._retire_paths(
-            [(step, path) for step in steps for path in entries.get(step, {}).values()]
+            [(r.step, path) for r in records for path in entries.get(r.step, {}).values()]
         )
 
     def _retire_paths(self, doomed: list[tuple[int, Path]]) -> list[tuple[Path, Path]]:

@@ -365,18 +365,12 @@ class ObjectStepStore:
             self.store.rm_tree(str(attempt.where))
 
     # -- deleting --------------------------------------------------------------------------
-    def retire(self, steps: list[int]) -> list[str]:
-        """Delete each step's record (from then on it is not listed); its attempt's URL."""
-        committed = self._scan()[0]
-        gone = []
-        for step in steps:
-            record = committed.get(step)
-            if record is None:
-                continue
-            # the record first: from here on the step is not listed, whatever follows
-            self.store.rm_files([layout.commit_name(step)])
-            gone.append(self._url(step, record))
-        return gone
+    def retire(self, records: list[StepRecord]) -> list[str]:
+        """Delete each step's commit record (from then on it is not listed); the URLs of
+        their attempts, which :meth:`remove` deletes."""
+        for record in records:
+            self.store.rm_files([layout.commit_name(record.step)])
+        return [str(record.where) for record in records]
 
     def remove(self, retired: list[Any], *, stacklevel: int) -> list[Path | str]:
         for url in retired:
