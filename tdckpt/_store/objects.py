@@ -18,6 +18,7 @@ step's bytes come to this machine (today: downloaded and verified into a private
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import tempfile
@@ -242,7 +243,7 @@ class ObjectStepStore:
                 format_version=m.format_version,
                 key_encoding=m.key_encoding,
                 created=m.created,
-                metadata=dict(m.user_metadata),
+                metadata=copy.deepcopy(m.user_metadata),
             )
             rows.append((step, 0, status))
         for step, reason in damaged.items():
