@@ -192,30 +192,20 @@ class LocalStepStore:
         state: StateRecord | None,
         progress: Progress | None,
     ) -> None:
-        staging = Path(attempt.where)
+        options: dict[str, Any] = {}
         if self.layout == "consolidated":
-            from tdckpt._write.consolidated_write import write_consolidated
-
-            write_consolidated(
-                obj,
-                staging,
-                step=attempt.step,
-                user_metadata=metadata,
-                fsync=self.fsync,
-                checksum=self.checksum,
-                state=state,
-            )
-            return
-        write_checkpoint(
+            from tdckpt._write.consolidated_write import write_consolidated as writer
+        else:  # an archive's staging folder is read back at once: no O_DIRECT for it
+            writer, options = write_checkpoint, {"progress": progress, "direct": not self.archive}
+        writer(
             obj,
-            staging,
+            Path(attempt.where),
             step=attempt.step,
             user_metadata=metadata,
             fsync=self.fsync,
             checksum=self.checksum,
-            progress=progress,
             state=state,
-            direct=not self.archive,  # an archive's staging folder is read back at once
+            **options,
         )
 
     def commit(self, attempt: Attempt, *, stacklevel: int) -> Path:
