@@ -772,7 +772,7 @@ class CheckpointManager:
         failed, so a failure is a warning (``stacklevel`` counted from this method; on
         save_async's thread it is kept and issued on the caller's)."""
         try:
-            self._apply_retention(just_saved=step, stacklevel=stacklevel)
+            self._apply_retention(just_saved=step, stacklevel=stacklevel + 1)
         except (OSError, TdckptError) as exc:
             _background.warn(
                 f"{self._steps.commit_point(step)}: step {step} is committed, but applying "
