@@ -1,15 +1,18 @@
 """``CheckpointManager``: numbered, atomic, verifiable checkpoints of a TensorDict in one root.
 
 A root holds one entry per committed step - ``<root>/<step>/`` (or ``<root>/<step>.tdz``)
-in tensordict 0.15.3's format plus ``tdckpt.manifest.json`` - and nothing else that the
-manager lists. Every entry is committed by one atomic rename after its files, directories
-and manifest are durable (:mod:`tdckpt._write.atomic`), so a process killed at any instant leaves
-every committed step intact; what it leaves half-written is a ``*.tmp-*`` name that is
-never listed and that :meth:`CheckpointManager.gc` removes.
+in tensordict 0.15.3's format plus ``tdckpt.manifest.json`` on a file system, a commit
+record naming an attempt prefix in object storage - and nothing else that the manager
+lists. Every step is written into an attempt nobody lists and committed by one atomic act
+once its bytes are durable, so a process killed at any instant leaves every committed step
+intact; what it leaves half-written is never listed, and :meth:`CheckpointManager.gc`
+removes it.
 
-The manager decides what is saved, restored and deleted, and when; it finds the root's
-steps and reads their manifests through :mod:`tdckpt._manage.steps`, and re-reads a step against
-its manifest through :mod:`tdckpt._manage.verify`.
+The manager decides policy - what is saved, restored and deleted, and when - over a
+:class:`~tdckpt._store.base.StepStore` (:mod:`tdckpt._store`), which lists, opens, begins,
+commits, retires and collects the steps of a local folder or of an fsspec URL; the manager
+asks the store's capabilities, never its type. A step is re-read against its manifest
+through :mod:`tdckpt._manage.verify`.
 :meth:`CheckpointManager.save_async` stages a snapshot of the state on the caller's thread
 (:mod:`tdckpt._write.snapshot`) and runs the same save on one background thread
 (:mod:`tdckpt._manage.background`).
@@ -34,8 +37,8 @@ import contextlib
 import copy
 import os
 import threading
-import time
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,51 +47,56 @@ from typing import TYPE_CHECKING, Any, Literal
 from tdckpt._manage import background as _background
 from tdckpt._manage.background import BackgroundSaver, SaveFuture
 from tdckpt._manage.schedule import SaveSchedule
-from tdckpt._manage.steps import StepIndex, StepStatus, preferred
-from tdckpt._manage.verify import (
-    Progress,
-    VerifyProblem,
-    VerifyReport,
-    manifest_problem,
-    verify_files,
-)
+from tdckpt._manage.steps import StepStatus
+from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
 from tdckpt._progress import ProgressArg, progress_bar
-from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._shard.group import DEFAULT_TIMEOUT as _SHARD_TIMEOUT
 from tdckpt._shard.group import resolve_group
 from tdckpt._state import holds_live_objects, is_state_mapping, restore_state, to_tensordict
+from tdckpt._store import StepRecord, StepStore, open_step_store
 from tdckpt._write import atomic as _atomic
-from tdckpt._write.archive_write import commit_archive
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
-from tdckpt._write.lock import RootLock
-from tdckpt._write.save import check_json_data, prepare_checkpoint, write_checkpoint
+from tdckpt._write.save import check_json_data, prepare_checkpoint
 from tdckpt._write.snapshot import StagingBuffers
 from tdckpt.errors import (
     AsyncSaveError,
     CheckpointExistsError,
     IntegrityError,
-    LockError,
-    MetadataError,
+    RemoteError,
     RestoreError,
     TdckptError,
     UnsupportedContentError,
 )
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
 from tdckpt.save_policy import SavePolicy
-from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest, StateRecord
-from tdckpt.warnings import TdckptWarning
+from tdckpt.schema import Manifest, ShardedManifest, StateRecord
+from tdckpt.warnings import TdckptDeprecationWarning, TdckptWarning
 
 if TYPE_CHECKING:
     from tdckpt._read.pipeline import OpenedCheckpoint
+    from tdckpt._write.lock import RootLock
 
-__all__ = ["CheckpointManager", "SaveFuture", "StepStatus", "VerifyProblem", "VerifyReport"]
+__all__ = [
+    "CheckpointManager",
+    "RemoteCheckpointManager",
+    "SaveFuture",
+    "StepStatus",
+    "VerifyProblem",
+    "VerifyReport",
+]
 
 
 class CheckpointManager:
-    """Save, list, verify, restore and prune the numbered checkpoints of one root folder.
+    """Save, list, verify, restore and prune the numbered checkpoints of one root.
+
+    The root is a local folder, or an fsspec URL (``s3://bucket/run``, ``memory://x``) kept
+    in object storage (``pip install 'tdckpt[remote]'``; see docs/remote.rst): one class,
+    one signature, the same methods and errors; what differs is how a step is committed
+    and read (:mod:`tdckpt._store`).
 
     Writing (:meth:`save`, retention, :meth:`gc`) takes the root's single-writer lock
-    (``<root>/.tdckpt.lock``) on first use and holds it until :meth:`close`: a second
+    (``<root>/.tdckpt.lock``; a lease in object storage) on first use and holds it until
+    :meth:`close`: a second
     writer - another manager, in this process or another - gets a
     :class:`~tdckpt.errors.LockError`. Reading (:meth:`steps`, :meth:`metadata`,
     :meth:`verify`, :meth:`restore`, ...) never takes it, so any number of readers can
@@ -113,16 +121,19 @@ class CheckpointManager:
             ``torch.distributed`` (a manager one rank alone makes, e.g. to list steps).
         timeout: seconds a collective of a sharded save or restore waits for the other
             ranks before every surviving rank raises
-            :class:`~tdckpt.errors.CollectiveError`.
+            :class:`~tdckpt.errors.CollectiveError` (default 1800).
         layout: ``"memmap"`` (default: a file per leaf, what ``td.memmap`` writes) or
             ``"consolidated"``: each step is a folder of one data file,
             ``tensordict.consolidated``, that ``TensorDict.from_consolidated`` loads, and
             the manifest, which records every leaf's offset, size and checksum. Restores map
             the one file once. (:meth:`save_async` saves the memmap layout only.)
         storage_options: for an fsspec URL root (``s3://bucket/run``, ``memory://x``), the
-            filesystem's options (credentials, ``client_kwargs``...). A URL root is kept in
-            object storage (``pip install 'tdckpt[remote]'``; see the remote guide and
-            :class:`tdckpt._remote.manager.RemoteCheckpointManager`).
+            filesystem's options (credentials, ``client_kwargs``...); refused for a local
+            root. In object storage a step is committed by a conditional create of its
+            commit record (two writers racing one step: one gets
+            :class:`~tdckpt.errors.CommitConflictError`), ``overwrite=True``,
+            ``mode="r+"``, ``archive``, ``layout``, ``group`` and ``rows`` are refused, and a
+            restore reads the step's bytes verifying every checksum.
         save_policy: when :meth:`should_save` says "save this step" (default: never; see
             :mod:`tdckpt.save_policy`). A policy holding
             :class:`~tdckpt.save_policy.SaveOnPreemption` installs its signal handlers
@@ -150,14 +161,6 @@ class CheckpointManager:
     #: how steps are saved: "memmap" (a file per leaf) or "consolidated" (one data file)
     layout: str = "memmap"
 
-    def __new__(cls, root: str | os.PathLike[str], *args: Any, **kwargs: Any) -> CheckpointManager:
-        # An fsspec URL (s3://, memory://, file://, ...) gets the object-storage manager.
-        if cls is CheckpointManager and is_url(root):
-            from tdckpt._remote.manager import RemoteCheckpointManager
-
-            return super().__new__(RemoteCheckpointManager)
-        return super().__new__(cls)
-
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -168,7 +171,7 @@ class CheckpointManager:
         checksum: str = DEFAULT_CHECKSUM,
         compression: str = "stored",
         group: Any = None,
-        timeout: float = _SHARD_TIMEOUT,
+        timeout: float | None = None,
         storage_options: dict[str, Any] | None = None,
         save_policy: SavePolicy | None = None,
         clock: Callable[[], float] | None = None,
@@ -176,27 +179,15 @@ class CheckpointManager:
         cache_dir: str | os.PathLike[str] | None = None,
         layout: str = "memmap",
     ) -> None:
-        require_local_options(root, storage_options)
-        for name, value in (("lease_ttl", lease_ttl), ("cache_dir", cache_dir)):
-            if value is not None:
-                raise ValueError(
-                    f"{root}: {name} is for object-storage roots (s3://..., memory://...); a "
-                    f"local root is guarded by a file lock and read in place. Drop {name}."
-                )
         from tdckpt._write.consolidated_write import check_layout
 
         self.layout = check_layout(layout)
-        self.root = Path(root)
         self.retention: RetentionPolicy = KeepAll() if retention is None else retention
         if not callable(getattr(self.retention, "select_to_keep", None)):
             raise TypeError(
                 f"retention must be a retention policy (an object with select_to_keep), got "
                 f"{retention!r}; see tdckpt.retention."
             )
-        # should_save: the save policy, its clock, the last save, the preemption handlers
-        # (checked here, before any collective; joined and installed at the end).
-        self._schedule = SaveSchedule(save_policy, clock)
-        self._schedule.check_thread(str(self.root))
         self.archive = bool(archive)
         self.fsync = bool(fsync)
         new_hasher(checksum)  # refuse an unknown algorithm now, not at the first save
@@ -204,12 +195,37 @@ class CheckpointManager:
         if compression not in ("stored", "deflate"):
             raise ValueError(f"compression must be 'stored' or 'deflate', got {compression!r}")
         self.compression = compression
+        self.storage_options = storage_options
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.id = uuid.uuid4().hex
-        self._lock: RootLock | None = None
         # _state guards the lock object, the in-use counts and the manifest cache, and is
-        # held while retention renames steps away, so a restore cannot pick a step that is
+        # held while retention retires steps, so a restore cannot pick a step that is
         # being deleted, nor retention delete a step a restore has picked.
         self._state = threading.RLock()
+        self._steps: StepStore = open_step_store(
+            root,
+            state=self._state,
+            manager_id=self.id,
+            archive=self.archive,
+            fsync=self.fsync,
+            checksum=checksum,
+            compression=compression,
+            layout=self.layout,
+            storage_options=storage_options,
+            lease_ttl=lease_ttl,
+            cache_dir=cache_dir,
+        )
+        self.root: Path | str = self._steps.root
+        caps = self._steps.capabilities
+        if not caps.collective and (group not in (None, False) or timeout is not None):
+            raise ValueError(
+                f"{self.root}: group= and timeout= make a collective manager of sharded steps, "
+                "which are saved to local roots only. Drop them, or use a shared local root."
+            )
+        # should_save: the save policy, its clock, the last save, the preemption handlers
+        # (checked here, before any collective; joined and installed at the end).
+        self._schedule = SaveSchedule(save_policy, clock)
+        self._schedule.check_thread(str(self.root))
         # Signalled when an overwrite ends: a restore of that step waits for it rather than
         # read a folder that is being swapped.
         self._swapped = threading.Condition(self._state)
@@ -217,8 +233,9 @@ class CheckpointManager:
         # One write (save, retention, gc) at a time within this process.
         self._writing = threading.Lock()
         self._in_use: Counter[int] = Counter()
-        self._index = StepIndex(self.root, self._state)
-        self._shard = resolve_group(group, timeout)  # None: a single-process manager
+        timeout = _SHARD_TIMEOUT if timeout is None else timeout
+        # None: a single-process manager
+        self._shard = resolve_group(group, timeout) if caps.collective else None
         if self._shard is not None and self.archive:
             raise ValueError("a collective manager saves sharded steps as folders: archive=False")
         if self.layout == "consolidated" and (self.archive or self._shard is not None):
@@ -240,6 +257,21 @@ class CheckpointManager:
             f"CheckpointManager({str(self.root)!r}, retention={self.retention!r}, "
             f"archive={self.archive}, fsync={self.fsync})"
         )
+
+    @property
+    def store(self) -> Any:
+        """What the steps live in: the fsspec store of an object-storage root
+        (``store.calls`` counts the requests sent), the folder of a local one."""
+        return getattr(self._steps, "store", self.root)
+
+    @property
+    def _lock(self) -> RootLock | None:
+        """The local root's file lock while this manager holds it (else None)."""
+        return getattr(self._steps, "root_lock", None)
+
+    @_lock.setter
+    def _lock(self, value: RootLock | None) -> None:
+        self._steps.root_lock = value  # type: ignore[attr-defined]
 
     @property
     def tdckpt_group(self) -> Any:
@@ -289,81 +321,37 @@ class CheckpointManager:
         with self._staging_lock:
             self._staging.release()
         with self._writing, self._state:
-            if self._lock is not None:
-                self._lock.release()
-                self._lock = None
+            self._steps.unlock()
         if self._shard is not None:  # the gloo group this manager made (never the user's)
             self._shard.destroy()
         if failure is not None:
             raise failure
 
     def _ensure_lock(self) -> None:
-        with self._state:
-            if self._lock is not None and not self._lock.held:
-                self._lock = None  # a forked child let go of its parent's lock
-            if self._lock is not None and not self._lock.still_ours():
-                # The lock file was removed or replaced under us: another writer may hold
-                # a new one. Let go of ours (never touching the new file) and take the
-                # lock again, which refuses if that other writer is alive.
-                self._lock._forget()
-                self._lock = None
-            if self._lock is None:
-                self._check_root()
-                if not self.root.is_dir():
-                    try:
-                        self.root.mkdir(parents=True, exist_ok=True)
-                    except OSError as exc:  # a file in the way, a read-only parent
-                        raise LockError(
-                            f"{self.root}: cannot create the checkpoint root "
-                            f"({exc.strerror}: {exc.filename}). Pass a directory, or a path "
-                            "whose parent this process can write.",
-                            root=str(self.root),
-                            path=str(self.root),
-                        ) from exc
-                    if self.fsync:  # the root's own name must survive a crash too
-                        _atomic.fsync_dir(self.root.parent)
-                lock = RootLock(self.root, manager_id=self.id, fsync=self.fsync)
-                # warning -> acquire <- _ensure_lock <- save/gc <- the user's line
-                lock.acquire(stacklevel=3)
-                self._lock = lock
-
-    def _check_root(self) -> None:
-        """Refuse a root that is, or lies inside, a checkpoint: saving there changes it."""
-        markers = ("meta.json", "meta.pt", MANIFEST_NAME)
-        for where in (self.root, *self.root.absolute().parents):
-            inside = [m for m in markers if os.path.lexists(where / m)]
-            if inside and (where == self.root or MANIFEST_NAME in inside):
-                raise LockError(
-                    f"{self.root}: {'is' if where == self.root else 'lies inside'} a "
-                    f"checkpoint ({where / inside[0]} exists); a manager saving here would "
-                    "change that checkpoint. Pass a separate folder as the root.",
-                    root=str(self.root),
-                    path=str(where / inside[0]),
-                )
+        self._steps.lock()
 
     # -- listing ---------------------------------------------------------------------------
-    def _preferred(self, forms: dict[str, Any]) -> Any:
-        return preferred(forms, archive=self.archive)
-
     def steps(self) -> list[int]:
-        """The committed steps, in increasing order (never a ``*.tmp-*`` or foreign entry)."""
-        return sorted(self._index.committed())
+        """The committed steps, in increasing order (never an attempt or foreign entry)."""
+        return sorted(self._steps.records())
 
     def latest_step(self) -> int | None:
         """The highest committed step, or None when there is none."""
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def _resolve(self, step: int | None) -> tuple[int, Path, Manifest]:
-        return self._index.resolve(step, archive=self.archive)
+    def _resolve(self, step: int | None) -> tuple[int, Path | str, Manifest]:
+        record = self._steps.resolve(step)
+        return record.step, record.where, record.manifest
 
-    def path(self, step: int) -> Path:
-        """The folder (or ``.tdz`` archive) of a committed step."""
-        return self._resolve(_atomic.check_step(step))[1]
+    def path(self, step: int) -> Path | str:
+        """The folder (or ``.tdz`` archive) of a committed step; in object storage, the
+        URL of the step's data (its attempt prefix)."""
+        return self._steps.resolve(_atomic.check_step(step)).where
 
     def metadata(self, step: int) -> dict[str, Any]:
         """The user metadata saved with a committed step (a copy)."""
-        return copy.deepcopy(self._resolve(_atomic.check_step(step))[2].user_metadata)
+        return copy.deepcopy(self._steps.resolve(_atomic.check_step(step)).manifest.user_metadata)
 
     def best_step(self, key: str, mode: Literal["min", "max"] = "min") -> int | None:
         """The committed step with the lowest (``"min"``) or highest (``"max"``) metadata value.
@@ -374,8 +362,8 @@ class CheckpointManager:
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
         best: tuple[float, int] | None = None
-        for step, forms in sorted(self._index.committed().items()):
-            value = metric_value(self._preferred(forms)[1].user_metadata, key)
+        for step, record in sorted(self._steps.records().items()):
+            value = metric_value(record.manifest.user_metadata, key)
             if value is None:
                 continue
             score = (value if mode == "min" else -value, -step)
@@ -385,44 +373,39 @@ class CheckpointManager:
 
     def step_infos(self) -> list[StepInfo]:
         """What retention policies see: every committed step with its metadata, oldest first."""
-        infos = []
-        for step, forms in sorted(self._index.committed().items()):
-            path, manifest = self._preferred(forms)
-            infos.append(
-                StepInfo(
-                    step=step,
-                    path=path,
-                    metadata=copy.deepcopy(manifest.user_metadata),
-                    created=manifest.created,
-                )
-            )
-        return infos
+        return [_info(record) for _, record in sorted(self._steps.records().items())]
 
     def list_steps(self) -> list[StepStatus]:
         """Every step-like entry of the root with its status, for ``tdckpt ls``.
 
-        Committed steps (a valid manifest), damaged ones (a step-named entry whose
-        manifest cannot be read: never restored, never listed by :meth:`steps`), and the
-        leftovers of crashed saves (``*.tmp-*``: ``incomplete``, removed by :meth:`gc`).
+        Committed steps (a valid manifest or commit record), damaged ones (a step-named
+        entry tdckpt cannot read: never restored, never listed by :meth:`steps`), and the
+        leftovers of crashed saves (``incomplete``, removed by :meth:`gc`).
         """
-        return self._index.statuses()
+        return self._steps.statuses()
+
+    @contextlib.contextmanager
+    def _pinned(self, step: int | None) -> Iterator[StepRecord]:
+        """Pick a committed step and protect it from retention until the block ends."""
+        with self._state:
+            record = self._steps.resolve(step)
+            while record.step in self._overwriting:
+                self._swapped.wait()
+                record = self._steps.resolve(step)
+            self._in_use[record.step] += 1
+        try:
+            yield record
+        finally:
+            with self._state:
+                self._in_use[record.step] -= 1
+                if self._in_use[record.step] <= 0:
+                    del self._in_use[record.step]
 
     @contextlib.contextmanager
     def _using(self, step: int | None) -> Iterator[tuple[int, Path, Manifest]]:
-        """Pick a committed step and protect it from retention until the block ends."""
-        with self._state:
-            resolved = self._resolve(step)
-            while resolved[0] in self._overwriting:
-                self._swapped.wait()
-                resolved = self._resolve(step)
-            self._in_use[resolved[0]] += 1
-        try:
-            yield resolved
-        finally:
-            with self._state:
-                self._in_use[resolved[0]] -= 1
-                if self._in_use[resolved[0]] <= 0:
-                    del self._in_use[resolved[0]]
+        """:meth:`_pinned` as ``(step, path, manifest)``, for a local root's readers."""
+        with self._pinned(step) as record:
+            yield record.step, Path(record.where), record.manifest
 
     # -- saving ----------------------------------------------------------------------------
     def save(
@@ -434,7 +417,7 @@ class CheckpointManager:
         overwrite: bool = False,
         progress: ProgressArg = None,
         replicated: Any = (),
-    ) -> Path:
+    ) -> Path | str:
         """Save ``obj`` as ``step``: all or nothing on disk, then apply the retention policy.
 
         ``obj`` (a TensorDict, lazy stack, tensorclass or non-tensor data, or a training
@@ -477,8 +460,6 @@ class CheckpointManager:
             MetadataError: ``metadata`` is not plain JSON data.
         """
         if self._shard is not None:
-            from tdckpt._shard.save import collective_save
-
             self._background.drain(before=f"this save of step {step} started", stacklevel=2)
             if is_state_mapping(obj):  # refused on every rank alike, before any collective
                 raise UnsupportedContentError(
@@ -490,17 +471,18 @@ class CheckpointManager:
                     keys=[()],
                 )
             answered = self._schedule.save_started()
-            path = collective_save(
-                self,
-                step,
-                obj,
-                metadata=metadata,
-                overwrite=overwrite,
-                replicated=replicated,
-            )
+            shared = self._save_collective(step, obj, metadata, overwrite, replicated)
             self._schedule.saved(step, answered)
-            return path
+            return shared
+        self._refuse_replicated(replicated)
         step = _atomic.check_step(step)
+        if overwrite and not self._steps.capabilities.atomic_rename:
+            raise ValueError(
+                f"{self.root}: overwrite=True is not supported in object storage: replacing a "
+                "committed step needs an atomic swap that object stores lack, and a reader "
+                "could see the old step vanish. Save under a new step (and let retention "
+                "delete the old one)."
+            )
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
         obj, state = self._saveable(obj)
@@ -513,6 +495,13 @@ class CheckpointManager:
             )
         self._schedule.saved(step, answered)
         return path
+
+    def _refuse_replicated(self, replicated: Any) -> None:
+        if not self._steps.capabilities.collective and tuple(replicated):
+            raise ValueError(
+                f"{self.root}: replicated= names keys of a sharded step, written by a "
+                "collective manager on a local root. Drop it."
+            )
 
     def save_async(
         self,
@@ -579,8 +568,10 @@ class CheckpointManager:
             ...         mgr.restore(1)["w"].tolist(), mgr.metadata(1)
             ([0.0, 0.0, 0.0], {'loss': 0.5})
         """
-        if self._shard is not None:
-            return self._save_async_collective(step, state, metadata, replicated)
+        collective = self._shard is not None
+        if collective and is_state_mapping(state):
+            self.save(step, state)  # raises the collective refusal of a training state
+        self._refuse_replicated(replicated)
         step = _atomic.check_step(step)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
@@ -593,46 +584,27 @@ class CheckpointManager:
         obj, record = self._saveable(state)  # on the caller's thread, before the snapshot
         with self._staging_lock:  # one snapshot at a time uses the staging buffer
             self._background.drain(before=f"this save of step {step} started", stacklevel=2)
-            with self._writing:
-                self._ensure_lock()
-                self._refuse_existing(step, self._index.entries().get(step, {}))
+            if not collective:  # (a collective save checks on rank 0, in the protocol)
+                with self._writing:
+                    self._ensure_lock()
+                    if self._steps.existing(step):
+                        raise self._steps.exists_error(step)
             answered = self._schedule.save_started()
-            prepared = prepare_checkpoint(obj, self.root / _atomic.step_name(step))
-            snapshot = self._staging.stage(prepared)
-            future = self._background.submit(
-                step, lambda: self._save_in_background(step, snapshot, metadata, record)
-            )
-        self._schedule.saved(step, answered)
-        return future
+            job: Callable[[], Path | str]
+            if collective or not self._steps.capabilities.file_backed:
+                from tdckpt._write.snapshot import detached_copy
 
-    def _save_async_collective(
-        self, step: int, obj: Any, metadata: dict[str, Any] | None, replicated: Any
-    ) -> SaveFuture:
-        from tdckpt._shard.save import collective_save
-        from tdckpt._write.snapshot import detached_copy
-
-        step = _atomic.check_step(step)
-        if metadata is not None:
-            check_json_data(metadata)
-            metadata = copy.deepcopy(metadata)
-        if is_state_mapping(obj):
-            self.save(step, obj)  # raises the collective refusal of a training state
-        replicated = tuple(replicated)
-        with self._staging_lock:
-            self._background.drain(before=f"this save of step {step} started", stacklevel=3)
-            answered = self._schedule.save_started()
-            snapshot = detached_copy(obj)  # errors (bad shard, ...) surface in the protocol
-
-            def job() -> Path:
-                return collective_save(
-                    self,
-                    step,
-                    snapshot,
-                    metadata=metadata,
-                    overwrite=False,
-                    replicated=replicated,
-                )
-
+                # tensors cloned, non-tensor values deep-copied; a shard's errors (a bad
+                # shard, ...) surface in the protocol, on every rank
+                snapshot = detached_copy(obj)
+            else:  # staged into reused buffers, written as files by the background thread
+                prepared = prepare_checkpoint(obj, Path(self.root, _atomic.step_name(step)))
+                snapshot = self._staging.stage(prepared)
+            if collective:
+                shards = tuple(replicated)
+                job = lambda: self._save_collective(step, snapshot, metadata, False, shards)  # noqa: E731
+            else:
+                job = lambda: self._save_in_background(step, snapshot, metadata, record)  # noqa: E731
             future = self._background.submit(step, job)
         self._schedule.saved(step, answered)
         return future
@@ -675,7 +647,7 @@ class CheckpointManager:
 
     def save_if_preempted(
         self, step: int, state: Any, *, metadata: dict[str, Any] | None = None
-    ) -> Path | None:
+    ) -> Path | str | None:
         """Save ``state`` as ``step`` now (synchronously) if a preemption signal is pending.
 
         For long stretches without a step boundary (an evaluation pass, a data pass): call
@@ -700,7 +672,7 @@ class CheckpointManager:
             return None
         return self.save(step, state, metadata=metadata)
 
-    def wait(self) -> Path | None:
+    def wait(self) -> Path | str | None:
         """Wait for the :meth:`save_async` in flight; return its committed path.
 
         Returns None when no save was started, or when the last one failed and its error
@@ -723,7 +695,7 @@ class CheckpointManager:
         snapshot: Any,
         metadata: dict[str, Any] | None,
         state: StateRecord | None,
-    ) -> Path:
+    ) -> Path | str:
         with self._writing:
             return self._save_locked(step, snapshot, metadata, overwrite=False, state=state)
 
@@ -739,37 +711,33 @@ class CheckpointManager:
             return to_tensordict(obj)
         return obj, None
 
-    def _refuse_existing(self, step: int, forms: dict[str, Any]) -> None:
-        if forms:
-            raise CheckpointExistsError(
-                f"{self._preferred(forms)}: step {step} already exists; a committed step "
-                "is never overwritten unless asked. Pass overwrite=True to replace it, "
-                "or save under another step.",
-                path=str(self._preferred(forms)),
-                step=step,
-            )
-
-    def _claim(self, step: int, *, overwrite: bool) -> dict[str, Path]:
-        """The step's existing forms, marked as being overwritten (under ``_writing``).
-
-        Refuses an existing step unless ``overwrite``, and one being restored or verified;
-        the caller discards ``step`` from ``_overwriting`` (and notifies) when done.
-        """
-        forms: dict[str, Path] = self._index.entries().get(step, {})
+    @contextlib.contextmanager
+    def _claimed(self, step: int, overwrite: bool) -> Iterator[None]:
+        """Under ``_writing``: the writer lock taken and ``step`` claimed while the block
+        runs - refused if it exists without ``overwrite``, or is being restored or
+        verified; an existing one is marked as being overwritten (restores of it wait)."""
+        self._ensure_lock()
+        if not self._steps.existing(step):
+            yield
+            return
         if not overwrite:
-            self._refuse_existing(step, forms)
-        if forms:
+            raise self._steps.exists_error(step)
+        with self._state:
+            if self._in_use.get(step):
+                raise CheckpointExistsError(
+                    f"{self.root}: step {step} is being restored or verified right "
+                    "now; it cannot be overwritten until that finishes. Save under "
+                    "another step, or retry.",
+                    path=str(self.root),
+                    step=step,
+                )
+            self._overwriting.add(step)
+        try:
+            yield
+        finally:
             with self._state:
-                if self._in_use.get(step):
-                    raise CheckpointExistsError(
-                        f"{self.root}: step {step} is being restored or verified right "
-                        "now; it cannot be overwritten until that finishes. Save under "
-                        "another step, or retry.",
-                        path=str(self.root),
-                        step=step,
-                    )
-                self._overwriting.add(step)
-        return forms
+                self._overwriting.discard(step)
+                self._swapped.notify_all()
 
     def _save_locked(
         self,
@@ -780,113 +748,95 @@ class CheckpointManager:
         overwrite: bool,
         progress: ProgressArg = None,
         state: StateRecord | None = None,
-    ) -> Path:
-        """The body of a save, under ``_writing``: write, commit, then retention.
+    ) -> Path | str:
+        """The body of a save, under ``_writing``: begin, write, commit, then retention.
 
         ``obj`` is what to write: an object, or a staged snapshot of one (the background
         thread of :meth:`save_async`).
         """
-        self._ensure_lock()
-        forms = self._claim(step, overwrite=overwrite)
-        try:
-            with progress_bar(progress, "save") as report:
-                path = self._commit(
-                    step, obj, metadata, overwrite=overwrite, progress=report, state=state
-                )
-            # An overwrite in the other form (folder vs archive) leaves the old one.
-            other = "dir" if self.archive else "archive"
-            if other in forms:
-                # _warn_not_removed <- _remove <- _save_locked <- save <- caller
-                self._remove(self._retire([(step, forms[other])]), stacklevel=5)
-        finally:
-            if forms:
-                with self._state:
-                    self._overwriting.discard(step)
-                    self._swapped.notify_all()
-        # _warn_not_removed <- _remove <- _apply_retention <- _save_locked <- save <- caller
-        self._apply_retention(just_saved=step, stacklevel=6)
+        with self._claimed(step, overwrite):
+            attempt = self._steps.begin(step, overwrite=overwrite)
+            try:
+                with progress_bar(progress, "save") as report:
+                    self._steps.write(attempt, obj, metadata=metadata, state=state, progress=report)
+            except BaseException:
+                self._steps.abort(attempt)
+                raise
+            # _warn_not_removed <- remove <- commit <- _save_locked <- save <- caller
+            path = self._steps.commit(attempt, stacklevel=4)
+        self._retain(step, stacklevel=4)  # _retain <- _save_locked <- save <- caller
         return path
 
-    def _commit(
+    def _retain(self, step: int, *, stacklevel: int) -> None:
+        """Retention after ``step`` committed: from here on nothing may make the save look
+        failed, so a failure is a warning (``stacklevel`` counted from this method; on
+        save_async's thread it is kept and issued on the caller's)."""
+        try:
+            self._apply_retention(just_saved=step, stacklevel=stacklevel + 1)
+        except (OSError, TdckptError) as exc:
+            _background.warn(
+                f"{self._steps.commit_point(step)}: step {step} is committed, but applying "
+                "the retention policy after "
+                f"it failed ({_why(exc)}); older steps it would have deleted may still be "
+                "listed, and data of a deleted step may be left for gc. Run prune() and gc() "
+                "(or `tdckpt gc`) again once the root answers.",
+                TdckptWarning,
+                stacklevel=stacklevel,
+            )
+
+    def _save_collective(
         self,
         step: int,
         obj: Any,
         metadata: dict[str, Any] | None,
-        *,
         overwrite: bool,
-        progress: Progress | None = None,
-        state: StateRecord | None = None,
+        replicated: Any,
     ) -> Path:
-        def write(staging: Path) -> Manifest:
-            if self.layout == "consolidated":
-                from tdckpt._write.consolidated_write import write_consolidated
+        """The sharded save protocol (every rank), then retention on rank 0."""
+        from tdckpt._shard.save import collective_save
 
-                return write_consolidated(
-                    obj,
-                    staging,
-                    step=step,
-                    user_metadata=metadata,
-                    fsync=self.fsync,
-                    checksum=self.checksum,
-                    state=state,
-                )
-            return write_checkpoint(
-                obj,
-                staging,
-                step=step,
-                user_metadata=metadata,
-                fsync=self.fsync,
-                checksum=self.checksum,
-                progress=progress,
-                state=state,
-                direct=not self.archive,  # an archive's staging folder is read back at once
-            )
-
-        if self.archive:
-            path, _ = commit_archive(
-                self.root,
-                step,
-                write,
-                overwrite=overwrite,
-                fsync=self.fsync,
-                compression=self.compression,
-            )
-        else:
-            path, _ = _atomic.commit_directory(
-                self.root, step, write, overwrite=overwrite, fsync=self.fsync
-            )
+        path = collective_save(
+            self._shard_steps(),
+            step,
+            obj,
+            metadata=metadata,
+            overwrite=overwrite,
+            replicated=replicated,
+        )
+        if self._shard is not None and self._shard.rank == 0:
+            with self._writing:
+                self._retain(step, stacklevel=4)  # <- _save_collective <- save <- caller
         return path
 
-    def _retire(self, doomed: list[tuple[int, Path]]) -> list[tuple[Path, Path]]:
-        """Rename steps away (under ``_state``, so ``_using`` cannot pick them meanwhile).
+    def _shard_steps(self) -> Any:
+        """This root's steps as the shard layer drives them (:mod:`tdckpt._shard.steps`)."""
+        from tdckpt._shard.steps import ShardSteps
 
-        Returns ``(former path, temporary path)`` pairs; once this returns the steps are no
-        longer listed, whatever happens to the removal that follows.
-        """
-        retired = []
+        return ShardSteps(
+            group=self._shard,
+            store=self._steps,
+            fsync=self.fsync,
+            checksum=self.checksum,
+            resolve=self._resolve,
+            using=self._using,
+            verified=self._verified,
+            turn=self._turn,
+        )
+
+    @contextlib.contextmanager
+    def _turn(self, step: int, overwrite: bool) -> Iterator[None]:
+        """This process's exclusive turn to write ``step`` (see :meth:`_claimed`)."""
+        with self._writing, self._claimed(step, overwrite):
+            yield
+
+    def _apply_retention(self, *, just_saved: int | None, stacklevel: int) -> list[Path | str]:
+        """Retire the steps the policy does not keep, then remove them. ``stacklevel``: of
+        a warning about a step that could not be removed, counted from this method."""
+        if type(self.retention) is KeepAll:
+            return []  # keeps everything: no listing needed
         with self._state:
-            for step, path in doomed:
-                retired.append((path, _atomic.retire(self.root, path, step, fsync=False)))
-        if retired and self.fsync:
-            _atomic.fsync_dir(self.root)
-        return retired
-
-    @staticmethod
-    def _remove(retired: list[tuple[Path, Path]], *, stacklevel: int) -> list[Path]:
-        # Runs after a save committed: a tree this process cannot delete (a read-only
-        # sub-folder, another user's file) is left for gc with a warning, not an error that
-        # would make the committed save look failed. The step is no longer listed either way.
-        for _, aside in retired:
-            try:
-                _atomic.remove_retired(aside)
-            except OSError as exc:
-                # stacklevel: of the warning, counted from _warn_not_removed (1).
-                _warn_not_removed(aside, exc, stacklevel=stacklevel)
-        return [path for path, _ in retired]
-
-    def _apply_retention(self, *, just_saved: int | None, stacklevel: int = 5) -> list[Path]:
-        with self._state:
-            infos = self.step_infos()
+            records = self._steps.records()
+            infos = [_info(record) for _, record in sorted(records.items())]
             if not infos:
                 return []
             keep = set(self.retention.select_to_keep(infos))
@@ -895,61 +845,49 @@ class CheckpointManager:
             if just_saved is not None:
                 keep.add(just_saved)
             keep.update(self._in_use)
-            doomed = []
-            entries = self._index.entries()
-            for info in infos:
-                if info.step not in keep:
-                    doomed += [(info.step, p) for p in entries.get(info.step, {}).values()]
-            retired = self._retire(doomed)
+            retired = self._steps.retire([records[i.step] for i in infos if i.step not in keep])
         # The (slow) removal runs without _state: restores of other steps need not wait.
-        # _warn_not_removed <- _remove <- _apply_retention <- prune <- caller: 5
-        return self._remove(retired, stacklevel=stacklevel)
+        return self._steps.remove(retired, stacklevel=stacklevel + 1)
 
-    def prune(self) -> list[Path]:
+    def prune(self) -> list[Path | str]:
         """Apply the retention policy now (it also runs after every save); return what went."""
         if self._shard is not None and self._shard.rank != 0:
             return []  # rank 0 prunes the shared root
         with self._writing:
-            if not self.root.is_dir():
+            if not self._steps.exists():
                 return []
             self._ensure_lock()
-            return self._apply_retention(just_saved=None)
+            # _warn_not_removed <- remove <- _apply_retention <- prune <- caller
+            return self._apply_retention(just_saved=None, stacklevel=3)
 
-    def gc(self, *, grace_period: float | None = None) -> list[Path]:
+    def gc(self, *, grace_period: float | None = None) -> list[Path | str]:
         """Remove what crashed saves and deletes left behind; return the removed paths.
 
-        Removes every ``<step>.tmp-*`` entry (staging folders, steps being deleted) and the
-        archive writer's temporary files. A step that an interrupted overwrite had renamed
-        aside, with nothing committed in its place, is renamed back instead. Committed
-        steps and foreign entries are never touched. Takes the writer lock. In a
-        collective manager rank 0 cleans the shared root; the other ranks return ``[]``.
+        On a file system: every ``<step>.tmp-*`` entry (staging folders, steps being
+        deleted) and the archive writer's temporary files; a step that an interrupted
+        overwrite had renamed aside, with nothing committed in its place, is renamed back
+        instead. In object storage: every attempt prefix no commit record names; never an
+        attempt of a step whose record cannot be read (it may name it: a
+        :class:`~tdckpt.warnings.TdckptWarning` says so), and each step's record is read
+        again just before one of its attempts is deleted. Committed steps and foreign
+        entries are never touched. Takes the writer lock. In a collective manager rank 0
+        cleans the shared root; the other ranks return ``[]``.
 
-        ``grace_period``: keep entries changed less than that many seconds ago (default:
-        none kept; the writer lock already means no save of this root is running). The
-        same argument as an object-storage root's, where uploads may still be in flight.
+        ``grace_period``: keep what changed less than that many seconds ago. Default: none
+        kept on a file system (the writer lock already means no save of this root is
+        running), an hour in object storage (a save may still be uploading, and the
+        store's clock decides).
         """
         if grace_period is not None and not grace_period >= 0:
             raise ValueError(f"grace_period must be >= 0 seconds, got {grace_period!r}")
         if self._shard is not None and self._shard.rank != 0:
             return []  # rank 0 cleans the shared root
         with self._writing:
-            if not self.root.is_dir():
+            if not self._steps.exists():
                 return []
             self._ensure_lock()
-            removed = []
-            now = time.time()
-            for name in sorted(os.listdir(self.root)):
-                if _atomic.is_tmp_name(name) and _older(self.root / name, now, grace_period):
-                    try:
-                        gone = _atomic.recover_or_remove(self.root, name, fsync=self.fsync)
-                    except OSError as exc:
-                        _warn_not_removed(self.root / name, exc, stacklevel=3)
-                        continue
-                    if gone is not None:
-                        removed.append(gone)
-            if removed and self.fsync:
-                _atomic.fsync_dir(self.root)
-            return removed
+            # the warning <- store.gc <- gc <- caller
+            return self._steps.gc(grace_period, stacklevel=3)
 
     # -- verification ----------------------------------------------------------------------
     def verify(self, step: int | None = None, *, progress: ProgressArg = None) -> VerifyReport:
@@ -973,34 +911,30 @@ class CheckpointManager:
             return self._verify(step, report)
 
     def _verify(self, step: int | None, progress: Progress | None) -> VerifyReport:
-        if step is None:
-            with self._using(None) as (resolved, path, manifest):
-                return _verify_step(resolved, path, manifest, progress)
-        step = _atomic.check_step(step)
-        with self._state:
-            while step in self._overwriting:
-                self._swapped.wait()
-            forms = self._index.entries().get(step)
-            if not forms:
-                raise self._index.not_found(step)
-            path = self._preferred(forms)
-            self._in_use[step] += 1
-        try:
-            kind = "archive" if path.name.endswith(_atomic.ARCHIVE_SUFFIX) else "dir"
-            try:
-                manifest = self._index.manifest(path, kind)
-            except MetadataError as exc:
-                return manifest_problem(step, path, exc.message)
-            return _verify_step(step, path, manifest, progress)
-        finally:
+        if step is not None:
+            step = _atomic.check_step(step)
             with self._state:
-                self._in_use[step] -= 1
-                if self._in_use[step] <= 0:
-                    del self._in_use[step]
+                while step in self._overwriting:
+                    self._swapped.wait()
+            damaged = self._steps.damaged(step)
+            if damaged is not None:
+                return damaged
+        with self._pinned(step) as record:
+            return self._verify_step(record, progress)
+
+    def _verify_step(self, record: StepRecord, progress: Progress | None) -> VerifyReport:
+        """The store's re-read of every byte, and for a sharded step its manifest against
+        its shards."""
+        report = self._steps.verify(record, progress)
+        if isinstance(record.manifest, ShardedManifest):
+            from tdckpt._shard.check import shard_problems
+
+            report.problems += shard_problems(Path(record.where), record.manifest)
+        return report
 
     # -- restoring -------------------------------------------------------------------------
-    def _verified(self, step: int, path: Path, manifest: Manifest) -> None:
-        report = _verify_step(step, path, manifest, None)
+    def _verified(self, step: int, path: Path | str, manifest: Manifest) -> None:
+        report = self._verify_step(StepRecord(step, path, manifest), None)
         if not report.ok:
             raise IntegrityError(
                 f"{path}: step {step} failed verification, so nothing was restored and the "
@@ -1077,10 +1011,11 @@ class CheckpointManager:
             IntegrityError: ``verify=True`` and the step is damaged (every problem listed).
             RestoreError: ``strict=True`` and the keys differ (``.missing``/``.unexpected``).
         """
-        from tdckpt._restore.engine import _check_args, restore_in_place
+        from tdckpt._restore.engine import _check_args, load_local, restore_in_place
         from tdckpt._restore.select import RestoreReport, Selection
 
         _check_args(True, allow_pickle, mode)
+        mode = self._mode(mode)
         selection = Selection.of_report(keys, exclude, report, in_place=True)
         if selection is not None and (holds_live_objects(td) or self._sharded_path(step, None)):
             raise NotImplementedError(
@@ -1088,12 +1023,8 @@ class CheckpointManager:
                 "training states or sharded steps yet; restore() a part into a new object."
             )
         if holds_live_objects(td):  # a training state (a dict of tensors is a nested-dict target)
-            from tdckpt._restore.engine import load_local
-
-            with self._using(step) as (resolved, path, manifest):
-                if verify:
-                    self._verified(resolved, path, manifest)
-                with _metadata_checked(path, manifest, resolved):
+            with self._reading(step, verify) as (record, path):
+                with _metadata_checked(path, record):
                     loaded = load_local(
                         path,
                         robust_key=True,
@@ -1104,8 +1035,8 @@ class CheckpointManager:
                 restore_state(
                     td,
                     loaded,
-                    manifest.state,
-                    where=f"{path}: step {resolved}",
+                    record.manifest.state,
+                    where=f"{record.where}: step {record.step}",
                     strict=strict,
                     device=device,
                 )
@@ -1119,15 +1050,18 @@ class CheckpointManager:
             from tdckpt._shard.restore import restore_into_rows
 
             return restore_into_rows(
-                self, td, step, allow_pickle=allow_pickle, mode=mode, verify=verify, strict=strict
+                self._shard_steps(),
+                td,
+                step,
+                allow_pickle=allow_pickle,
+                mode=mode,
+                verify=verify,
+                strict=strict,
             )
-        with self._using(step) as (resolved, path, manifest):
-            if verify:
-                self._verified(resolved, path, manifest)
-
-            same_keys = _same_keys(td, str(path), resolved, selection)
-            done = RestoreReport()
-            with _metadata_checked(path, manifest, resolved):
+        done = RestoreReport()
+        with self._reading(step, verify) as (record, path):
+            same_keys = _same_keys(td, str(record.where), record.step, selection)
+            with _metadata_checked(path, record):
                 restore_in_place(
                     td,
                     path,
@@ -1135,7 +1069,7 @@ class CheckpointManager:
                     allow_pickle=allow_pickle,
                     mode=mode,
                     check=same_keys if strict else None,
-                    manifest_checked=True,  # _using validated it (cached by file identity)
+                    manifest_checked=True,  # the store validated it
                     selection=selection,
                     strict=strict,
                     report=done,
@@ -1181,6 +1115,11 @@ class CheckpointManager:
 
         check_transforms(rename, dtype)
         selection = Selection.of_report(keys, exclude, report)
+        if rows is not None and not self._steps.capabilities.collective:
+            raise ValueError(
+                f"{self.root}: rows= selects rows of a sharded step; sharded steps are saved "
+                "to local roots. Restore the whole step and slice it."
+            )
         if self._sharded_path(step, rows):
             from tdckpt._shard.restore import restore_rows
 
@@ -1190,29 +1129,51 @@ class CheckpointManager:
                     "to sharded steps yet; restore the rows and select keys from the result."
                 )
             return restore_rows(
-                self, step, rows, allow_pickle=allow_pickle, mode=mode, verify=verify
+                self._shard_steps(), step, rows, allow_pickle=allow_pickle, mode=mode, verify=verify
             )
         _check_args(True, allow_pickle, mode)
+        mode = self._mode(mode)
         done = RestoreReport()
-        with self._using(step) as (resolved, path, manifest):
-            if verify:
-                self._verified(resolved, path, manifest)
-            # _using validated the manifest (cached by file identity): not read again
-            with _metadata_checked(path, manifest, resolved):
+        with self._reading(step, verify) as (record, path):
+            with _metadata_checked(path, record):
                 obj = load_local(
                     path,
                     robust_key=True,
                     allow_pickle=allow_pickle,
                     mode=mode,
-                    manifest_checked=True,
+                    manifest_checked=True,  # the store validated it
                     selection=selection,
                     strict=strict,
                     report=done,
                 )
-        obj = apply_transforms(
-            obj, rename=rename, dtype=dtype, where=f"{self.root}: step {resolved}"
-        )
+            obj = apply_transforms(
+                obj, rename=rename, dtype=dtype, where=f"{self.root}: step {record.step}"
+            )
         return (obj, done) if report else obj
+
+    @contextlib.contextmanager
+    def _reading(self, step: int | None, verify: bool) -> Iterator[tuple[StepRecord, Path]]:
+        """A committed step, pinned against retention and opened by the store (a local
+        folder or archive to read), verified first when asked and the store's reads are
+        not verified anyway."""
+        with self._pinned(step) as record:
+            if verify and not self._steps.capabilities.verifies_reads:
+                self._verified(record.step, record.where, record.manifest)
+            with self._steps.open(record) as path:
+                yield record, path
+
+    def _mode(self, mode: Literal["r", "r+"] | None) -> Literal["r", "r+"] | None:
+        """``mode`` as the store can honour it: a step not read in place is read into a
+        private copy, where ``"r+"`` would promise writes that never reach the step."""
+        if self._steps.capabilities.file_backed:
+            return mode
+        if mode == "r+":
+            raise ValueError(
+                "mode='r+' maps the checkpoint's files shared so writes reach them; a step in "
+                "object storage is read into a private copy, so writes could never reach it. "
+                "Use mode='r' (default)."
+            )
+        return "r"
 
     def _sharded_path(self, step: int | None, rows: Any) -> bool:
         """Whether a restore is collective, of a sharded step, or of some rows."""
@@ -1226,19 +1187,16 @@ class CheckpointManager:
             return False  # the plain path raises the error
 
 
-def _verify_step(
-    step: int, path: Path, manifest: Manifest, progress: Progress | None
-) -> VerifyReport:
-    """:func:`verify_files`, and for a sharded step its manifest against its shards."""
-    report = verify_files(step, path, manifest, progress)
-    if isinstance(manifest, ShardedManifest):
-        from tdckpt._shard.check import shard_problems
-
-        report.problems += shard_problems(path, manifest)
-    return report
+def _info(record: StepRecord) -> StepInfo:
+    return StepInfo(
+        step=record.step,
+        path=record.where,
+        metadata=copy.deepcopy(record.manifest.user_metadata),
+        created=record.manifest.created,
+    )
 
 
-def _metadata_checked(path: Path, manifest: Manifest, step: int) -> Any:
+def _metadata_checked(path: Path, record: StepRecord) -> Any:
     """Every file the restore reads whole (``meta.json``, ...) checked against the manifest.
 
     Always, not only under ``verify=True``: those files are read anyway (see
@@ -1246,7 +1204,7 @@ def _metadata_checked(path: Path, manifest: Manifest, step: int) -> Any:
     """
     from tdckpt._read.expected import expecting
 
-    return expecting(path, manifest, where=f"{path}: step {step}")
+    return expecting(path, record.manifest, where=f"{record.where}: step {record.step}")
 
 
 def _same_keys(
@@ -1258,7 +1216,7 @@ def _same_keys(
     raises a RestoreError listing the keys that differ (``where``: the step's path or URL).
     With a ``selection`` (a selective restore), only the target's keys it concerns count.
     """
-    from tdckpt._restore.keys import key_difference, saved_structure, target_structure
+    from tdckpt._restore.keys import key_difference, saved_structure, show_keys, target_structure
 
     def check(opened: OpenedCheckpoint) -> None:
         saved = saved_structure(opened)
@@ -1269,8 +1227,8 @@ def _same_keys(
             raise RestoreError(
                 f"{where}: step {step} does not have the target's keys (strict=True); "
                 f"nothing was changed. In the target but not the checkpoint: "
-                f"{_show_keys(missing)}. In the checkpoint but not the target: "
-                f"{_show_keys(unexpected)}. Pass strict=False to give the target the "
+                f"{show_keys(missing)}. In the checkpoint but not the target: "
+                f"{show_keys(unexpected)}. Pass strict=False to give the target the "
                 "checkpoint's structure, or use restore() for a new object.",
                 path=where,
                 step=step,
@@ -1281,31 +1239,32 @@ def _same_keys(
     return check
 
 
-def _older(path: Path, now: float, grace_period: float | None) -> bool:
-    """Whether ``path`` was last changed more than ``grace_period`` seconds ago (None: yes)."""
-    if grace_period is None:
-        return True
-    try:
-        return now - os.lstat(path).st_mtime >= grace_period
-    except OSError:
-        return True  # gone, or unreadable: recover_or_remove says what happens
+def _why(exc: BaseException) -> str:
+    """What went wrong, for a warning issued after a commit: a store failure's operation,
+    object and cause (not its "Nothing was committed" advice, which is for failed saves)."""
+    from tdckpt._remote.store import shorten
+
+    if isinstance(exc, RemoteError) and "operation" in exc.facts:
+        cause = exc.__cause__
+        shown = repr(cause) if cause is not None else exc.message
+        return f"{exc.facts['operation']} of {exc.facts.get('path')}: {shorten(shown, 300)}"
+    return shorten(str(exc), 400)
 
 
-def _warn_not_removed(path: Path, exc: OSError, *, stacklevel: int) -> None:
-    where = f": {exc.filename}" if exc.filename and str(exc.filename) != str(path) else ""
-    # On save_async's background thread the warning is kept, and issued on the caller's
-    # thread when the save's outcome is delivered.
-    _background.warn(
-        f"{path}: could not be removed ({exc.strerror}{where}); it is left behind and no "
-        "longer listed as a step. Make it writable (e.g. chmod -R u+w) and run gc() or "
-        "`tdckpt gc` again.",
-        TdckptWarning,
-        stacklevel=stacklevel,
+def RemoteCheckpointManager(root: str, **kwargs: Any) -> CheckpointManager:
+    """Deprecated: :class:`CheckpointManager` takes an object-storage URL itself.
+
+    Kept for one release: warns with :class:`~tdckpt.warnings.TdckptDeprecationWarning`
+    and returns ``CheckpointManager(root, **kwargs)``.
+    """
+    warnings.warn(
+        TdckptDeprecationWarning(
+            "RemoteCheckpointManager is deprecated and will be removed in tdckpt 0.2: "
+            f"CheckpointManager({root!r}, ...) keeps a root in object storage itself (one "
+            "class for every root). Use CheckpointManager.",
+            since="0.1",
+            removal="0.2",
+        ),
+        stacklevel=2,
     )
-
-
-def _show_keys(keys: list[tuple[str, ...]], limit: int = 10) -> str:
-    if not keys:
-        return "none"
-    shown = ", ".join(repr(k if len(k) > 1 else k[0]) for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+    return CheckpointManager(root, **kwargs)

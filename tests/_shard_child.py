@@ -437,7 +437,66 @@ def cmd_close(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
     return out
 
 
+def _sub_td(v: float, rows: int) -> Any:
+    """The substitution suite's state (tests/test_substitution.py), with ``rows`` rows."""
+    return TensorDict(
+        model=TensorDict(w=torch.full((rows, 3), v), batch_size=[rows]),
+        step=torch.full((rows,), int(v)),
+        batch_size=[rows],
+    )
+
+
+def cmd_substitution(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """Every public method of a collective manager, as tests/test_substitution.py calls it
+    on the other roots: each result, or the refusal as ``[error class, message]``."""
+    import torch.distributed as dist
+
+    from tdckpt import CheckpointManager, KeepLast
+
+    rows = LENGTHS[world][rank]
+    out: dict[str, Any] = {}
+
+    def call(name: str, fn: Any) -> Any:
+        try:
+            out[name] = ["ok", fn()]
+        except Exception as exc:
+            out[name] = [type(exc).__name__, str(exc)]
+        return out[name][1]
+
+    with CheckpointManager(Path(args["root"]) / "sub", retention=KeepLast(2), timeout=60) as m:
+        out["group"] = m.tdckpt_group is not None
+        out["empty"] = [m.steps(), m.latest_step()]
+        for step in (1, 2, 3):
+            m.save(step, _sub_td(step, rows), metadata={"loss": 1.0 / step})
+        m.save_async(4, _sub_td(4, rows), metadata={"loss": 0.1}).result(timeout=60)
+        dist.barrier(group=m.tdckpt_group)  # rank 0 applies retention after the outcome
+        out["steps"] = [m.steps(), m.latest_step()]
+        out["best"] = [m.best_step("loss"), m.metadata(3)]
+        out["list_steps"] = [[s.step, s.kind, s.status] for s in m.list_steps()]
+        out["verify"] = [m.verify(3).ok, m.verify().ok]
+        out["prune_gc"] = [m.prune(), m.gc(grace_period=0)]
+        got = m.restore(3)
+        out["restore"] = [
+            list(got.batch_size),
+            bool((got["model", "w"] == 3.0).all()),
+            bool((got["step"] == 3).all()),
+        ]
+        target = _sub_td(0, rows)
+        m.restore_into(target, step=3)
+        out["restore_into"] = [bool((target["model", "w"] == 3.0).all())]
+        call("restore_keys", lambda: m.restore(4, keys="model", report=True))
+        call("restore_into_keys", lambda: m.restore_into(target, step=4, keys="model"))
+        # the refusals of test_refusals_are_the_same_error_on_every_root
+        call("restore_missing", lambda: m.restore(7))
+        call("metadata_missing", lambda: m.metadata(7))
+        call("gc_negative", lambda: m.gc(grace_period=-1))
+        call("save_existing", lambda: m.save(3, _sub_td(2, rows)))
+        out["steps_after"] = m.steps()
+    return out
+
+
 COMMANDS = {
+    "substitution": cmd_substitution,
     "close": cmd_close,
     "disagree": cmd_disagree,
     "async": cmd_async,

@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -17,10 +18,9 @@ import torch
 from conftest import subprocess_env
 from tensordict import TensorDict
 
+from tdckpt._store.local import LocalStepStore
 from tdckpt._write import atomic as _atomic
-from tdckpt._write.archive_write import commit_archive
 from tdckpt._write.atomic import (
-    commit_directory,
     is_tmp_name,
     parse_step_name,
     recover_or_remove,
@@ -80,7 +80,31 @@ def test_tmp_names() -> None:
         assert not is_tmp_name(name), name
 
 
-# -- commit_directory ----------------------------------------------------------------------
+# -- the local store's commit protocol -------------------------------------------------------
+
+
+def commit_directory(
+    root: Path, step: int, write: Any, *, overwrite: bool = False, archive: bool = False
+) -> tuple[Path, Any]:
+    """Begin an attempt in the local store, fill it with ``write``, commit it (abort on an
+    error) - what the manager and the sharded save do."""
+    store = LocalStepStore(
+        root,
+        state=threading.RLock(),
+        manager_id="test",
+        archive=archive,
+        fsync=True,
+        checksum="crc32",
+        compression="stored",
+        layout="memmap",
+    )
+    attempt = store.begin(step, overwrite=overwrite)
+    try:
+        result = write(Path(attempt.where))
+    except BaseException:
+        store.abort(attempt)
+        raise
+    return store.commit(attempt, stacklevel=2), result
 
 
 def _writer(td: TensorDict) -> Any:
@@ -232,12 +256,14 @@ def test_retire_then_remove(tmp_path: Path) -> None:
 
 
 def test_commit_archive(tmp_path: Path) -> None:
-    path, _ = commit_archive(tmp_path, 5, _writer(TensorDict(a=torch.arange(3))), fsync=False)
+    path, _ = commit_directory(tmp_path, 5, _writer(TensorDict(a=torch.arange(3))), archive=True)
     assert path == tmp_path / "5.tdz" and sorted(os.listdir(tmp_path)) == ["5.tdz"]
     assert TensorDict.load_memmap(path)["a"].tolist() == [0, 1, 2]
     with pytest.raises(CheckpointExistsError):
-        commit_archive(tmp_path, 5, _writer(TensorDict(a=torch.arange(3))))
-    commit_archive(tmp_path, 5, _writer(TensorDict(b=torch.ones(1))), overwrite=True)
+        commit_directory(tmp_path, 5, _writer(TensorDict(a=torch.arange(3))), archive=True)
+    commit_directory(
+        tmp_path, 5, _writer(TensorDict(b=torch.ones(1))), overwrite=True, archive=True
+    )
     assert list(TensorDict.load_memmap(path).keys()) == ["b"]
     assert sorted(os.listdir(tmp_path)) == ["5.tdz"]
 

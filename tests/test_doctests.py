@@ -17,7 +17,7 @@ MODULES = [
     "tdckpt._restore.engine",
     "tdckpt._write.save",
     "tdckpt.manager",
-    "tdckpt._remote.manager",
+    "tdckpt._store.objects",
     "tdckpt._remote.urls",
     "tdckpt.retention",
     "tdckpt.save_policy",

@@ -432,7 +432,7 @@ def test_a_restore_waits_for_an_overwrite_of_its_step(
 ) -> None:
     import threading
 
-    from tdckpt import manager as manager_module
+    from tdckpt._store import local as manager_module  # the local store's step writer
 
     mgr.save(1, make_td(1), metadata={"v": "old"})
     writing, release = threading.Event(), threading.Event()

@@ -16,7 +16,7 @@ pytest.importorskip("fsspec")
 from _remote_fixtures import Remote, _timeout, moto_s3, remote, s3_remote  # noqa: F401
 
 from tdckpt import CheckpointManager, KeepLast, load_memmap, load_memmap_
-from tdckpt._remote.manager import RemoteCheckpointManager
+from tdckpt._remote.store import Store
 from tdckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -55,14 +55,13 @@ def _mgr(r: Remote, **kw: object) -> CheckpointManager:
     return CheckpointManager(r.url, storage_options=r.storage_options, **kw)  # type: ignore[arg-type]
 
 
-def test_url_dispatches_to_the_remote_manager_and_paths_do_not(
+def test_url_dispatches_to_the_object_store_and_paths_do_not(
     remote: Remote, tmp_path: Path
 ) -> None:
-    with _mgr(remote) as mgr:
-        assert isinstance(mgr, RemoteCheckpointManager)
-        assert isinstance(mgr, CheckpointManager)
+    with _mgr(remote) as mgr:  # one class: the URL picks the step store underneath
+        assert type(mgr) is CheckpointManager and isinstance(mgr.store, Store)
     local = CheckpointManager(tmp_path / "r")
-    assert type(local) is CheckpointManager
+    assert type(local) is CheckpointManager and not isinstance(local.store, Store)
     # a str path without a scheme is local too, and storage_options are refused there
     assert type(CheckpointManager(str(tmp_path / "r"))) is CheckpointManager
     with pytest.raises(ValueError, match="storage_options are for fsspec URLs"):
@@ -288,7 +287,7 @@ def test_file_url_commits_with_an_exclusive_create(tmp_path: Path) -> None:
     url = (tmp_path / "store").as_uri()
     td = _td(6)
     with CheckpointManager(url) as mgr:
-        assert isinstance(mgr, RemoteCheckpointManager)
+        assert isinstance(mgr.store, Store)  # the object-store steps, not a local folder
         mgr.save(1, td)
         assert mgr.steps() == [1]
         assert (tmp_path / "store" / "1.tdckpt.json").is_file()

@@ -345,3 +345,35 @@ def test_time_retention_uses_the_real_creation_times(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, retention=later) as mgr:
         mgr.prune()
         assert mgr.steps() == [3]
+
+
+def test_a_local_retention_failing_after_the_commit_warns_and_the_save_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retiring the old step fails (EACCES on the rename): save() returns the committed step
+    with a TdckptWarning at the caller's line, as on object storage (it raised before, from a
+    save whose step was committed and listed)."""
+    import errno
+    import inspect
+    import warnings
+
+    from tdckpt.warnings import TdckptWarning
+
+    def refused(root: Path, path: Path, step: int, *, fsync: bool = True) -> Path:
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    with CheckpointManager(tmp_path / "run", retention=KeepLast(1)) as mgr:
+        mgr.save(1, TensorDict(w=torch.zeros(2)))
+        monkeypatch.setattr(_atomic, "retire", refused)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+            path = mgr.save(2, TensorDict(w=torch.ones(2)))
+        (w,) = caught
+        assert w.category is TdckptWarning and (w.filename, w.lineno) == (__file__, line)
+        text = str(w.message)
+        assert text.startswith(f"{tmp_path / 'run' / '2'}: step 2 is committed, but ")
+        assert "Permission denied" in text and "prune() and gc()" in text
+        assert path == tmp_path / "run" / "2" and mgr.steps() == [1, 2]
+        monkeypatch.undo()
+        assert mgr.prune() == [tmp_path / "run" / "1"] and mgr.steps() == [2]

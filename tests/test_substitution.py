@@ -1,8 +1,9 @@
-"""One ``CheckpointManager`` contract on every kind of root: local folders, archives, memory://, S3.
+"""One ``CheckpointManager`` contract on every kind of root: local folders, archives, memory://,
+S3, and a 2-rank group (real gloo processes, tests/_shard_child.py ``substitution``).
 
 Each public method is called the same way on each root and must either work alike or
-refuse with the same error class. (The storage-seam issue extends this to a 2-rank group
-and makes the object-storage manager a layer, not a subclass.)
+refuse with the same error class. One class serves every root: the object-storage root and
+the sharded steps are layers under it (tdckpt._store, tdckpt._shard), not subclasses.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tensordict import TensorDict
 import tdckpt
 from tdckpt import CheckpointManager, KeepLast
 from tdckpt.errors import CheckpointNotFoundError, RestoreError
+from tdckpt.warnings import TdckptDeprecationWarning
 
 
 @pytest.fixture(params=["dir", "archive", "memory", "s3"])
@@ -78,22 +80,39 @@ def test_refusals_are_the_same_error_on_every_root(root: dict[str, Any]) -> None
 
 
 def test_one_signature_for_every_root(tmp_path: Path) -> None:
-    # What the object-storage manager takes, the base class declares (mypy users can pass
-    # it), and a local root refuses what only object storage means - clearly.
-    from tdckpt._remote.manager import RemoteCheckpointManager
-
+    # One class for every root (no subclass swapped in by __new__): what object storage
+    # takes, the class declares (mypy users can pass it), and a local root refuses what only
+    # object storage means - clearly.
     base = inspect.signature(CheckpointManager.__init__).parameters
-    remote_params = inspect.signature(RemoteCheckpointManager.__init__).parameters
-    assert set(remote_params) <= set(base)
+    assert {"storage_options", "lease_ttl", "cache_dir", "group", "timeout"} <= set(base)
     for name, value in (("lease_ttl", 5.0), ("cache_dir", tmp_path)):
         with pytest.raises(ValueError, match=f"{name} is for object-storage roots"):
             CheckpointManager(tmp_path / "run", **{name: value})
     with pytest.raises(ValueError, match="group= and timeout="):
         CheckpointManager("memory://x/run", group=object())
-    for method in ("gc", "restore", "restore_into", "verify", "save", "save_async"):
-        local = inspect.signature(getattr(CheckpointManager, method)).parameters
-        far = inspect.signature(getattr(RemoteCheckpointManager, method)).parameters
-        assert list(far) == list(local), method
+    with CheckpointManager(f"memory://t{uuid.uuid4().hex[:12]}/run") as far:
+        assert type(far) is CheckpointManager
+    assert type(CheckpointManager(tmp_path / "run")) is CheckpointManager
+    assert CheckpointManager.__new__ is object.__new__
+
+
+def test_remote_checkpoint_manager_is_a_deprecated_alias() -> None:
+    from tdckpt.manager import RemoteCheckpointManager
+
+    url = f"memory://t{uuid.uuid4().hex[:12]}/run"
+    with pytest.warns(TdckptDeprecationWarning) as caught:
+        mgr = RemoteCheckpointManager(url, retention=KeepLast(1))  # the line warned about
+    assert len(caught) == 1
+    warning = caught[0]
+    assert warning.filename == __file__
+    assert "RemoteCheckpointManager is deprecated" in str(warning.message)
+    assert "Use CheckpointManager" in str(warning.message)
+    assert warning.message.since == "0.1" and warning.message.removal == "0.2"  # type: ignore[union-attr]
+    with mgr:
+        assert type(mgr) is CheckpointManager and mgr.root == url
+        mgr.save(1, _td(1))
+        mgr.save(2, _td(2))
+        assert mgr.steps() == [2]
 
 
 def test_local_gc_grace_period_keeps_fresh_leftovers(tmp_path: Path) -> None:
@@ -104,3 +123,49 @@ def test_local_gc_grace_period_keeps_fresh_leftovers(tmp_path: Path) -> None:
         assert mgr.gc(grace_period=3600) == []
         assert leftover.exists()
         assert mgr.gc() == [leftover] and not leftover.exists()
+
+
+def test_every_public_method_on_a_two_rank_group(tmp_path: Path) -> None:
+    """The column of a collective manager: the same calls, each rank with its shard.
+
+    What differs by design: ``tdckpt_group`` is the group; ``keys=`` of a sharded restore is
+    refused (NotImplementedError) until selective restores reach sharded steps. A refusal
+    rank 0 decides for the shared root is the same class on every rank.
+    """
+    from _shard_child import LENGTHS, spawn_ranks
+
+    from tdckpt._shard.rows import even_part
+
+    args = {"out": str(tmp_path / "o"), "root": str(tmp_path / "root"), "timeout": 60}
+    results = spawn_ranks("substitution", 2, args, timeout=240)
+    for rank, res in enumerate(results):
+        assert res is not None, f"rank {rank} died"
+        assert "ok" in res, f"rank {rank} raised:\n{res['error'][2]}"
+        out = res["ok"]
+        assert out["group"] and out["empty"] == [[], None]
+        assert out["steps"] == [[3, 4], 4]
+        assert out["best"] == [4, {"loss": 1.0 / 3}]
+        assert out["list_steps"] == [[3, "sharded", "committed"], [4, "sharded", "committed"]]
+        assert out["verify"] == [True, True]
+        assert out["prune_gc"] == [[], []]
+        start, stop = even_part(sum(LENGTHS[2]), rank, 2)  # torch.tensor_split's part
+        assert out["restore"] == [[stop - start], True, True]
+        assert out["restore_into"] == [True]
+        for name in ("restore_keys", "restore_into_keys"):
+            kind, message = out[name]
+            assert kind == "NotImplementedError" and "sharded steps" in message, out[name]
+        assert out["metadata_missing"][0] == "CheckpointNotFoundError"
+        assert "no committed step 7" in out["metadata_missing"][1]
+        kind, message = out["gc_negative"]
+        assert kind == "ValueError" and "grace_period" in message
+        # before: rank 1 raised RestoreError / CollectiveError for rank 0's refusal
+        kind, message = out["restore_missing"]
+        assert kind == "CheckpointNotFoundError" and "step 7" in message, out["restore_missing"]
+        kind, message = out["save_existing"]
+        assert kind == "CheckpointExistsError" and "step 3 already exists" in message
+        assert out["steps_after"] == [3, 4]
+    # outside the group the sharded steps restore whole, like any other root's
+    with CheckpointManager(tmp_path / "root" / "sub") as mgr:
+        assert mgr.steps() == [3, 4] and mgr.verify(4).ok
+        whole = mgr.restore(4)
+        assert whole.batch_size == (sum(LENGTHS[2]),) and bool((whole["step"] == 4).all())

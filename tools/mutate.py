@@ -720,9 +720,9 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     ),
     (
         "R01",
-        "tdckpt/_remote/manager.py",
-        "                if step in damaged:\n                    # A record this tdckpt cannot read",
-        "                if False:\n                    # A record this tdckpt cannot read",
+        "tdckpt/_store/objects.py",
+        "            if step in damaged:\n                # A record this tdckpt cannot read",
+        "            if False:\n                # A record this tdckpt cannot read",
         "gc collects attempts of a step whose record it cannot read",
     ),
 ]
@@ -757,7 +757,7 @@ DEFAULT_TESTS = {
     "tdckpt/_shard/check.py": ["tests/test_sharded_checks.py"],
     "tdckpt/_shard/manifest.py": ["tests/test_sharded_checks.py"],
     "tdckpt/_read/expected.py": ["tests/test_metadata_checked.py"],
-    "tdckpt/_remote/manager.py": ["tests/test_remote_trust.py"],
+    "tdckpt/_store/objects.py": ["tests/test_remote_trust.py"],
 }
 
 

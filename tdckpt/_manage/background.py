@@ -72,7 +72,7 @@ class SaveFuture:
         step: the step being saved.
     """
 
-    def __init__(self, step: int, future: concurrent.futures.Future[Path]) -> None:
+    def __init__(self, step: int, future: concurrent.futures.Future[Path | str]) -> None:
         self.step = step
         self._future = future
         self._retrieved = False
@@ -96,7 +96,7 @@ class SaveFuture:
         """True while the background thread writes the step."""
         return self._future.running()
 
-    def result(self, timeout: float | None = None) -> Path:
+    def result(self, timeout: float | None = None) -> Path | str:
         """Wait for the save; return the committed folder (or archive), or raise its error.
 
         Raises:
@@ -178,12 +178,12 @@ class BackgroundSaver:
         """The latest save submitted (running or finished), if any."""
         return self._inflight
 
-    def submit(self, step: int, job: Callable[[], Path]) -> SaveFuture:
+    def submit(self, step: int, job: Callable[[], Path | str]) -> SaveFuture:
         """Run ``job`` on the background thread (call :meth:`drain` first)."""
         self._forked()
         holder: list[SaveFuture] = []
 
-        def run() -> Path:
+        def run() -> Path | str:
             kept: list[tuple[str, type[Warning]]] = []
             _local.warnings = kept
             try:
@@ -200,7 +200,7 @@ class BackgroundSaver:
                     1, thread_name_prefix="tdckpt-save"
                 )
             # The future object exists before the job can run: `holder` is filled first.
-            inner: concurrent.futures.Future[Path] = concurrent.futures.Future()
+            inner: concurrent.futures.Future[Path | str] = concurrent.futures.Future()
             future = SaveFuture(step, inner)
             holder.append(future)
 

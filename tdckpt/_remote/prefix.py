@@ -42,9 +42,9 @@ _BATCH_FILES = 256
 
 
 def _memory_tmp() -> str | None:
-    from tdckpt._remote.manager import _memory_tmp as tmp
+    from tdckpt._remote.store import memory_tmp
 
-    return tmp()
+    return memory_tmp()
 
 
 def _safe(rel: str, url: str) -> None:

@@ -33,7 +33,14 @@ from tdckpt._read.nodes import (
 from tdckpt._read.pipeline import OpenedCheckpoint
 from tdckpt._restore.plan import Mapper, has_tensordict
 
-__all__ = ["Key", "SavedStructure", "key_difference", "saved_structure", "target_structure"]
+__all__ = [
+    "Key",
+    "SavedStructure",
+    "key_difference",
+    "saved_structure",
+    "show_keys",
+    "target_structure",
+]
 
 Key = tuple[str, ...]
 
@@ -187,3 +194,11 @@ def target_structure(
             out.add(key)
             stack.append((v, key))
     return out
+
+
+def show_keys(keys: list[tuple[str, ...]], limit: int = 10) -> str:
+    """``keys`` as a message shows them: at most ``limit``, then how many more."""
+    if not keys:
+        return "none"
+    shown = ", ".join(repr(k if len(k) > 1 else k[0]) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

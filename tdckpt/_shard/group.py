@@ -18,9 +18,9 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
-from tdckpt.errors import CollectiveError
+from tdckpt.errors import CollectiveError, TdckptError
 
-__all__ = ["DEFAULT_TIMEOUT", "ShardGroup", "resolve_group"]
+__all__ = ["DEFAULT_TIMEOUT", "ShardGroup", "rank0_refusal", "resolve_group"]
 
 #: Seconds a collective of the save or restore protocol waits for the other ranks (the
 #: slowest rank's shard write happens inside one of them).
@@ -219,3 +219,19 @@ def resolve_group(group: Any, timeout: float) -> ShardGroup | None:
             ranks=ranks, backend="gloo", timeout=delta, use_local_synchronization=True
         )
     return ShardGroup(pg=pg, rank=dist.get_rank(pg), size=dist.get_world_size(pg), timeout=timeout)
+
+
+def rank0_refusal(kind: str, message: str, default: type[TdckptError], **facts: Any) -> TdckptError:
+    """The error a rank raises when rank 0 refused a collective call with ``kind``.
+
+    Rank 0 decides alone what concerns the shared root (the step exists, no such step, the
+    lock is held); every rank then raises the same :mod:`tdckpt.errors` class, so a caller
+    catches one class on every rank. ``default`` when ``kind`` is not a tdckpt error (an
+    OSError, a broken group).
+    """
+    import tdckpt.errors as errors
+
+    cls = getattr(errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, TdckptError)) or cls is CollectiveError:
+        cls = default
+    return cls(message, **facts)

@@ -14,38 +14,42 @@ every row.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tdckpt._shard.group import rank0_refusal
 from tdckpt._shard.rows import ReadStats, even_part, read_rows, row_range
+from tdckpt._shard.steps import ShardSteps
 from tdckpt.errors import RestoreError
 from tdckpt.schema import Manifest, ShardedManifest
-
-if TYPE_CHECKING:
-    from tdckpt.manager import CheckpointManager
 
 __all__ = ["restore_into_rows", "restore_rows", "wants_shard_path"]
 
 
-def wants_shard_path(mgr: CheckpointManager, manifest: Manifest, rows: Any) -> bool:
+def wants_shard_path(mgr: ShardSteps, manifest: Manifest, rows: Any) -> bool:
     """Whether a restore goes through this module (else the manager's own path)."""
-    return mgr._shard is not None or isinstance(manifest, ShardedManifest) or rows is not None
+    return mgr.group is not None or isinstance(manifest, ShardedManifest) or rows is not None
 
 
-def _agreed_step(mgr: CheckpointManager, step: int | None) -> int | None:
-    group = mgr._shard
+def _agreed_step(mgr: ShardSteps, step: int | None) -> int | None:
+    group = mgr.group
     if group is None:
         return step
     picked: int | str | None = None
     if group.rank == 0:
         try:
-            picked = mgr._resolve(step)[0]
+            picked = mgr.resolve(step)[0]
         except Exception as exc:  # every rank raises the same error below
             picked = f"{type(exc).__name__}: {exc}"
     agreed = group.broadcast(picked, "agree on the step")
     if isinstance(agreed, str):
         if group.rank == 0:
-            mgr._resolve(step)  # raise the real error here
-        raise RestoreError(f"rank 0 could not pick the step to restore: {agreed}", step=step)
+            mgr.resolve(step)  # raise the real error here
+        raise rank0_refusal(  # the class rank 0 raised (no such step, ...)
+            agreed.split(":", 1)[0],
+            f"rank 0 could not pick the step to restore: {agreed}",
+            RestoreError,
+            step=step,
+        )
     if step is not None and agreed != step:  # pragma: no cover - ranks passed other steps
         raise RestoreError(
             f"rank {group.rank} asked for step {step} but rank 0 for {agreed}; every rank "
@@ -107,7 +111,7 @@ def _read(
 
 
 def restore_rows(
-    mgr: CheckpointManager,
+    mgr: ShardSteps,
     step: int | None,
     rows: Any,
     *,
@@ -121,7 +125,7 @@ def restore_rows(
     In a group every rank first agrees on the operation and the step, and after reading
     on the outcome: a rank that fails makes every rank raise.
     """
-    group = mgr._shard
+    group = mgr.group
     if group is not None:
         group.agree("restore", step)
     step = _agreed_step(mgr, step)
@@ -129,9 +133,9 @@ def restore_rows(
     part: Any = None
     error: BaseException | None = None
     try:
-        with mgr._using(step) as (resolved, path, manifest):
+        with mgr.using(step) as (resolved, path, manifest):
             if verify:
-                mgr._verified(resolved, path, manifest)
+                mgr.verified(resolved, path, manifest)
             if group is None and rows is None:
                 rank, world = 0, 1
             part = _read(
@@ -155,7 +159,7 @@ def restore_rows(
 
 
 def restore_into_rows(
-    mgr: CheckpointManager,
+    mgr: ShardSteps,
     td: Any,
     step: int | None,
     *,
@@ -167,7 +171,7 @@ def restore_into_rows(
     """``CheckpointManager.restore_into``: ``td.batch_size[0]`` rows, offsets in rank order."""
     from tensordict import is_tensor_collection
 
-    group = mgr._shard
+    group = mgr.group
     refused: RestoreError | None = None
     if not is_tensor_collection(td) or not td.batch_size:
         refused = RestoreError(
@@ -184,9 +188,9 @@ def restore_into_rows(
     rank, world = (group.rank, group.size) if group is not None else (0, 1)
     error: BaseException | None = None
     try:
-        with mgr._using(step) as (resolved, path, manifest):
+        with mgr.using(step) as (resolved, path, manifest):
             if verify:
-                mgr._verified(resolved, path, manifest)
+                mgr.verified(resolved, path, manifest)
             part = _read(
                 path,
                 manifest,
@@ -246,7 +250,7 @@ def _check_target(td: Any, part: Any, path: Path, step: int, *, strict: bool) ->
         have, saved = _keys(td), _keys(part)
         missing, unexpected = sorted(have - saved), sorted(saved - have)
         if missing or unexpected:
-            from tdckpt.manager import _show_keys
+            from tdckpt._restore.keys import show_keys as _show_keys
 
             raise RestoreError(
                 f"{path}: step {step} does not have the target's keys (strict=True); "

@@ -2,8 +2,9 @@
 
 Every rank of the manager's gloo group calls :func:`collective_save` with the same step::
 
-    rank 0: take the root's writer lock, check the step, create the staging folder
-            <root>/<step>.tmp-<uuid>/ and a fresh attempt-<uuid>/ inside it
+    rank 0: take its turn (the root's writer lock, the step claimed), begin the step's
+            attempt in the store - the staging folder <root>/<step>.tmp-<uuid>/ - and
+            create a fresh attempt-<uuid>/ inside it
     bcast   rank 0 -> all: the attempt's path (or rank 0's refusal: every rank raises)
     all:    write this rank's shard as a plain tensordict prefix
             attempt-<uuid>/shard-<rank>/ (tdckpt._write.save.write_checkpoint: every file
@@ -11,17 +12,18 @@ Every rank of the manager's gloo group calls :func:`collective_save` with the sa
             into attempt-<uuid>/replicated/
     gather  all -> rank 0: each shard's record (rows, files, sizes, checksums) or its error
     rank 0: check coverage (build_manifest), write ONE step manifest into the staging folder
-            (tmp + fsync + os.replace + fsync), then commit the folder as <root>/<step> by
-            one rename (an overwrite swaps it in atomically: tdckpt._write.atomic)
+            (tmp + fsync + os.replace + fsync), then commit the attempt in the store
+            (one rename to <root>/<step>; an overwrite swaps it in atomically)
     bcast   rank 0 -> all: the outcome; no rank returns before it knows it
-    rank 0: retention, only after the outcome is out
+    (the manager, on rank 0: retention, only after the outcome is out)
 
 A rank that fails (bad input, a full disk) still joins every collective and reports its
 error, so every rank raises; a dead or hung rank makes the collectives fail within the
 group's timeout (:class:`~tdckpt.errors.CollectiveError`). Either way nothing is committed
 and earlier steps are untouched: what was written is a ``*.tmp-*`` staging folder that
-``gc`` removes. The one commit step is :func:`commit_local`: a file system without atomic
-rename (an object store) provides its own variant with the same signature.
+``gc`` removes. The steps are driven through :class:`~tdckpt._shard.steps.ShardSteps` (the
+store's begin / commit / abort and the manager's policy hooks): this module never imports
+the manager.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tdckpt._shard.group import ShardGroup
+from tdckpt._shard.group import ShardGroup, rank0_refusal
 from tdckpt._shard.manifest import ShardResult, build_manifest
+from tdckpt._shard.steps import ShardSteps
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.save import _writer_versions, check_json_data, write_checkpoint
 from tdckpt.errors import (
@@ -45,10 +48,7 @@ from tdckpt.errors import (
 )
 from tdckpt.schema import MANIFEST_NAME, ShardedManifest
 
-if TYPE_CHECKING:
-    from tdckpt.manager import CheckpointManager
-
-__all__ = ["collective_save", "commit_local", "fault_point", "split_shard"]
+__all__ = ["collective_save", "fault_point", "split_shard"]
 
 Key = tuple[str, ...]
 
@@ -242,24 +242,6 @@ def write_step_manifest(staging: Path, manifest: ShardedManifest, *, fsync: bool
         _atomic.fsync_dir(staging)
 
 
-def commit_local(
-    root: Path,
-    step: int,
-    write: Callable[[Path], ShardedManifest],
-    *,
-    overwrite: bool,
-    fsync: bool,
-) -> tuple[Path, ShardedManifest]:
-    """Stage, write (``write(staging)``: shards + manifest) and commit ``<root>/<step>``.
-
-    The local-file-system commit: :func:`tdckpt._write.atomic.commit_directory` (one rename;
-    an overwrite swaps the folders atomically where the kernel can, and ``gc`` renames the
-    old step back if a crash hits in between elsewhere). An object store provides a
-    function with this signature whose commit is a conditional create of the manifest.
-    """
-    return _atomic.commit_directory(root, step, write, overwrite=overwrite, fsync=fsync)
-
-
 # -- the protocol ----------------------------------------------------------------------------
 
 
@@ -271,17 +253,16 @@ def _refusal(results: list[ShardResult]) -> str | None:
 
 
 def collective_save(
-    mgr: CheckpointManager,
+    steps: ShardSteps,
     step: int,
     obj: Any,
     *,
     metadata: dict[str, Any] | None,
     overwrite: bool,
     replicated: Iterable[Any],
-    commit: Callable[..., tuple[Path, ShardedManifest]] = commit_local,
 ) -> Path:
     """Save this rank's shard ``obj`` as part of ``step`` (every rank calls it). See module."""
-    group = mgr._shard
+    group = steps.group
     assert group is not None
     # Every rank saves the same step, or none writes anything (one all_gather).
     invalid: BaseException | None = None
@@ -299,27 +280,29 @@ def collective_save(
     except (TdckptError, TypeError, ValueError) as exc:
         prepared = exc
     if group.rank != 0:
-        return _follow(mgr, group, step, prepared)
-    return _lead(mgr, group, step, prepared, metadata or {}, overwrite, commit)
+        return _follow(steps, group, step, prepared)
+    return _lead(steps, group, step, prepared, metadata or {}, overwrite)
 
 
 def _follow(
-    mgr: CheckpointManager,
+    steps: ShardSteps,
     group: ShardGroup,
     step: int,
     prepared: tuple[Any, Any, list[list[str]]] | BaseException,
 ) -> Path:
     plan = group.broadcast(None, "announce the attempt")
     if "error" in plan:
-        raise CollectiveError(
+        raise rank0_refusal(
+            plan.get("kind", ""),
             f"rank 0 refused to save step {step}, so nothing was written: {plan['error']}",
+            CollectiveError,
             rank=group.rank,
             phase="announce the attempt",
             step=step,
         )
-    staging = mgr.root / plan["staging"]
+    staging = steps.root / plan["staging"]
     result, own = _write_shard(
-        group, prepared, staging, plan["attempt"], fsync=mgr.fsync, checksum=mgr.checksum
+        group, prepared, staging, plan["attempt"], fsync=steps.fsync, checksum=steps.checksum
     )
     _fault("before_gather")
     group.gather(asdict(result), "gather shard records")
@@ -333,38 +316,34 @@ def _follow(
             phase="commit",
             step=step,
         )
-    return mgr.root / _atomic.step_name(step)
+    return steps.root / _atomic.step_name(step)
 
 
 def _lead(
-    mgr: CheckpointManager,
+    steps: ShardSteps,
     group: ShardGroup,
     step: int,
     prepared: tuple[Any, Any, list[list[str]]] | BaseException,
     metadata: dict[str, Any],
     overwrite: bool,
-    commit: Callable[..., tuple[Path, ShardedManifest]],
 ) -> Path:
     announced = False
     own: BaseException | None = None
-    with mgr._writing:
-        forms: dict[str, Path] = {}
-        try:
-            mgr._ensure_lock()
-            forms = mgr._claim(step, overwrite=overwrite)
-
-            def write(staging: Path) -> ShardedManifest:
-                nonlocal announced, own
+    try:
+        with steps.turn(step, overwrite):
+            begun = steps.store.begin(step, overwrite=overwrite)
+            try:
+                staging = Path(begun.where)
                 attempt = f"attempt-{uuid.uuid4().hex}"
                 (staging / attempt).mkdir()
-                if mgr.fsync:
+                if steps.fsync:
                     _atomic.fsync_dir(staging)
                 group.broadcast(
                     {"staging": staging.name, "attempt": attempt}, "announce the attempt"
                 )
                 announced = True
                 result, own = _write_shard(
-                    group, prepared, staging, attempt, fsync=mgr.fsync, checksum=mgr.checksum
+                    group, prepared, staging, attempt, fsync=steps.fsync, checksum=steps.checksum
                 )
                 _fault("before_gather")
                 gathered = group.gather(asdict(result), "gather shard records")
@@ -383,29 +362,25 @@ def _lead(
                 manifest = build_manifest(
                     results, step=step, attempt=attempt, user_metadata=metadata
                 )
-                write_step_manifest(staging, manifest, fsync=mgr.fsync)
+                write_step_manifest(staging, manifest, fsync=steps.fsync)
                 _fault("after_records")
-                return manifest
-
-            try:
-                path, _ = commit(mgr.root, step, write, overwrite=overwrite, fsync=mgr.fsync)
-            finally:
-                if forms:
-                    with mgr._state:
-                        mgr._overwriting.discard(step)
-                        mgr._swapped.notify_all()
-        except BaseException as exc:
-            if isinstance(exc, CollectiveError) and exc.facts.get("broken"):
-                raise  # the group is broken: the others fail on their own collectives
-            message = f"{type(exc).__name__}: {exc}"
-            if not announced:
-                group.broadcast({"error": message}, "announce the attempt")
-            else:
-                group.broadcast({"error": f"rank 0: {message}"}, "broadcast the outcome")
-            raise
-        _fault("after_commit")
-        group.broadcast({"error": None}, "broadcast the outcome")
-        mgr._apply_retention(just_saved=step, stacklevel=6)  # <- collective_save <- save <- caller
+            except BaseException:
+                steps.store.abort(begun)
+                raise
+            # the warning of a stale form not removed <- commit <- _lead <- collective_save
+            # <- the manager's save <- the user's line
+            path = Path(steps.store.commit(begun, stacklevel=5))
+    except BaseException as exc:
+        if isinstance(exc, CollectiveError) and exc.facts.get("broken"):
+            raise  # the group is broken: the others fail on their own collectives
+        message = f"{type(exc).__name__}: {exc}"
+        if not announced:  # rank 0's refusal: every rank raises its class
+            group.broadcast({"error": message, "kind": type(exc).__name__}, "announce the attempt")
+        else:
+            group.broadcast({"error": f"rank 0: {message}"}, "broadcast the outcome")
+        raise
+    _fault("after_commit")
+    group.broadcast({"error": None}, "broadcast the outcome")
     return path
 
 

@@ -14,19 +14,15 @@ import secrets
 import shutil
 import struct
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, BinaryIO, TypeVar
+from typing import IO, BinaryIO
 
 from tdckpt._read.archive_index import LOCAL_HEADER
 from tdckpt._read.storage import DirectoryStorage, join
 from tdckpt._write.atomic import (
     fsync_dir,
-    raise_exists,
-    remove_tree,
     rename_noreplace,
-    staging_dir,
-    step_archive_name,
 )
 from tdckpt.errors import (
     CheckpointExistsError,
@@ -35,9 +31,7 @@ from tdckpt.errors import (
     UnsafePathError,
 )
 
-__all__ = ["ALIGNMENT", "commit_archive", "write_archive"]
-
-T = TypeVar("T")
+__all__ = ["ALIGNMENT", "write_archive"]
 
 #: Payload alignment of STORED ``.memmap`` entries (tensordict's ``_ALIGNMENT``): a multiple
 #: of every dtype's itemsize, so a leaf can always be viewed in place.
@@ -51,37 +45,6 @@ _WRITE_METHODS = {"stored": zipfile.ZIP_STORED, "deflate": zipfile.ZIP_DEFLATED}
 _COPY_CHUNK = 16 << 20  # bytes per read when packing a leaf
 # Fixed entry timestamp (the zip epoch): the same directory always packs to the same bytes.
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
-
-
-def commit_archive(
-    root: Path,
-    step: int,
-    write: Callable[[Path], T],
-    *,
-    overwrite: bool = False,
-    fsync: bool = True,
-    compression: str = "stored",
-) -> tuple[Path, T]:
-    """Stage and write a directory, then pack it into the archive step ``<root>/<step>.tdz``.
-
-    The archive writer's own temp-file-then-``os.replace`` is the commit. The staging folder
-    is removed afterwards (or by ``gc`` after a crash).
-
-    Raises:
-        CheckpointExistsError: the archive exists and ``overwrite`` is False.
-    """
-    final = root / step_archive_name(step)
-    if not overwrite and os.path.lexists(final):
-        raise_exists(final)
-    staging = staging_dir(root, step)
-    try:
-        result = write(staging)
-        if not overwrite and os.path.lexists(final):  # re-check: writing took a while
-            raise_exists(final)
-        write_archive(staging, final, compression=compression, fsync=fsync)
-    finally:
-        remove_tree(staging, ignore_errors=True)
-    return final, result
 
 
 def write_archive(

@@ -6,8 +6,10 @@ A step of a checkpoint root is committed when, and only when, its final name exi
   fsyncs every file, then the directories bottom-up, writes the manifest last and fsyncs it;
   then the staging folder is renamed to ``<root>/<step>`` and ``<root>`` is fsynced;
 * an archive step ``<root>/<step>.tdz`` is staged the same way, then packed by
-  :func:`tdckpt._write.archive_write.write_archive`, whose own ``os.replace`` is the commit
-  (:func:`tdckpt._write.archive_write.commit_archive`).
+  :func:`tdckpt._write.archive_write.write_archive`, whose own ``os.replace`` is the commit.
+
+:class:`tdckpt._store.local.LocalStepStore` drives these steps (begin, commit, abort,
+retire, gc); this module holds the file-system acts themselves.
 
 So a crash at any instant leaves either the old state or the new one, plus names that
 :func:`is_tmp_name` recognises and ``gc`` removes. Names are plain decimal step numbers
@@ -37,7 +39,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import NoReturn
 
 from tdckpt.errors import CheckpointExistsError
 
@@ -46,13 +48,13 @@ __all__ = [
     "MAX_STEP",
     "TMP_MARKER",
     "StepKind",
-    "commit_directory",
     "fsync_dir",
     "is_tmp_name",
     "parse_step_name",
     "raise_exists",
     "recover_or_remove",
     "remove_tree",
+    "replace_step",
     "retire",
     "staging_dir",
     "start_writeback",
@@ -60,8 +62,6 @@ __all__ = [
     "step_name",
     "tmp_name",
 ]
-
-T = TypeVar("T")
 
 #: The suffix of an archive step (tensordict's archive suffix).
 ARCHIVE_SUFFIX = ".tdz"
@@ -343,53 +343,11 @@ def staging_dir(root: Path, step: int) -> Path:
     return staging
 
 
-def commit_directory(
-    root: Path,
-    step: int,
-    write: Callable[[Path], T],
-    *,
-    overwrite: bool = False,
-    fsync: bool = True,
-) -> tuple[Path, T]:
-    """Stage, write and commit the directory step ``<root>/<step>``.
+def replace_step(root: Path, step: int, staging: Path, final: Path, *, fsync: bool) -> None:
+    """Swap the staged folder in for the committed ``final``, then delete the old one.
 
-    Args:
-        root: the checkpoint root; it must exist.
-        step: the step number.
-        write: fills the (empty, existing) staging folder it is given, making its content
-            durable itself (files, directories, manifest last), and returns a result.
-        overwrite: replace a step that already exists instead of refusing.
-        fsync: fsync ``root`` after the rename (and after the swap of an overwrite).
-
-    Returns:
-        The committed path and what ``write`` returned.
-
-    Raises:
-        CheckpointExistsError: the step exists and ``overwrite`` is False. Checked before
-            anything is written, and again atomically at the rename.
-    """
-    final = root / step_name(step)
-    if not overwrite and os.path.lexists(final):
-        raise_exists(final)
-    staging = staging_dir(root, step)
-    try:
-        result = write(staging)
-        if overwrite and os.path.lexists(final):
-            _replace(root, step, staging, final, fsync=fsync)
-        else:
-            rename_noreplace(staging, final)
-            if fsync:
-                fsync_dir(root)
-    except BaseException:
-        # Never leave a half-written staging folder behind on an ordinary error; a crash
-        # leaves it for gc.
-        remove_tree(staging, ignore_errors=True)
-        raise
-    return final, result
-
-
-def _replace(root: Path, step: int, staging: Path, final: Path, *, fsync: bool) -> None:
-    """Swap the staged folder in for the committed ``final``, then delete the old one."""
+    Atomic where ``renameat2(RENAME_EXCHANGE)`` is offered; elsewhere a crash between the
+    two renames leaves the old step aside, which :func:`recover_or_remove` renames back."""
     if _exchange(staging, final):
         # Whatever ``final`` was (folder, file, link), it is now at the staging name; a
         # link is unlinked below, never followed.

@@ -1,0 +1,322 @@
+"""The step store of a local root: ``<root>/<step>/`` folders and ``<root>/<step>.tdz`` archives.
+
+Commit vocabulary on a file system (see :mod:`tdckpt._write.atomic`): an attempt is the
+staging folder ``<root>/<step>.tmp-<uuid>/``; commit is one rename to ``<root>/<step>``
+(``renameat2(RENAME_EXCHANGE)`` for an overwrite, where offered) or, for an archive, the
+archive writer's temp-file-then-``os.replace``; retiring renames a step to a temporary name
+(unlisted at once) before its tree is removed; gc removes temporary names, and renames back
+a step an interrupted overwrite had set aside. Exclusive writing: the root's flock
+(:class:`tdckpt._write.lock.RootLock`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tdckpt._manage import background as _background
+from tdckpt._manage.steps import StepIndex, StepStatus, preferred
+from tdckpt._manage.verify import Progress, VerifyReport, manifest_problem, verify_files
+from tdckpt._store.base import Attempt, Capabilities, StepRecord, in_place
+from tdckpt._write import atomic as _atomic
+from tdckpt._write.lock import RootLock
+from tdckpt._write.save import write_checkpoint
+from tdckpt.errors import CheckpointExistsError, LockError, MetadataError
+from tdckpt.schema import MANIFEST_NAME, StateRecord
+from tdckpt.warnings import TdckptWarning
+
+__all__ = ["LocalStepStore"]
+
+
+class LocalStepStore:
+    """The steps of one local folder (see the module docstring).
+
+    Args:
+        root: the folder (created on the first write).
+        state: the manager's lock guarding the manifest cache and the lock object.
+        manager_id: written into the lock file (who holds the root).
+        archive: write each step as one ``.tdz`` archive.
+        fsync: make every write durable before it is committed.
+        checksum, compression, layout: how steps are written (see the manager).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        state: threading.RLock,
+        manager_id: str,
+        archive: bool,
+        fsync: bool,
+        checksum: str,
+        compression: str,
+        layout: str,
+    ) -> None:
+        self.root: Path = root
+        self.archive = archive
+        self.fsync = fsync
+        self.checksum = checksum
+        self.compression = compression
+        self.layout = layout
+        self.capabilities = Capabilities(
+            atomic_rename=True,
+            file_backed=True,
+            collective=True,
+            verifies_reads=False,
+            archives=True,
+        )
+        self._state = state
+        self._id = manager_id
+        self._index = StepIndex(root, state)
+        self.root_lock: RootLock | None = None
+
+    # -- listing ---------------------------------------------------------------------------
+    def records(self) -> dict[int, StepRecord]:
+        return {
+            step: StepRecord(step, *preferred(forms, archive=self.archive))
+            for step, forms in self._index.committed().items()
+        }
+
+    def resolve(self, step: int | None) -> StepRecord:
+        return StepRecord(*self._index.resolve(step, archive=self.archive))
+
+    def damaged(self, step: int) -> VerifyReport | None:
+        forms = self._index.entries().get(step)
+        if not forms:
+            raise self._index.not_found(step)
+        path = preferred(forms, archive=self.archive)
+        kind = "archive" if path.name.endswith(_atomic.ARCHIVE_SUFFIX) else "dir"
+        try:
+            self._index.manifest(path, kind)
+        except MetadataError as exc:
+            return manifest_problem(step, path, exc.message)
+        return None
+
+    def statuses(self) -> list[StepStatus]:
+        return self._index.statuses()
+
+    def exists(self) -> bool:
+        return self.root.is_dir()
+
+    def forms(self, step: int) -> dict[str, Path]:
+        """The step-named entries of ``step`` (committed or not): kind -> path."""
+        return self._index.entries().get(step, {})
+
+    # -- exclusive writing -----------------------------------------------------------------
+    def lock(self) -> None:
+        with self._state:
+            lock = self.root_lock
+            if lock is not None and not lock.held:
+                self.root_lock = lock = None  # a forked child let go of its parent's lock
+            if lock is not None and not lock.still_ours():
+                # The lock file was removed or replaced under us: another writer may hold
+                # a new one. Let go of ours (never touching the new file) and take the
+                # lock again, which refuses if that other writer is alive.
+                lock._forget()
+                self.root_lock = None
+            if self.root_lock is None:
+                self._check_root()
+                if not self.root.is_dir():
+                    try:
+                        self.root.mkdir(parents=True, exist_ok=True)
+                    except OSError as exc:  # a file in the way, a read-only parent
+                        raise LockError(
+                            f"{self.root}: cannot create the checkpoint root "
+                            f"({exc.strerror}: {exc.filename}). Pass a directory, or a path "
+                            "whose parent this process can write.",
+                            root=str(self.root),
+                            path=str(self.root),
+                        ) from exc
+                    if self.fsync:  # the root's own name must survive a crash too
+                        _atomic.fsync_dir(self.root.parent)
+                new = RootLock(self.root, manager_id=self._id, fsync=self.fsync)
+                # warning -> acquire <- lock <- _ensure_lock <- save/gc <- the user's line
+                new.acquire(stacklevel=4)
+                self.root_lock = new
+
+    def unlock(self) -> None:
+        with self._state:
+            if self.root_lock is not None:
+                self.root_lock.release()
+                self.root_lock = None
+
+    def _check_root(self) -> None:
+        """Refuse a root that is, or lies inside, a checkpoint: saving there changes it."""
+        markers = ("meta.json", "meta.pt", MANIFEST_NAME)
+        for where in (self.root, *self.root.absolute().parents):
+            inside = [m for m in markers if os.path.lexists(where / m)]
+            if inside and (where == self.root or MANIFEST_NAME in inside):
+                raise LockError(
+                    f"{self.root}: {'is' if where == self.root else 'lies inside'} a "
+                    f"checkpoint ({where / inside[0]} exists); a manager saving here would "
+                    "change that checkpoint. Pass a separate folder as the root.",
+                    root=str(self.root),
+                    path=str(where / inside[0]),
+                )
+
+    # -- writing ---------------------------------------------------------------------------
+    def existing(self, step: int) -> bool:
+        return bool(self.forms(step))
+
+    def exists_error(self, step: int) -> CheckpointExistsError:
+        where = preferred(self.forms(step) or {"dir": self._final(step)}, archive=self.archive)
+        return CheckpointExistsError(
+            f"{where}: step {step} already exists; a committed step is never overwritten "
+            "unless asked. Pass overwrite=True to replace it, or save under another step.",
+            path=str(where),
+            step=step,
+        )
+
+    def commit_point(self, step: int) -> Path:
+        return self._final(step)
+
+    def _final(self, step: int) -> Path:
+        name = _atomic.step_archive_name(step) if self.archive else _atomic.step_name(step)
+        return self.root / name
+
+    def begin(self, step: int, *, overwrite: bool) -> Attempt:
+        final = self._final(step)
+        if not overwrite and os.path.lexists(final):
+            _atomic.raise_exists(final)
+        return Attempt(step, _atomic.staging_dir(self.root, step), overwrite)
+
+    def write(
+        self,
+        attempt: Attempt,
+        obj: Any,
+        *,
+        metadata: dict[str, Any] | None,
+        state: StateRecord | None,
+        progress: Progress | None,
+    ) -> None:
+        options: dict[str, Any] = {}
+        if self.layout == "consolidated":
+            from tdckpt._write.consolidated_write import write_consolidated as writer
+        else:  # an archive's staging folder is read back at once: no O_DIRECT for it
+            writer, options = write_checkpoint, {"progress": progress, "direct": not self.archive}
+        writer(
+            obj,
+            Path(attempt.where),
+            step=attempt.step,
+            user_metadata=metadata,
+            fsync=self.fsync,
+            checksum=self.checksum,
+            state=state,
+            **options,
+        )
+
+    def commit(self, attempt: Attempt, *, stacklevel: int) -> Path:
+        """Rename the staging folder in (or pack the archive); then, for an overwrite that
+        changed form (folder <-> archive), retire the other form. ``stacklevel``: of the
+        warning about a tree that could not be removed, counted from this method."""
+        step, staging = attempt.step, Path(attempt.where)
+        final = self._final(step)
+        try:
+            if self.archive:
+                from tdckpt._write.archive_write import write_archive
+
+                if not attempt.overwrite and os.path.lexists(final):  # writing took a while
+                    _atomic.raise_exists(final)
+                write_archive(staging, final, compression=self.compression, fsync=self.fsync)
+                _atomic.remove_tree(staging, ignore_errors=True)
+            elif attempt.overwrite and os.path.lexists(final):
+                _atomic.replace_step(self.root, step, staging, final, fsync=self.fsync)
+            else:
+                _atomic.rename_noreplace(staging, final)
+                if self.fsync:
+                    _atomic.fsync_dir(self.root)
+        except BaseException:
+            self.abort(attempt)
+            raise
+        if attempt.overwrite:
+            other = "dir" if self.archive else "archive"
+            stale = self.forms(step).get(other)
+            if stale is not None:
+                self.remove(self._retire_paths([(step, stale)]), stacklevel=stacklevel + 1)
+        return final
+
+    def abort(self, attempt: Attempt) -> None:
+        # Never leave a half-written staging folder behind on an ordinary error; a crash
+        # leaves it for gc.
+        _atomic.remove_tree(attempt.where, ignore_errors=True)
+
+    # -- deleting --------------------------------------------------------------------------
+    def retire(self, records: list[StepRecord]) -> list[tuple[Path, Path]]:
+        """Rename every form of each step aside (folder and archive)."""
+        entries = self._index.entries()
+        return self._retire_paths(
+            [(r.step, path) for r in records for path in entries.get(r.step, {}).values()]
+        )
+
+    def _retire_paths(self, doomed: list[tuple[int, Path]]) -> list[tuple[Path, Path]]:
+        """``(former path, temporary path)`` pairs; once this returns the steps are no
+        longer listed, whatever happens to the removal that follows."""
+        retired = []
+        with self._state:
+            for step, path in doomed:
+                retired.append((path, _atomic.retire(self.root, path, step, fsync=False)))
+        if retired and self.fsync:
+            _atomic.fsync_dir(self.root)
+        return retired
+
+    def remove(self, retired: list[Any], *, stacklevel: int) -> list[Path | str]:
+        # Runs after a save committed: a tree this process cannot delete (a read-only
+        # sub-folder, another user's file) is left for gc with a warning, not an error that
+        # would make the committed save look failed. The step is no longer listed either way.
+        for _, aside in retired:
+            try:
+                _atomic.remove_retired(aside)
+            except OSError as exc:
+                _warn_not_removed(aside, exc, stacklevel=stacklevel + 1)
+        return [path for path, _ in retired]
+
+    def gc(self, grace_period: float | None, *, stacklevel: int) -> list[Path | str]:
+        """Remove every temporary entry older than ``grace_period`` (None: all of them);
+        rename back a step an interrupted overwrite had set aside."""
+        removed: list[Path | str] = []
+        now = time.time()
+        for name in sorted(os.listdir(self.root)):
+            if _atomic.is_tmp_name(name) and _older(self.root / name, now, grace_period):
+                try:
+                    gone = _atomic.recover_or_remove(self.root, name, fsync=self.fsync)
+                except OSError as exc:
+                    _warn_not_removed(self.root / name, exc, stacklevel=stacklevel + 1)
+                    continue
+                if gone is not None:
+                    removed.append(gone)
+        if removed and self.fsync:
+            _atomic.fsync_dir(self.root)
+        return removed
+
+    # -- reading ---------------------------------------------------------------------------
+    def open(self, record: StepRecord) -> Any:
+        return in_place(Path(record.where))
+
+    def verify(self, record: StepRecord, progress: Progress | None) -> VerifyReport:
+        return verify_files(record.step, Path(record.where), record.manifest, progress)
+
+
+def _older(path: Path, now: float, grace_period: float | None) -> bool:
+    """Whether ``path`` was last changed more than ``grace_period`` seconds ago (None: yes)."""
+    if grace_period is None:
+        return True
+    try:
+        return now - os.lstat(path).st_mtime >= grace_period
+    except OSError:
+        return True  # gone, or unreadable: recover_or_remove says what happens
+
+
+def _warn_not_removed(path: Path, exc: OSError, *, stacklevel: int) -> None:
+    where = f": {exc.filename}" if exc.filename and str(exc.filename) != str(path) else ""
+    # On save_async's background thread the warning is kept, and issued on the caller's
+    # thread when the save's outcome is delivered.
+    _background.warn(
+        f"{path}: could not be removed ({exc.strerror}{where}); it is left behind and no "
+        "longer listed as a step. Make it writable (e.g. chmod -R u+w) and run gc() or "
+        "`tdckpt gc` again.",
+        TdckptWarning,
+        stacklevel=stacklevel,
+    )

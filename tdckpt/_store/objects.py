@@ -1,0 +1,510 @@
+"""The step store of a root in object storage (any fsspec URL): commit records over attempts.
+
+Commit vocabulary on object storage (see :mod:`tdckpt._remote.layout`): an attempt is a
+fresh prefix ``<step>.attempt-<id>/`` that nobody lists; its objects are uploaded from memory
+(checksums computed on the way) and checked with one listing; commit is the conditional
+create of the record ``<step>.tdckpt.json`` naming the attempt - of two writers racing one
+step exactly one create succeeds, the other gets a
+:class:`~tdckpt.errors.CommitConflictError`. ``overwrite`` is refused: replacing a committed
+step needs an atomic swap object stores lack. Retiring deletes the record first (the step
+is gone), then its data; gc deletes attempt prefixes no record names once older than a grace
+period, and keeps every attempt of a step whose record it cannot read. Exclusive writing:
+the root's lease (:class:`tdckpt._remote.lease.Lease`).
+
+Reading a committed step for a restore is :meth:`ObjectStepStore.open`, the one place a
+step's bytes come to this machine (today: downloaded and verified into a private folder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tdckpt._manage import background as _background
+from tdckpt._manage.steps import StepStatus
+from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
+from tdckpt._remote import layout
+from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
+from tdckpt._remote.store import Store, memory_tmp, mtime, open_store, shorten
+from tdckpt._store.base import Attempt, Capabilities, StepRecord
+from tdckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommitConflictError,
+    IncompleteCheckpointError,
+    MetadataError,
+    RemoteError,
+)
+from tdckpt.schema import FileRecord, StateRecord
+from tdckpt.warnings import TdckptWarning
+
+__all__ = ["DEFAULT_GRACE_S", "ObjectStepStore"]
+
+#: gc leaves an uncommitted attempt alone until it is this old (a save may be uploading).
+DEFAULT_GRACE_S = 3600.0
+
+_Scan = tuple[dict[int, layout.CommitRecord], dict[int, str], dict[str, tuple[int, str, Any]]]
+
+
+class ObjectStepStore:
+    """The steps of one object-storage root (see the module docstring).
+
+    Args:
+        url: the root (``s3://bucket/run``, ``memory://x``, ...).
+        storage_options: passed to fsspec (credentials, ``client_kwargs``...).
+        state: the manager's lock guarding the record cache.
+        manager_id: the lease's owner and every record's writer.
+        checksum: the checksum algorithm of new steps.
+        lease_ttl: seconds the writer's lease lasts without renewal.
+        cache_dir: where restores keep downloaded steps (default: a temporary folder,
+            removed after each restore).
+
+    A :class:`~tdckpt.manager.CheckpointManager` whose root is a URL builds one:
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tdckpt import CheckpointManager, KeepLast
+        >>> with CheckpointManager("memory://doctest/run", retention=KeepLast(1)) as mgr:
+        ...     for step in (1, 2):
+        ...         _ = mgr.save(step, TensorDict(w=torch.full((2,), float(step))))
+        ...     mgr.steps(), mgr.restore()["w"].tolist(), mgr.store.url
+        ([2], [2.0, 2.0], 'memory://doctest/run')
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: dict[str, Any] | None,
+        state: threading.RLock,
+        manager_id: str,
+        checksum: str,
+        lease_ttl: float | None,
+        cache_dir: str | os.PathLike[str] | None,
+    ) -> None:
+        self.store: Store = open_store(url, storage_options)
+        self.root: str = self.store.url
+        self.checksum = checksum
+        self.capabilities = Capabilities(
+            atomic_rename=False,
+            file_backed=False,
+            collective=False,
+            verifies_reads=True,
+            archives=False,
+        )
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._state = state
+        self._id = manager_id
+        self._lease = Lease(
+            self.store, manager_id, ttl=DEFAULT_TTL_S if lease_ttl is None else lease_ttl
+        )
+        self._records: dict[str, tuple[tuple[Any, ...], layout.CommitRecord | MetadataError]] = {}
+
+    # -- listing ---------------------------------------------------------------------------
+    def _scan(self) -> _Scan:
+        """(committed records, damaged steps -> reason, attempt prefixes -> (step, id, info))."""
+        committed: dict[int, layout.CommitRecord] = {}
+        damaged: dict[int, str] = {}
+        attempts: dict[str, tuple[int, str, Any]] = {}
+        folders: dict[int, str] = {}
+        for entry in self.store.ls(""):
+            name = self.store.rel(entry["name"]).rsplit("/", 1)[-1]
+            step = layout.parse_commit(name)
+            if step is not None and entry.get("type") == "directory":
+                # objects under a record's name: not a record tdckpt wrote, but it may be
+                # one's remains; like an unreadable record it protects the step's attempts
+                folders[step] = (
+                    f"{self.store.show(name)}: a prefix of objects where the step's commit "
+                    "record belongs, not a commit record."
+                )
+                continue
+            if step is not None:
+                result = self._record(name, step, entry)
+                if isinstance(result, MetadataError):
+                    damaged[step] = result.message
+                else:
+                    committed[step] = result
+                continue
+            parsed = layout.parse_attempt(name)
+            if parsed is not None:
+                attempts[name] = (parsed[0], parsed[1], entry)
+        for step, reason in folders.items():
+            if step not in committed:
+                damaged.setdefault(step, reason)
+        return committed, damaged, attempts
+
+    def _record(
+        self, name: str, step: int, entry: dict[str, Any]
+    ) -> layout.CommitRecord | MetadataError:
+        signature = (entry.get("size"), entry.get("ETag"), mtime(entry))
+        with self._state:
+            cached = self._records.get(name)
+        if cached is not None and cached[0] == signature and signature != (None, None, None):
+            return cached[1]
+        result: layout.CommitRecord | MetadataError
+        where = self.store.show(name)
+        size = entry.get("size")
+        if isinstance(size, int) and size > layout.MAX_RECORD_BYTES:
+            result = MetadataError(
+                f"{where}: {size} bytes, more than {layout.MAX_RECORD_BYTES}, too large for a "
+                "commit record; it was not read.",
+                path=where,
+            )
+        else:
+            try:
+                # capped: the object may have grown since it was listed
+                data = self.store.cat_capped(name, layout.MAX_RECORD_BYTES, "commit record")
+                result = layout.parse_record(data, where, step)
+            except FileNotFoundError:
+                result = MetadataError(f"{where}: deleted while being read.", path=where)
+            except MetadataError as exc:
+                result = exc
+        with self._state:
+            self._records[name] = (signature, result)
+        return result
+
+    def _url(self, step: int, record: layout.CommitRecord) -> str:
+        return self.store.show(layout.attempt_name(step, record.attempt))
+
+    def _step(self, step: int, record: layout.CommitRecord) -> StepRecord:
+        return StepRecord(step, self._url(step, record), record.manifest, record)
+
+    def records(self) -> dict[int, StepRecord]:
+        return {step: self._step(step, r) for step, r in self._scan()[0].items()}
+
+    def resolve(self, step: int | None) -> StepRecord:
+        from tdckpt._write.atomic import check_step
+
+        committed, damaged, _ = self._scan()
+        if step is None:
+            if not committed:
+                raise CheckpointNotFoundError(
+                    f"{self.root}: no committed checkpoint yet; save one first (or check the URL).",
+                    path=self.root,
+                )
+            step = max(committed)
+        step = check_step(step)
+        if step in committed:
+            return self._step(step, committed[step])
+        if step in damaged:
+            raise IncompleteCheckpointError(
+                f"{self.store.show(layout.commit_name(step))}: step {step} is not a committed "
+                f"tdckpt checkpoint: {damaged[step]} Restore or verify another step.",
+                path=self.store.show(layout.commit_name(step)),
+                step=step,
+            )
+        shown = ", ".join(map(str, sorted(committed)[-10:])) or "none"
+        raise CheckpointNotFoundError(
+            f"{self.root}: no committed step {step} (committed steps: {shown}). Pick one of "
+            "steps(), or None for the latest.",
+            path=self.root,
+            step=step,
+        )
+
+    def damaged(self, step: int) -> VerifyReport | None:
+        committed, damaged, _ = self._scan()
+        if step not in damaged or step in committed:
+            return None
+        return VerifyReport(
+            step=step,
+            path=self.store.show(layout.commit_name(step)),
+            problems=[
+                VerifyProblem(
+                    layout.commit_name(step),
+                    None,
+                    "manifest",
+                    "a valid commit record",
+                    damaged[step],
+                )
+            ],
+        )
+
+    def statuses(self) -> list[StepStatus]:
+        committed, damaged, attempts = self._scan()
+        rows: list[tuple[int, int, StepStatus]] = []
+        for step, record in committed.items():
+            m = record.manifest
+            status = StepStatus(
+                step=step,
+                path=self._url(step, record),
+                kind="remote",
+                status="committed",
+                size=sum(f.size for f in m.files),
+                format_version=m.format_version,
+                key_encoding=m.key_encoding,
+                created=m.created,
+                metadata=copy.deepcopy(m.user_metadata),
+            )
+            rows.append((step, 0, status))
+        for step, reason in damaged.items():
+            where = self.store.show(layout.commit_name(step))
+            rows.append((step, 1, StepStatus(step, where, "remote", "damaged", detail=reason)))
+        named = {layout.attempt_name(s, r.attempt) for s, r in committed.items()}
+        for name, (step, _, _) in attempts.items():
+            if name in named:
+                continue
+            if step in damaged:  # an unreadable record may name it: gc keeps it
+                detail = "kept by gc: the step's commit record cannot be read and may name it"
+                row = StepStatus(step, self.store.show(name), "tmp", "damaged", detail=detail)
+            else:
+                row = StepStatus(step, self.store.show(name), "tmp", "incomplete")
+            rows.append((step, 2, row))
+        return [row for _, _, row in sorted(rows, key=lambda r: (r[0], r[1], str(r[2].path)))]
+
+    def exists(self) -> bool:
+        return True  # a prefix of an object store exists once anything is under it
+
+    # -- exclusive writing -----------------------------------------------------------------
+    def lock(self) -> None:
+        with self._state:
+            self._lease.renew()
+
+    def unlock(self) -> None:
+        with self._state:
+            self._lease.release()
+
+    # -- writing ---------------------------------------------------------------------------
+    def existing(self, step: int) -> bool:
+        return step in self._scan()[0]
+
+    def exists_error(self, step: int) -> CheckpointExistsError:
+        where = self.store.show(layout.commit_name(step))
+        return CheckpointExistsError(
+            f"{where}: step {step} already exists; a committed step is never overwritten. "
+            "Save under another step.",
+            path=where,
+            step=step,
+        )
+
+    def commit_point(self, step: int) -> str:
+        return self.store.show(layout.commit_name(step))
+
+    def begin(self, step: int, *, overwrite: bool) -> Attempt:
+        if overwrite:  # the manager refuses it first (no atomic rename); never reached
+            raise ValueError(f"{self.root}: overwrite=True is not supported in object storage.")
+        if self.existing(step):
+            raise self.exists_error(step)
+        attempt = uuid.uuid4().hex
+        return Attempt(step, layout.attempt_name(step, attempt), False, pending=attempt)
+
+    def write(
+        self,
+        attempt: Attempt,
+        obj: Any,
+        *,
+        metadata: dict[str, Any] | None,
+        state: StateRecord | None,
+        progress: Progress | None,
+    ) -> None:
+        """Encode ``obj`` in memory, upload it under the attempt prefix, keep its record."""
+        from tdckpt._remote.encode import encode_checkpoint
+        from tdckpt._remote.transfer import plan_objects, upload_encoded
+
+        step, prefix = attempt.step, str(attempt.where)
+        encoded = encode_checkpoint(
+            obj,
+            self.store.show(prefix),
+            step=step,
+            user_metadata=metadata,
+            checksum=self.checksum,
+            state=state,
+        )
+        objects, locations, members = plan_objects(
+            [FileRecord(path=f.rel, size=f.size) for f in encoded.files]
+        )
+        total = sum(f.size for f in encoded.files)
+        if progress is not None:
+            progress(0, total)
+        sums = upload_encoded(self.store, prefix, encoded.files, objects, members, self.checksum)
+        if progress is not None:
+            progress(total, total)
+        attempt.pending = layout.CommitRecord(
+            commit_version=layout.COMMIT_VERSION,
+            step=step,
+            attempt=str(attempt.pending),
+            writer=self._id,
+            objects=objects,
+            locations=locations,
+            manifest=encoded.manifest(sums),
+        )
+        # the staged copies of non-contiguous leaves, if any, go with ``encoded``
+
+    def commit(self, attempt: Attempt, *, stacklevel: int) -> str:
+        """Check the upload with one listing, renew the lease, create the record."""
+        from tdckpt._remote.transfer import check_uploaded
+
+        step, prefix, record = attempt.step, str(attempt.where), attempt.pending
+        assert isinstance(record, layout.CommitRecord), "commit() before write()"
+        commit = layout.commit_name(step)
+        check_uploaded(self.store, prefix, record.objects)
+        self.lock()  # LockError if another writer took the root meanwhile
+        try:
+            self.store.create(commit, record.to_bytes())
+        except FileExistsError:
+            self.abort(attempt)
+            raise CommitConflictError(
+                f"{self.store.show(commit)}: another writer committed step {step} while this "
+                "save was uploading; this save was not committed (its data is removed). "
+                "Only one process should save to a root: check for a second trainer.",
+                path=self.store.show(commit),
+                step=step,
+            ) from None
+        return self.store.show(prefix)
+
+    def abort(self, attempt: Attempt) -> None:
+        with contextlib.suppress(Exception):
+            self.store.rm_tree(str(attempt.where))
+
+    # -- deleting --------------------------------------------------------------------------
+    def retire(self, records: list[StepRecord]) -> list[str]:
+        """Delete each step's commit record (from then on it is not listed); the URLs of
+        their attempts, which :meth:`remove` deletes."""
+        for record in records:
+            self.store.rm_files([layout.commit_name(record.step)])
+        return [str(record.where) for record in records]
+
+    def remove(self, retired: list[Any], *, stacklevel: int) -> list[Path | str]:
+        for url in retired:
+            with contextlib.suppress(OSError, RemoteError):  # else left for gc: no record
+                self.store.rm_tree(url[len(self.store.url) + 1 :])
+        return list(retired)
+
+    def gc(self, grace_period: float | None, *, stacklevel: int) -> list[Path | str]:
+        """Delete attempt prefixes that no commit record names and that nothing has written
+        to for ``grace_period`` seconds (default an hour: a save may still be uploading).
+        Never any attempt of a step whose record cannot be read (a newer tdckpt's, a damaged
+        one: it may name them); those are reported with a TdckptWarning. The step's record
+        is read again just before an attempt is deleted."""
+        if grace_period is None:
+            grace_period = DEFAULT_GRACE_S
+        committed, damaged, attempts = self._scan()
+        named = {layout.attempt_name(s, r.attempt) for s, r in committed.items()}
+        now = time.time()
+        removed: list[Path | str] = []
+        kept: dict[int, list[str]] = {}
+        for name in sorted(attempts):
+            if name in named:
+                continue
+            step = attempts[name][0]
+            if step in damaged:
+                # A record this tdckpt cannot read (a newer writer's, a damaged one) may
+                # name any attempt of its step: all of them stay, whatever their age.
+                kept.setdefault(step, []).append(self.store.show(name))
+                continue
+            objects = self.store.find(name)
+            times = [t for t in (mtime(i) for i in objects.values()) if t is not None]
+            if times and now - max(times) < grace_period:
+                continue
+            if objects and not times and grace_period > 0:
+                continue  # the store gives no times: its age is unknown, it may be uploading
+            if self._named_now(step, name):
+                continue
+            self.store.rm_tree(name)
+            removed.append(self.store.show(name))
+        for step, names in sorted(kept.items()):
+            _background.warn(
+                f"{self.store.show(layout.commit_name(step))}: gc kept {len(names)} attempt(s) "
+                f"of step {step} ({shorten(', '.join(names), 300)}): the step's commit record "
+                f"cannot be read ({shorten(damaged[step], 300)}), so it may name any of them. "
+                "Nothing a record may name is deleted. Read it with a newer tdckpt, or delete "
+                "the record and run gc() again if the step is not wanted.",
+                TdckptWarning,
+                stacklevel=stacklevel,
+            )
+        return removed
+
+    def _named_now(self, step: int, name: str) -> bool:
+        """Whether the record of ``step``, read again just before gc deletes ``name``,
+        names it or cannot be read (a record committed since gc listed the root)."""
+        commit = layout.commit_name(step)
+        try:
+            data = self.store.cat_capped(commit, layout.MAX_RECORD_BYTES, "commit record")
+        except FileNotFoundError:
+            return False
+        except MetadataError:
+            return True
+        try:
+            record = layout.parse_record(data, self.store.show(commit), step)
+        except MetadataError:
+            return True
+        return layout.attempt_name(step, record.attempt) == name
+
+    # -- reading ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def open(self, record: StepRecord) -> Iterator[Path]:
+        """The step downloaded and verified into a private local folder, while the block
+        runs; warnings and errors raised in the block name the step's URL, not that folder.
+        (The one read path of a committed step: a ranged-read Storage replaces it.)"""
+        from tdckpt._remote.prefix import relabel_warnings
+
+        with self._download(record) as local, relabel_warnings(local, str(record.where)):
+            yield local
+
+    @contextlib.contextmanager
+    def _download(self, record: StepRecord) -> Iterator[Path]:
+        from tdckpt._manage.verify import verify_files
+        from tdckpt._remote.transfer import download_step
+
+        prefix, commit = _prefix(record)
+        if self.cache_dir is not None:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            cached = self.cache_dir / prefix
+            if cached.is_dir():
+                if verify_files(record.step, cached, record.manifest).ok:
+                    yield cached
+                    return
+                shutil.rmtree(cached, ignore_errors=True)
+            part = Path(tempfile.mkdtemp(prefix=f".{prefix}.part-", dir=self.cache_dir))
+            try:
+                download_step(self.store, prefix, commit, part / "step", step=record.step)
+                try:
+                    (part / "step").rename(cached)
+                except OSError:  # another restore cached it first
+                    if not cached.is_dir():
+                        raise
+            finally:
+                shutil.rmtree(part, ignore_errors=True)
+            yield cached
+            return
+        tmp = Path(tempfile.mkdtemp(prefix="tdckpt-restore-", dir=memory_tmp()))
+        try:
+            download_step(self.store, prefix, commit, tmp / "step", step=record.step)
+            yield tmp / "step"
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def verify(self, record: StepRecord, progress: Progress | None) -> VerifyReport:
+        """Read every object of the step and compare each file with the manifest (sizes
+        and checksums); nothing is written anywhere but a temporary folder."""
+        from tdckpt._remote.transfer import download_step
+
+        prefix, commit = _prefix(record)
+        report = VerifyReport(step=record.step, path=str(record.where))
+        with tempfile.TemporaryDirectory(prefix="tdckpt-verify-", dir=memory_tmp()) as tmp:
+            report.bytes_checked = download_step(
+                self.store,
+                prefix,
+                commit,
+                Path(tmp) / "step",
+                step=record.step,
+                progress=progress,
+                report=report,
+            )
+        return report
+
+
+def _prefix(record: StepRecord) -> tuple[str, layout.CommitRecord]:
+    """The attempt prefix and the commit record of a step this store resolved."""
+    commit = record.handle
+    assert isinstance(commit, layout.CommitRecord), record
+    return layout.attempt_name(record.step, commit.attempt), commit
