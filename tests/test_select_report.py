@@ -39,6 +39,88 @@ def _keys(td: Any) -> set[tuple[str, ...]]:
     return {(k,) if isinstance(k, str) else k for k in td.keys(True, True)}
 
 
+# -- the report: loaded / skipped / missing / unexpected ------------------------------------
+
+
+def _target() -> TensorDict:
+    """``model.enc`` lacks ``bias`` and has ``old``; no ``model.dec``; ``mine`` outside."""
+    return TensorDict(
+        model=TensorDict(enc=TensorDict(weight=torch.zeros(2), old=torch.zeros(1))),
+        mine=torch.ones(5),
+    )
+
+
+def test_in_place_report_lists_each_of_the_four(prefix: Path) -> None:
+    target = _target()
+    _, report = tdckpt.load_memmap_(target, prefix, keys="model", report=True)
+    assert sorted(report.loaded) == [
+        ("model", "dec", "weight"),
+        ("model", "enc", "bias"),
+        ("model", "enc", "weight"),
+    ]
+    assert sorted(report.skipped) == [("buffer", "obs"), ("step",)]
+    # the target's key within the selection that the checkpoint lacks (removed by the restore)
+    assert report.missing == [("model", "enc", "old")]
+    # the checkpoint part's keys the target lacked (added), a missing level by its leaves
+    assert report.unexpected == [("model", "dec", "weight"), ("model", "enc", "bias")]
+    # load_memmap_ keeps tensordict's rule: the target took the checkpoint's structure
+    assert _keys(target) == {*report.loaded, ("mine",)}
+    assert report.to_json()["unexpected"] == [["model", "dec", "weight"], ["model", "enc", "bias"]]
+
+
+def test_outside_the_selection_nothing_is_missing_or_unexpected(prefix: Path) -> None:
+    target = _target()
+    _, report = tdckpt.load_memmap_(target, prefix, keys="model.enc.weight", report=True)
+    assert report.loaded == [("model", "enc", "weight")]
+    assert report.missing == [] and report.unexpected == []  # enc.old, mine: not selected
+    assert torch.equal(target["model", "enc", "old"], torch.zeros(1))
+
+
+def test_a_pattern_that_selects_nothing_is_missing(prefix: Path) -> None:
+    with pytest.raises(RestoreError, match="select nothing: nope"):
+        tdckpt.load_memmap_(_target(), prefix, keys=["model.enc", "nope"])
+    target = _target()
+    _, report = tdckpt.load_memmap_(
+        target, prefix, keys=["model.enc", "nope"], strict=False, report=True
+    )
+    assert report.missing == [("nope",), ("model", "enc", "old")]  # patterns first
+    assert report.unexpected == [("model", "enc", "bias")]
+
+
+def test_a_new_object_has_nothing_unexpected(prefix: Path) -> None:
+    _, report = tdckpt.load_memmap(prefix, keys=["model", "x"], strict=False, report=True)
+    assert report.unexpected == [] and report.missing == [("x",)]
+
+
+def test_restore_into_strict_refuses_missing_and_unexpected_keys(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, _td())
+        # unexpected only: the checkpoint's model.enc.bias is not in the target
+        target = TensorDict(model=TensorDict(enc=TensorDict(weight=torch.zeros(2))))
+        with pytest.raises(RestoreError, match=r"not the target: \('model', 'enc', 'bias'\)"):
+            mgr.restore_into(target, keys="model.enc")
+        assert torch.equal(target["model", "enc", "weight"], torch.zeros(2))  # untouched
+        # missing only: the target's model.enc.old is not in the checkpoint
+        target = TensorDict(
+            model=TensorDict(enc=TensorDict(weight=torch.zeros(2), bias=torch.zeros(2), old=1))
+        )
+        with pytest.raises(RestoreError, match=r"not the checkpoint: \('model', 'enc', 'old'\)"):
+            mgr.restore_into(target, keys="model.enc")
+        assert torch.equal(target["model", "enc", "weight"], torch.zeros(2))
+        # strict=False: both reported, the selection takes the checkpoint's structure
+        target = _target()
+        _, report = mgr.restore_into(target, keys="model.enc", strict=False, report=True)
+        assert report.missing == [("model", "enc", "old")]
+        assert report.unexpected == [("model", "enc", "bias")]
+        assert sorted(report.loaded) == [("model", "enc", "bias"), ("model", "enc", "weight")]
+        assert sorted(target["model", "enc"].keys()) == ["bias", "weight"]
+        assert torch.equal(target["mine"], torch.ones(5))
+        # skipped is never an error: a matching target restores with strict=True
+        target = TensorDict(model=TensorDict(enc=TensorDict(weight=1.0, bias=1.0)))
+        _, report = mgr.restore_into(target, keys="model.enc", report=True)
+        assert report.missing == report.unexpected == [] and ("step",) in report.skipped
+
+
 # -- what a local subset restore touches, counted ----------------------------------------------
 
 

@@ -506,8 +506,8 @@ def load_memmap(
         exclude: leave these keys out (same patterns), even where ``keys`` selects them.
         strict: a pattern of ``keys`` that selects nothing is an error (False: reported
             as ``missing``).
-        report: also return a :class:`~tdckpt.RestoreReport` (loaded, skipped, missing;
-            keys as saved, before ``rename``).
+        report: also return a :class:`~tdckpt.RestoreReport` (loaded, skipped, missing,
+            unexpected; keys as saved, before ``rename``).
         rename: move keys: a mapping of nested keys (``{"encoder": "model.encoder"}``), or
             a list of ``(regex, replacement)`` pairs applied to each leaf's dotted name.
         dtype: cast every floating-point leaf to this dtype, or a mapping of source dtypes
@@ -816,6 +816,10 @@ def restore_in_place(
                 try:
                     if check is not None:
                         check(opened)
+                    if selection is not None and report is not None:
+                        from tdckpt._restore.keys import report_difference
+
+                        report_difference(opened, target, report, selection)
                     restore_into_target(
                         target,
                         opened,

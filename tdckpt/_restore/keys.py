@@ -33,7 +33,14 @@ from tdckpt._read.nodes import (
 from tdckpt._read.pipeline import OpenedCheckpoint
 from tdckpt._restore.plan import Mapper, has_tensordict
 
-__all__ = ["Key", "SavedStructure", "key_difference", "saved_structure", "target_structure"]
+__all__ = [
+    "Key",
+    "SavedStructure",
+    "key_difference",
+    "report_difference",
+    "saved_structure",
+    "target_structure",
+]
 
 Key = tuple[str, ...]
 
@@ -64,6 +71,27 @@ def key_difference(saved: SavedStructure, target: set[Key]) -> tuple[list[Key], 
             if not any(k[:j] in saved.open and k[: j + 1] not in saved.keys for j in range(len(k)))
         }
     return sorted(missing), sorted(saved.keys - target)
+
+
+def report_difference(opened: OpenedCheckpoint, target: Any, report: Any, selection: Any) -> None:
+    """Record an in-place restore's ``missing`` and ``unexpected`` keys into ``report``.
+
+    ``opened.root`` is the selected part of the checkpoint (already pruned); the target's
+    keys that ``selection`` does not concern stay as they are, so they are not missing.
+    Each difference is listed by its leaves (a level the target lacks whole, by the keys
+    below it), after the patterns of ``keys`` that selected nothing (``report.missing``).
+    """
+    saved = saved_structure(opened)
+    missing, unexpected = key_difference(saved, target_structure(target, opaque=saved.opaque))
+    missing = [k for k in missing if selection.touches(k)]
+    report.missing = [*report.missing, *_deepest(missing)]
+    report.unexpected = _deepest(unexpected)
+
+
+def _deepest(keys: list[Key]) -> list[Key]:
+    """The keys of ``keys`` that no other key of it lies below (sorted order kept)."""
+    above = {k[:i] for k in keys for i in range(1, len(k))}
+    return [k for k in keys if k not in above]
 
 
 def saved_structure(opened: OpenedCheckpoint) -> SavedStructure:
