@@ -1156,6 +1156,7 @@ class CheckpointManager:
         report: bool = False,
         rename: Any = None,
         dtype: Any = None,
+        device: str | Any | None = None,
     ) -> Any:
         """Load a committed step into a new object (TensorDict, tensorclass, lazy stack, ...).
 
@@ -1166,28 +1167,32 @@ class CheckpointManager:
 
         ``mode="r"`` (default) maps the files copy-on-write: writes into the result never
         reach the checkpoint. ``keys`` / ``exclude`` / ``strict`` / ``report`` restore a part
-        of the step and ``rename`` / ``dtype`` transform it, as :func:`tdckpt.load_memmap`
-        does (only the selected bytes are mapped; a training state's entries are its
-        top-level keys: ``keys="model"``). See :meth:`restore_into` for the other arguments.
+        of the step and ``rename`` / ``dtype`` / ``device`` transform it, as
+        :func:`tdckpt.load_memmap` does (only the selected bytes are mapped; a training
+        state's entries are its top-level keys: ``keys="model"``). See :meth:`restore_into`
+        for the other arguments.
 
         Raises:
             CheckpointNotFoundError: no such step.
             IntegrityError: ``verify=True`` and the step is damaged.
-            RestoreError: ``strict`` and a pattern of ``keys`` selects nothing.
+            RestoreError: ``strict`` and a pattern of ``keys`` selects nothing; a
+                ``device`` this process does not have (before anything is read).
         """
         from tdckpt._restore.engine import _check_args, load_local
         from tdckpt._restore.select import RestoreReport, Selection
-        from tdckpt._restore.transform import apply_transforms, check_transforms
+        from tdckpt._restore.transform import apply_transforms, check_device, check_transforms
 
         check_transforms(rename, dtype)
+        check_device(device, str(self.root))
         selection = Selection.of_report(keys, exclude, report)
         if self._sharded_path(step, rows):
             from tdckpt._shard.restore import restore_rows
 
-            if selection is not None or rename is not None or dtype is not None:
+            if selection is not None or (rename, dtype, device) != (None, None, None):
                 raise NotImplementedError(
-                    f"{self.root}: keys=, exclude=, report=, rename= and dtype= do not apply "
-                    "to sharded steps yet; restore the rows and select keys from the result."
+                    f"{self.root}: keys=, exclude=, report=, rename=, dtype= and device= do "
+                    "not apply to sharded steps yet; restore the rows and select keys from "
+                    "the result."
                 )
             return restore_rows(
                 self, step, rows, allow_pickle=allow_pickle, mode=mode, verify=verify
@@ -1204,6 +1209,7 @@ class CheckpointManager:
                     robust_key=True,
                     allow_pickle=allow_pickle,
                     mode=mode,
+                    device=device,
                     manifest_checked=True,
                     selection=selection,
                     strict=strict,

@@ -121,6 +121,55 @@ def test_restore_into_strict_refuses_missing_and_unexpected_keys(tmp_path: Path)
         assert report.missing == report.unexpected == [] and ("step",) in report.skipped
 
 
+# -- device= ----------------------------------------------------------------------------------
+
+
+def test_device_cpu_keeps_leaves_mapped(prefix: Path, tmp_path: Path) -> None:
+    out = tdckpt.load_memmap(prefix, keys="model", device="cpu")
+    assert out["model", "enc", "weight"].device.type == "cpu"
+    assert mapped_bytes(prefix)  # still memory-mapped from the checkpoint
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, _td())
+        part = mgr.restore(1, keys="buffer", device=torch.device("cpu"), dtype=torch.float16)
+        assert part["buffer", "obs"].dtype == torch.float16
+        assert torch.equal(part["buffer", "obs"], torch.arange(8.0).reshape(4, 2).half())
+
+
+@needs_linux
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_this_process_lacks_is_refused_before_anything_is_read(
+    tmp_path: Path,
+) -> None:
+    model = torch.nn.Linear(4, 2)
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, _td())
+        mgr.save(2, {"model": model})
+        steps = tmp_path / "run"
+        with Access(steps) as seen:
+            with pytest.raises(RestoreError, match=r"device='cuda'.*no cuda device.*nothing"):
+                mgr.restore(1, device="cuda")
+            with pytest.raises(RestoreError, match="not a torch device"):
+                mgr.restore(1, keys="model", device="nodevice")
+            with pytest.raises(RestoreError, match=r"no cuda device"):
+                tdckpt.load_memmap(steps / "1", device=torch.device("cuda", 0))
+            kept = mgr.restore(1, keys="step", device="cpu")  # the watch sees a real restore
+        assert seen.leaves_opened() == {"1/step.memmap"}  # and nothing before it
+        assert int(kept["step"]) == 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_cuda_moves_the_selected_leaves(tmp_path: Path) -> None:  # pragma: no cover
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, _td())
+        part = mgr.restore(1, keys="model", device="cuda", dtype=torch.bfloat16)
+        assert part["model", "dec", "weight"].device.type == "cuda"
+        assert part["model", "dec", "weight"].dtype == torch.bfloat16
+        assert torch.equal(part["model", "dec", "weight"].cpu(), torch.full((3,), 2.0).bfloat16())
+        beyond = f"cuda:{torch.cuda.device_count()}"
+        with pytest.raises(RestoreError, match=r"indices 0\.\."):
+            mgr.restore(1, device=beyond)
+
+
 # -- what a local subset restore touches, counted ----------------------------------------------
 
 

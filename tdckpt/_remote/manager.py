@@ -818,6 +818,7 @@ class RemoteCheckpointManager(CheckpointManager):
         report: bool = False,
         rename: Any = None,
         dtype: Any = None,
+        device: Any = None,
     ) -> Any:
         """As :meth:`CheckpointManager.restore`, from the store (checksums always verified).
 
@@ -825,7 +826,9 @@ class RemoteCheckpointManager(CheckpointManager):
         selected part is restored).
         """
         from tdckpt._restore.engine import load_memmap
+        from tdckpt._restore.transform import check_device
 
+        check_device(device, str(self.root))  # before anything is downloaded
         if rows is not None:
             raise ValueError(
                 f"{self.root}: rows= selects rows of a sharded step; sharded steps are saved "
@@ -845,4 +848,5 @@ class RemoteCheckpointManager(CheckpointManager):
                 report=report,
                 rename=rename,
                 dtype=dtype,
+                device=device,
             )

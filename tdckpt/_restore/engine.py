@@ -54,7 +54,7 @@ from tdckpt._restore.plan import (
 )
 from tdckpt._restore.policy import check_allow_pickle, resolve_pickle_policy, user_stacklevel
 from tdckpt._restore.select import RestoreReport, Selection, prune
-from tdckpt._restore.transform import apply_transforms, check_transforms
+from tdckpt._restore.transform import apply_transforms, check_device, check_transforms
 from tdckpt.errors import RestoreError, TdckptError, ValidationError
 from tdckpt.warnings import TdckptWarning
 
@@ -495,7 +495,9 @@ def load_memmap(
             default) loads it with a FutureWarning until tensordict 0.16.
         mode: ``"r"`` maps files copy-on-write, ``"r+"`` shared and writable, None as
             tensordict (shared when the file is writable).
-        device: move leaves there (``"cpu"`` keeps them memory-mapped).
+        device: move leaves there (``"cpu"`` keeps them memory-mapped; ``"meta"`` reads
+            no file, as tensordict). A device this process does not have is refused
+            (RestoreError) before anything is read.
         storage_options: for a ``prefix`` that is an fsspec URL (``s3://...``): the
             filesystem's options. A URL prefix is read into a private local copy first
             (``mode="r"``; see the remote guide).
@@ -532,6 +534,7 @@ def load_memmap(
     """
     _check_args(robust_key, allow_pickle, mode)
     check_transforms(rename, dtype)
+    check_device(device, str(prefix))
     selection = Selection.of_report(keys, exclude, report)
     if is_url(prefix):
         from tdckpt._remote.prefix import local_prefix, relabel_warnings
