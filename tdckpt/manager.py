@@ -1069,8 +1069,10 @@ class CheckpointManager:
             keys, exclude: restore a part of the step (patterns as for :meth:`restore`):
                 the selected keys are replaced, and every entry of ``td`` outside the
                 selection stays as it is (``strict`` then compares the selected part only).
-                Not yet for training states or sharded steps.
-            report: return ``(td, report)``, a :class:`~tdckpt.RestoreReport`.
+                For a training state the patterns name entries (``keys="model"``): only the
+                selected entries are read and restored. Not yet for sharded steps.
+            report: return ``(td, report)``, a :class:`~tdckpt.RestoreReport` (its
+                ``missing`` and ``unexpected`` keys are errors under ``strict=True``).
 
         Raises:
             CheckpointNotFoundError: no such step.
@@ -1082,17 +1084,28 @@ class CheckpointManager:
 
         _check_args(True, allow_pickle, mode)
         selection = Selection.of_report(keys, exclude, report, in_place=True)
-        if selection is not None and (holds_live_objects(td) or self._sharded_path(step, None)):
+        live = holds_live_objects(td)
+        if selection is not None and not live and self._sharded_path(step, None):
             raise NotImplementedError(
                 f"{self.root}: keys=, exclude= and report= of restore_into do not apply to "
-                "training states or sharded steps yet; restore() a part into a new object."
+                "sharded steps yet; restore() a part into a new object."
             )
-        if holds_live_objects(td):  # a training state (a dict of tensors is a nested-dict target)
+        if live:  # a training state (a dict of tensors is a nested-dict target)
             from tdckpt._restore.engine import load_local
+            from tdckpt._restore.transform import check_device
+            from tdckpt._state.select import select_entries
 
+            check_device(device, str(self.root))
+            done = RestoreReport()
             with self._using(step) as (resolved, path, manifest):
+                where = f"{path}: step {resolved}"
                 if verify:
                     self._verified(resolved, path, manifest)
+                chosen = None
+                if selection is not None and manifest.state is not None:
+                    chosen = select_entries(
+                        td, manifest.state, selection, where=where, strict=strict
+                    )
                 with _metadata_checked(path, manifest, resolved):
                     loaded = load_local(
                         path,
@@ -1100,16 +1113,20 @@ class CheckpointManager:
                         allow_pickle=allow_pickle,
                         mode=mode,
                         manifest_checked=True,
+                        selection=chosen.read if chosen is not None else None,
+                        report=done,
                     )
                 restore_state(
-                    td,
+                    chosen.part if chosen is not None else td,
                     loaded,
-                    manifest.state,
-                    where=f"{path}: step {resolved}",
+                    chosen.record if chosen is not None else manifest.state,
+                    where=where,
                     strict=strict,
                     device=device,
                 )
-            return td
+            if chosen is not None:
+                chosen.into(done)
+            return (td, done) if report else td
         if device is not None:
             raise ValueError(
                 "device= applies to a training state (a mapping of names to modules, ...); "
@@ -1202,6 +1219,10 @@ class CheckpointManager:
         with self._using(step) as (resolved, path, manifest):
             if verify:
                 self._verified(resolved, path, manifest)
+            if manifest.state is not None:  # a training state: patterns name its entries
+                from tdckpt._state.select import check_entry_patterns
+
+                check_entry_patterns(selection, f"{path}: step {resolved}")
             # _using validated the manifest (cached by file identity): not read again
             with _metadata_checked(path, manifest, resolved):
                 obj = load_local(

@@ -152,9 +152,15 @@ def test_a_device_this_process_lacks_is_refused_before_anything_is_read(
                 mgr.restore(1, keys="model", device="nodevice")
             with pytest.raises(RestoreError, match=r"no cuda device"):
                 tdckpt.load_memmap(steps / "1", device=torch.device("cuda", 0))
+            # a training state in place: refused before anything changes
+            fresh = torch.nn.Linear(4, 2)
+            before = {k: v.clone() for k, v in fresh.state_dict().items()}
+            with pytest.raises(RestoreError, match="no cuda device"):
+                mgr.restore_into({"model": fresh}, device="cuda")
             kept = mgr.restore(1, keys="step", device="cpu")  # the watch sees a real restore
         assert seen.leaves_opened() == {"1/step.memmap"}  # and nothing before it
         assert int(kept["step"]) == 5
+        assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -168,6 +174,100 @@ def test_device_cuda_moves_the_selected_leaves(tmp_path: Path) -> None:  # pragm
         beyond = f"cuda:{torch.cuda.device_count()}"
         with pytest.raises(RestoreError, match=r"indices 0\.\."):
             mgr.restore(1, device=beyond)
+
+
+# -- training states --------------------------------------------------------------------------
+
+
+def _state(width: int = 16) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(width, width)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.ones(1, width)).sum().backward()
+    optim.step()
+    return {"model": model, "optim": optim, "rng": RandomState()}
+
+
+def _fresh(width: int = 16) -> dict[str, Any]:
+    torch.manual_seed(1)
+    model = torch.nn.Linear(width, width)
+    return {"model": model, "optim": torch.optim.Adam(model.parameters(), lr=0.01)}
+
+
+def test_restore_into_a_training_state_restores_only_the_selected_entry(tmp_path: Path) -> None:
+    saved = _state()
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, saved)
+        state = _fresh()
+        weight = state["model"].weight
+        _, report = mgr.restore_into(state, keys="model", report=True)
+        assert state["model"].weight is weight  # restored in place
+        assert torch.equal(weight, saved["model"].weight)
+        assert state["optim"].state_dict()["state"] == {}  # not selected: as it was
+        assert {k[0] for k in report.loaded} == {"model"}
+        assert {k[0] for k in report.skipped} == {"optim", "rng"}
+        assert report.missing == report.unexpected == []
+        # exclude=, the other way round
+        state = _fresh()
+        _, report = mgr.restore_into(state, exclude=["model", "rng"], strict=False, report=True)
+        assert not torch.equal(state["model"].weight, saved["model"].weight)
+        assert state["optim"].state_dict()["state"][0]["step"] == 1
+        assert {k[0] for k in report.loaded} == {"optim"}
+
+
+def test_training_state_selection_report_and_strict(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, _state())
+        model = torch.nn.Linear(16, 16)
+        before = model.weight.detach().clone()
+        # every entry selected, the target lacks optim and rng: unexpected, refused
+        with pytest.raises(RestoreError, match="holds entries the target lacks: 'optim', 'rng'"):
+            mgr.restore_into({"model": model}, keys="*")
+        assert torch.equal(model.weight, before)
+        _, report = mgr.restore_into({"model": model}, keys="*", strict=False, report=True)
+        assert report.unexpected == [("optim",), ("rng",)]
+        assert {k[0] for k in report.loaded} == {"model"}  # unexpected entries are not read
+        assert not torch.equal(model.weight, before)
+        # a pattern that selects no entry
+        with pytest.raises(RestoreError, match=r"select no entry of the step: optimizer\. The "):
+            mgr.restore_into({"model": model}, keys=["model", "optimizer"])
+        _, report = mgr.restore_into(
+            {"model": model}, keys=["model", "optimizer"], strict=False, report=True
+        )
+        assert report.missing == [("optimizer",)]
+        # a target entry the selection names and the step lacks is always an error
+        with pytest.raises(RestoreError, match="entry 'ema': not in the step"):
+            mgr.restore_into({"model": model, "ema": torch.nn.Linear(16, 16)}, keys="*")
+        # outside the selection it stays as it is
+        ema = torch.nn.Linear(16, 16)
+        mgr.restore_into({"model": model, "ema": ema}, keys="model")
+        # patterns name entries: one below an entry is refused, by restore() too
+        for call in (
+            lambda: mgr.restore_into({"model": model}, keys="model.weight"),
+            lambda: mgr.restore(1, exclude="optim.state"),
+        ):
+            with pytest.raises(RestoreError, match="name entries"):
+                call()
+
+
+@needs_linux
+def test_a_training_state_subset_reads_only_its_entry(tmp_path: Path) -> None:
+    saved = _state(width=512)  # model 1 MiB, optim's two moments 2 MiB
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, saved)
+        step = tmp_path / "run" / "1"
+        with Access(step) as seen:
+            part = mgr.restore(1, keys="model")
+        assert {n.split("/")[0] for n in seen.leaves_opened()} == {"model"}
+        mapped = mapped_bytes(step)
+        assert {n.split("/")[0] for n in mapped} == {"model"}
+        assert MiB <= sum(mapped.values()) < MiB + 64 * 1024  # weight + bias, page-rounded
+        del part
+        state = _fresh(width=512)
+        with Access(step) as seen:
+            mgr.restore_into(state, keys="model")
+        assert {n.split("/")[0] for n in seen.leaves_opened()} == {"model"}
+        assert torch.equal(state["model"].weight, saved["model"].weight)
 
 
 # -- what a local subset restore touches, counted ----------------------------------------------
