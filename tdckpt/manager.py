@@ -1070,7 +1070,8 @@ class CheckpointManager:
                 the selected keys are replaced, and every entry of ``td`` outside the
                 selection stays as it is (``strict`` then compares the selected part only).
                 For a training state the patterns name entries (``keys="model"``): only the
-                selected entries are read and restored. Not yet for sharded steps.
+                selected entries are read and restored. For a sharded step each rank reads
+                only its rows of the selected leaves.
             report: return ``(td, report)``, a :class:`~tdckpt.RestoreReport` (its
                 ``missing`` and ``unexpected`` keys are errors under ``strict=True``).
 
@@ -1085,11 +1086,6 @@ class CheckpointManager:
         _check_args(True, allow_pickle, mode)
         selection = Selection.of_report(keys, exclude, report, in_place=True)
         live = holds_live_objects(td)
-        if selection is not None and not live and self._sharded_path(step, None):
-            raise NotImplementedError(
-                f"{self.root}: keys=, exclude= and report= of restore_into do not apply to "
-                "sharded steps yet; restore() a part into a new object."
-            )
         if live:  # a training state (a dict of tensors is a nested-dict target)
             from tdckpt._restore.engine import load_local
             from tdckpt._restore.transform import check_device
@@ -1135,9 +1131,19 @@ class CheckpointManager:
         if self._sharded_path(step, None):
             from tdckpt._shard.restore import restore_into_rows
 
-            return restore_into_rows(
-                self, td, step, allow_pickle=allow_pickle, mode=mode, verify=verify, strict=strict
+            done = RestoreReport()
+            restore_into_rows(
+                self,
+                td,
+                step,
+                allow_pickle=allow_pickle,
+                mode=mode,
+                verify=verify,
+                strict=strict,
+                selection=selection,
+                report=done,
             )
+            return (td, done) if report else td
         with self._using(step) as (resolved, path, manifest):
             if verify:
                 self._verified(resolved, path, manifest)
@@ -1205,15 +1211,24 @@ class CheckpointManager:
         if self._sharded_path(step, rows):
             from tdckpt._shard.restore import restore_rows
 
-            if selection is not None or (rename, dtype, device) != (None, None, None):
+            if (rename, dtype, device) != (None, None, None):
                 raise NotImplementedError(
-                    f"{self.root}: keys=, exclude=, report=, rename=, dtype= and device= do "
-                    "not apply to sharded steps yet; restore the rows and select keys from "
-                    "the result."
+                    f"{self.root}: rename=, dtype= and device= do not apply to sharded steps "
+                    "yet; restore the rows (keys= selects them), then transform the result."
                 )
-            return restore_rows(
-                self, step, rows, allow_pickle=allow_pickle, mode=mode, verify=verify
+            done = RestoreReport()
+            part = restore_rows(
+                self,
+                step,
+                rows,
+                allow_pickle=allow_pickle,
+                mode=mode,
+                verify=verify,
+                selection=selection,
+                strict=strict,
+                report=done,
             )
+            return (part, done) if report else part
         _check_args(True, allow_pickle, mode)
         done = RestoreReport()
         with self._using(step) as (resolved, path, manifest):

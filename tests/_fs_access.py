@@ -5,6 +5,11 @@ each ``open`` of a file there, by any code path, C or Python) and reads ``/proc/
 for the file-backed mappings of this process that lie under it. Nothing is patched: the
 restore runs as in production, and the counts are the kernel's.
 
+inotify sees every process's opens; where several processes read the same folder at once
+(the ranks of a sharded restore), :class:`OpenLog` records this process's own ``os.open``
+calls instead (the call itself runs unchanged; a name relative to a directory descriptor
+is resolved through ``/proc/self/fd``).
+
 Typical use::
 
     with Access(prefix) as seen:
@@ -22,6 +27,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import pytest
 
@@ -92,3 +98,32 @@ def mapped_bytes(root: Path) -> dict[str, int]:
             start, end = (int(x, 16) for x in parts[0].split("-"))
             out[parts[5].rstrip("\n")[len(base) :]] += end - start
     return dict(out)
+
+
+class OpenLog:
+    """The files under ``root`` that this process opened with ``os.open`` in the block."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = os.path.realpath(root) + os.sep
+        self.opened: Counter[str] = Counter()
+        self._real = os.open
+
+    def __enter__(self) -> OpenLog:
+        real = self._real
+
+        def logged(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+            fd = real(path, flags, mode, dir_fd=dir_fd)
+            full = os.readlink(f"/proc/self/fd/{fd}")
+            if full.startswith(self.root) and not os.path.isdir(full):
+                self.opened[full[len(self.root) :]] += 1
+            return fd
+
+        os.open = logged  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.open = self._real
+
+    def leaves_opened(self) -> set[str]:
+        """The leaf data files opened (``*.memmap``)."""
+        return {name for name in self.opened if name.endswith(".memmap")}
