@@ -309,3 +309,24 @@ def test_a_subset_restore_opens_and_maps_only_its_leaves(tmp_path: Path) -> None
         assert seen.leaves_opened() == {"policy/weight.memmap"}
         assert set(mapped_bytes(step)) == {"policy/weight.memmap"}
         assert torch.equal(target["policy", "bias"], torch.zeros(256))
+
+
+def test_object_storage_restores_a_training_state_in_part() -> None:
+    import uuid
+
+    root = f"memory://tdckpt-select-{uuid.uuid4().hex}"
+    saved = _state()
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, saved)
+        state = _fresh()
+        _, report = mgr.restore_into(state, keys="model", report=True)
+        assert torch.equal(state["model"].weight, saved["model"].weight)
+        assert state["optim"].state_dict()["state"] == {}
+        assert {k[0] for k in report.loaded} == {"model"}
+        assert {k[0] for k in report.skipped} == {"optim", "rng"}
+        _, report = mgr.restore_into({"model": state["model"]}, keys="*", strict=False, report=True)
+        assert report.unexpected == [("optim",), ("rng",)]
+        with pytest.raises(RestoreError, match="name entries"):
+            mgr.restore(1, keys="model.weight")
+        with pytest.raises(RestoreError, match=r"no cuda device|not a torch device"):
+            mgr.restore(1, keys="model", device="cuda" if not torch.cuda.is_available() else "x")

@@ -718,28 +718,45 @@ class RemoteCheckpointManager(CheckpointManager):
         _check_args(True, allow_pickle, mode)
         local_mode = self._mode(mode)
         selection = Selection.of_report(keys, exclude, report, in_place=True)
-        if selection is not None and holds_live_objects(td):
-            raise NotImplementedError(
-                f"{self.root}: keys=, exclude= and report= of restore_into do not apply to "
-                "training states yet; restore() a part into a new object."
-            )
         if holds_live_objects(td):  # a training state: every entry checked, then restored
             from tdckpt._restore.engine import load_memmap
+            from tdckpt._restore.transform import check_device
+            from tdckpt._state.select import select_entries
 
+            check_device(device, str(self.root))
+            done = RestoreReport()
             with self._local_copy(step) as (resolved, local, url), relabel_warnings(local, url):
                 _, record = self._resolve_record(resolved)
-                loaded = load_memmap(
-                    local, robust_key=True, allow_pickle=allow_pickle, mode=local_mode
-                )
+                where = f"{url}: step {resolved}"
+                state = record.manifest.state
+                chosen = None
+                if selection is not None and state is not None:
+                    chosen = select_entries(td, state, selection, where=where, strict=strict)
+                if chosen is not None:  # only the selected entries the target has are read
+                    loaded, read = load_memmap(
+                        local,
+                        robust_key=True,
+                        allow_pickle=allow_pickle,
+                        mode=local_mode,
+                        keys=chosen.read.keys,
+                        report=True,
+                    )
+                    done.loaded, done.skipped = read.loaded, read.skipped
+                else:
+                    loaded = load_memmap(
+                        local, robust_key=True, allow_pickle=allow_pickle, mode=local_mode
+                    )
                 restore_state(
-                    td,
+                    chosen.part if chosen is not None else td,
                     loaded,
-                    record.manifest.state,
-                    where=f"{url}: step {resolved}",
+                    chosen.record if chosen is not None else state,
+                    where=where,
                     strict=strict,
                     device=device,
                 )
-            return td
+            if chosen is not None:
+                chosen.into(done)
+            return (td, done) if report else td
         if device is not None:
             raise ValueError(
                 "device= applies to a training state (a mapping of names to modules, ...); "
@@ -836,7 +853,14 @@ class RemoteCheckpointManager(CheckpointManager):
             )
 
         local_mode = self._mode(mode)
-        with self._local_copy(step) as (_, local, url), relabel_warnings(local, url):
+        with self._local_copy(step) as (resolved, local, url), relabel_warnings(local, url):
+            if keys is not None or exclude is not None:
+                from tdckpt._restore.select import Selection
+                from tdckpt._state.select import check_entry_patterns
+
+                if self._resolve_record(resolved)[1].manifest.state is not None:
+                    # a training state: patterns name its entries
+                    check_entry_patterns(Selection.of(keys, exclude), f"{url}: step {resolved}")
             return load_memmap(
                 local,
                 robust_key=True,
