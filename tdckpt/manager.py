@@ -1300,13 +1300,10 @@ def _same_keys(
     raises a RestoreError listing the keys that differ (``where``: the step's path or URL).
     With a ``selection`` (a selective restore), only the target's keys it concerns count.
     """
-    from tdckpt._restore.keys import key_difference, saved_structure, target_structure
+    from tdckpt._restore.keys import selected_difference
 
     def check(opened: OpenedCheckpoint) -> None:
-        saved = saved_structure(opened)
-        missing, unexpected = key_difference(saved, target_structure(td, opaque=saved.opaque))
-        if selection is not None:
-            missing = [k for k in missing if selection.touches(k)]
+        missing, unexpected = selected_difference(opened, td, selection)
         if missing or unexpected:
             raise RestoreError(
                 f"{where}: step {step} does not have the target's keys (strict=True); "

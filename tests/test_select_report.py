@@ -121,6 +121,33 @@ def test_restore_into_strict_refuses_missing_and_unexpected_keys(tmp_path: Path)
         assert report.missing == report.unexpected == [] and ("step",) in report.skipped
 
 
+def _stack(*, target: bool) -> Any:
+    from tensordict import LazyStackedTensorDict
+
+    def member() -> TensorDict:
+        if target:  # a.y and c: not in the checkpoint
+            return TensorDict(a=TensorDict(x=torch.zeros(2), y=torch.zeros(2)), c=torch.zeros(1))
+        return TensorDict(a=TensorDict(x=torch.ones(2)), b=torch.zeros(2))
+
+    return LazyStackedTensorDict(member(), member())
+
+
+def test_a_lazy_stack_is_compared_member_by_member_without_its_indices(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, _stack(target=False))
+        target = _stack(target=True)
+        # a.y is within keys="a" in every member: strict=True refuses (it was removed silently)
+        with pytest.raises(RestoreError, match=r"\('0', 'a', 'y'\), \('1', 'a', 'y'\)"):
+            mgr.restore_into(target, keys="a")
+        assert "y" in target.tensordicts[0]["a"].keys()  # noqa: SIM118
+        _, report = mgr.restore_into(target, keys="a", strict=False, report=True)
+        # the report names keys as patterns do: without the member index
+        assert report.missing == [("a", "y")] and report.unexpected == []
+        assert report.loaded == [("a", "x")] and report.skipped == [("b",)]
+        member = target.tensordicts[1]
+        assert sorted(member["a"].keys()) == ["x"] and "c" in member.keys()  # noqa: SIM118
+
+
 # -- device= ----------------------------------------------------------------------------------
 
 
