@@ -177,6 +177,9 @@ def test_a_device_this_process_lacks_is_refused_before_anything_is_read(
                 mgr.restore(1, device="cuda")
             with pytest.raises(RestoreError, match="not a torch device"):
                 mgr.restore(1, keys="model", device="nodevice")
+            if not torch.backends.mps.is_available():  # asked through torch.mps
+                with pytest.raises(RestoreError, match="no mps device"):
+                    mgr.restore(1, device="mps")
             with pytest.raises(RestoreError, match=r"no cuda device"):
                 tdckpt.load_memmap(steps / "1", device=torch.device("cuda", 0))
             # a training state in place: refused before anything changes

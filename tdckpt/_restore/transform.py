@@ -81,8 +81,8 @@ def check_device(device: Any, where: str) -> torch.device | None:
     """``device`` as a :class:`torch.device`, refused before anything is read or changed.
 
     ``"cpu"`` keeps leaves memory-mapped; ``"meta"`` is tensordict's structure-only load
-    (no file read). Any other device must exist in this process: an accelerator that is
-    not available, or an index past its count, is a RestoreError naming it.
+    (no file read). Any other device must exist in this process: an accelerator that torch
+    reports unavailable, or an index past its count, is a RestoreError naming it.
     """
     if device is None:
         return None
@@ -97,7 +97,11 @@ def check_device(device: Any, where: str) -> torch.device | None:
         return dev
     backend = getattr(torch, dev.type, None)
     is_available = getattr(backend, "is_available", None)
-    if not callable(is_available) or not is_available():
+    if not callable(is_available):
+        is_available = getattr(getattr(torch.backends, dev.type, None), "is_available", None)
+    if not callable(is_available):
+        return dev  # a backend torch cannot be asked about (a plug-in): moving tells
+    if not is_available():
         raise RestoreError(
             f"{where}: device={device!r}, but this process has no {dev.type} device (torch "
             f"{torch.__version__}); nothing was read. Restore on the CPU (device=None) and "
