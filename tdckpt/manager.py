@@ -1161,7 +1161,7 @@ class CheckpointManager:
                     manifest_checked=True,  # _using validated it (cached by file identity)
                     selection=selection,
                     strict=strict,
-                    report=done,
+                    report=done if report else None,  # a report only when asked for
                 )
         return (td, done) if report else td
 

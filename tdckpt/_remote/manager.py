@@ -776,7 +776,7 @@ class RemoteCheckpointManager(CheckpointManager):
                     check=same_keys if strict else None,
                     selection=selection,
                     strict=strict,
-                    report=done,
+                    report=done if report else None,  # a report only when asked for
                 )
         return (td, done) if report else td
 

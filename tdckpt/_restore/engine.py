@@ -762,7 +762,7 @@ def load_memmap_(
                 mode=_url_mode(mode),
                 selection=selection,
                 strict=strict,
-                report=done,
+                report=done if report else None,  # a report only when asked for
             )
     else:
         require_local_options(prefix, storage_options)
@@ -774,7 +774,7 @@ def load_memmap_(
             mode=mode,
             selection=selection,
             strict=strict,
-            report=done,
+            report=done if report else None,  # a report only when asked for
         )
     return (out, done) if report else out
 
