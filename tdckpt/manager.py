@@ -56,7 +56,7 @@ from tdckpt._progress import ProgressArg, progress_bar
 from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._shard.group import DEFAULT_TIMEOUT as _SHARD_TIMEOUT
 from tdckpt._shard.group import resolve_group
-from tdckpt._state import holds_live_objects, is_state_mapping, restore_state, to_tensordict
+from tdckpt._state import holds_live_objects, is_state_mapping, to_tensordict
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.archive_write import commit_archive
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
@@ -1085,43 +1085,39 @@ class CheckpointManager:
 
         _check_args(True, allow_pickle, mode)
         selection = Selection.of_report(keys, exclude, report, in_place=True)
-        live = holds_live_objects(td)
-        if live:  # a training state (a dict of tensors is a nested-dict target)
+        if holds_live_objects(td):  # a training state (a dict of tensors is a nested-dict target)
             from tdckpt._restore.engine import load_local
             from tdckpt._restore.transform import check_device
-            from tdckpt._state.select import select_entries
+            from tdckpt._state.select import restore_entries
 
             check_device(device, str(self.root))
             done = RestoreReport()
             with self._using(step) as (resolved, path, manifest):
-                where = f"{path}: step {resolved}"
                 if verify:
                     self._verified(resolved, path, manifest)
-                chosen = None
-                if selection is not None and manifest.state is not None:
-                    chosen = select_entries(
-                        td, manifest.state, selection, where=where, strict=strict
-                    )
-                with _metadata_checked(path, manifest, resolved):
-                    loaded = load_local(
-                        path,
-                        robust_key=True,
-                        allow_pickle=allow_pickle,
-                        mode=mode,
-                        manifest_checked=True,
-                        selection=chosen.read if chosen is not None else None,
-                        report=done,
-                    )
-                restore_state(
-                    chosen.part if chosen is not None else td,
-                    loaded,
-                    chosen.record if chosen is not None else manifest.state,
-                    where=where,
+
+                def read(part: Selection | None) -> Any:
+                    with _metadata_checked(path, manifest, resolved):
+                        return load_local(
+                            path,
+                            robust_key=True,
+                            allow_pickle=allow_pickle,
+                            mode=mode,
+                            manifest_checked=True,
+                            selection=part,
+                            report=done,
+                        )
+
+                restore_entries(
+                    td,
+                    read,
+                    manifest.state,
+                    selection,
+                    where=f"{path}: step {resolved}",
                     strict=strict,
                     device=device,
+                    report=done,
                 )
-            if chosen is not None:
-                chosen.into(done)
             return (td, done) if report else td
         if device is not None:
             raise ValueError(

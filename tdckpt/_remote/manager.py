@@ -48,7 +48,7 @@ from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
 from tdckpt._remote.prefix import relabel_warnings
 from tdckpt._remote.store import Store, mtime, open_store, shorten
 from tdckpt._remote.transfer import check_uploaded, download_step, plan_objects, upload_encoded
-from tdckpt._state import holds_live_objects, restore_state
+from tdckpt._state import holds_live_objects
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.save import check_json_data
@@ -721,41 +721,39 @@ class RemoteCheckpointManager(CheckpointManager):
         if holds_live_objects(td):  # a training state: every entry checked, then restored
             from tdckpt._restore.engine import load_memmap
             from tdckpt._restore.transform import check_device
-            from tdckpt._state.select import select_entries
+            from tdckpt._state.select import restore_entries
 
             check_device(device, str(self.root))
             done = RestoreReport()
             with self._local_copy(step) as (resolved, local, url), relabel_warnings(local, url):
                 _, record = self._resolve_record(resolved)
-                where = f"{url}: step {resolved}"
-                state = record.manifest.state
-                chosen = None
-                if selection is not None and state is not None:
-                    chosen = select_entries(td, state, selection, where=where, strict=strict)
-                if chosen is not None:  # only the selected entries the target has are read
-                    loaded, read = load_memmap(
+
+                def read(part: Selection | None) -> Any:
+                    if part is None:
+                        return load_memmap(
+                            local, robust_key=True, allow_pickle=allow_pickle, mode=local_mode
+                        )
+                    loaded, read_report = load_memmap(
                         local,
                         robust_key=True,
                         allow_pickle=allow_pickle,
                         mode=local_mode,
-                        keys=chosen.read.keys,
+                        keys=part.keys,
                         report=True,
                     )
-                    done.loaded, done.skipped = read.loaded, read.skipped
-                else:
-                    loaded = load_memmap(
-                        local, robust_key=True, allow_pickle=allow_pickle, mode=local_mode
-                    )
-                restore_state(
-                    chosen.part if chosen is not None else td,
-                    loaded,
-                    chosen.record if chosen is not None else state,
-                    where=where,
+                    done.loaded, done.skipped = read_report.loaded, read_report.skipped
+                    return loaded
+
+                restore_entries(
+                    td,
+                    read,
+                    record.manifest.state,
+                    selection,
+                    where=f"{url}: step {resolved}",
                     strict=strict,
                     device=device,
+                    report=done,
                 )
-            if chosen is not None:
-                chosen.into(done)
             return (td, done) if report else td
         if device is not None:
             raise ValueError(

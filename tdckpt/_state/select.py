@@ -6,6 +6,7 @@ name, shell wildcards allowed (``"model"``, ``"opt*"``); a pattern below an entr
 (``"model.weight"``) is refused, since an entry is restored whole (its ``load_state_dict``
 takes all of it).
 
+:func:`restore_entries` is the in-place restore of a training state for both managers;
 :func:`select_entries` decides, before anything is read, which entries a restore in place
 concerns: the target's entries outside the selection stay as they are, and only the selected
 entries the target has are read (their leaves alone are mapped).
@@ -13,15 +14,16 @@ entries the target has are read (their leaves alone are mapped).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tdckpt._restore.select import RestoreReport, Selection
+from tdckpt._state.restore import restore_state
 from tdckpt.errors import RestoreError
 from tdckpt.schema import StateRecord
 
-__all__ = ["EntrySelection", "check_entry_patterns", "select_entries"]
+__all__ = ["EntrySelection", "check_entry_patterns", "restore_entries", "select_entries"]
 
 Key = tuple[str, ...]
 
@@ -98,3 +100,37 @@ def select_entries(
     read = Selection([(n,) for n in chosen if n in part])
     unexpected: list[Key] = [(n,) for n in chosen if n not in part]
     return EntrySelection(part, reduced, read, missing, unexpected)
+
+
+def restore_entries(
+    state: Mapping[str, Any],
+    read: Callable[[Selection | None], Any],
+    record: StateRecord | None,
+    selection: Selection | None,
+    *,
+    where: str,
+    strict: bool,
+    device: Any,
+    report: RestoreReport,
+) -> None:
+    """:func:`~tdckpt._state.restore.restore_state` of the entries ``selection`` concerns.
+
+    ``read(part)`` loads the step (only the keys of ``part`` when it is not None, recording
+    the leaves loaded and skipped into ``report``); ``record`` is the step's state record
+    (None: not a training state, refused by ``restore_state``). Without a selection every
+    entry of ``state`` is restored, as before.
+    """
+    chosen = None
+    if selection is not None and record is not None:
+        chosen = select_entries(state, record, selection, where=where, strict=strict)
+    loaded = read(chosen.read if chosen is not None else None)
+    restore_state(
+        chosen.part if chosen is not None else state,
+        loaded,
+        chosen.record if chosen is not None else record,
+        where=where,
+        strict=strict,
+        device=device,
+    )
+    if chosen is not None:
+        chosen.into(report)
