@@ -1207,11 +1207,10 @@ class CheckpointManager:
         if self._sharded_path(step, rows):
             from tdckpt._shard.restore import restore_rows
 
-            if (rename, dtype, device) != (None, None, None):
-                raise NotImplementedError(
-                    f"{self.root}: rename=, dtype= and device= do not apply to sharded steps "
-                    "yet; restore the rows (keys= selects them), then transform the result."
-                )
+            def transform(obj: Any) -> Any:
+                obj = apply_transforms(obj, rename=rename, dtype=dtype, where=str(self.root))
+                return obj if device is None else obj.to(device)
+
             done = RestoreReport()
             part = restore_rows(
                 self,
@@ -1223,6 +1222,7 @@ class CheckpointManager:
                 selection=selection,
                 strict=strict,
                 report=done,
+                transform=transform if (rename, dtype, device) != (None, None, None) else None,
             )
             return (part, done) if report else part
         _check_args(True, allow_pickle, mode)

@@ -456,6 +456,9 @@ def cmd_select(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
     assert_same(got, want, f"rank {rank}: keys=nested.deeper")
     out["opened"] = sorted(seen.leaves_opened())
     out["loaded"] = [list(k) for k in report.loaded]
+    got = mgr.restore(step_of("nested"), keys="a", dtype=torch.bfloat16, rename={"a": "obs"})
+    assert torch.equal(got["obs"], nested["a"][start:stop].bfloat16()), f"rank {rank}: cast"
+    out["cast"] = str(got["obs"].dtype)
     out["skipped"] = sorted(list(k) for k in report.skipped)
 
     rep = make_case("replicated", total)

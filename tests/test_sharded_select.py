@@ -15,6 +15,7 @@ from _fs_access import needs_linux
 from _shard_child import LENGTHS, make_case, spawn_ranks, step_of
 
 from tdckpt import CheckpointManager
+from tdckpt.errors import RestoreError
 
 
 def _ok(results: list[dict[str, Any] | None], what: str) -> list[Any]:
@@ -42,6 +43,7 @@ def test_two_ranks_restore_a_subset_of_a_sharded_step(tmp_path: Path) -> None:
         assert got["replicated_loaded"] == [["cfg", "lr"], ["run"]]
         assert "select nothing: nope" in got["strict"]
         assert got["missing"] == [["nope"]]
+        assert got["cast"] == "torch.bfloat16"
         # in place: rank r takes r + 1 rows (rank 0 rows 0..1, rank 1 rows 1..3): shard 0 only
         assert len(got["into_opened"]) == 1 and got["into_opened"][0].endswith("/a.memmap")
         assert got["into_loaded"] == [["a"]]
@@ -66,8 +68,20 @@ def test_two_ranks_restore_a_subset_of_a_sharded_step(tmp_path: Path) -> None:
         _, report = mgr.restore_into(
             target, step_of("nested"), keys="nested", strict=False, report=True
         )
-        with pytest.raises(NotImplementedError, match="rename=, dtype= and device="):
-            mgr.restore(step_of("nested"), keys="a", dtype=torch.float16)
+        # transforms of a sharded part: rows across both shards, renamed, cast, moved
+        got = mgr.restore(
+            step_of("nested"),
+            rows=slice(2, 6),
+            keys=["a", "nested.deeper"],
+            rename={"a": "obs"},
+            dtype={torch.float32: torch.bfloat16},
+            device=torch.device("cpu"),
+        )
+        assert set(got.keys(True, True)) == {("nested", "deeper", "d"), "obs"}
+        assert torch.equal(got["obs"], nested["a"][2:6].bfloat16())
+        assert got["nested", "deeper", "d"].dtype == torch.float16  # not in the table
+        with pytest.raises(RestoreError, match="onto"):
+            mgr.restore(step_of("nested"), keys=["a", "b"], rename={"a": "b"})
     assert report.missing == [("nested", "old")] and report.unexpected == []
     assert sorted(report.loaded) == [("nested", "c"), ("nested", "deeper", "d")]
     assert "old" not in target["nested"].keys()  # noqa: SIM118 (a TensorDict has no 'in')

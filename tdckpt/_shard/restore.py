@@ -13,6 +13,7 @@ every row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -140,13 +141,15 @@ def restore_rows(
     selection: Selection | None = None,
     strict: bool = True,
     report: RestoreReport | None = None,
+    transform: Callable[[Any], Any] | None = None,
 ) -> Any:
     """``CheckpointManager.restore`` of a part of the global rows (see the module).
 
     In a group every rank first agrees on the operation and the step, and after reading
     on the outcome: a rank that fails makes every rank raise. ``selection``: only these
     keys are read (each rank maps only its rows of the selected leaves), recorded into
-    ``report``.
+    ``report``. ``transform``: applied to this rank's part before the outcome is agreed
+    (renames, casts, a device move: one rank that cannot makes every rank raise).
     """
     group = mgr._shard
     if group is not None:
@@ -175,6 +178,8 @@ def restore_rows(
                 strict=strict,
                 report=report,
             )
+            if transform is not None:
+                part = transform(part)
     except Exception as exc:
         if group is None:
             raise
