@@ -52,7 +52,7 @@ from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
 from tdckpt._progress import ProgressArg, progress_bar
 from tdckpt._shard.group import DEFAULT_TIMEOUT as _SHARD_TIMEOUT
 from tdckpt._shard.group import resolve_group
-from tdckpt._state import holds_live_objects, is_state_mapping, restore_state, to_tensordict
+from tdckpt._state import holds_live_objects, is_state_mapping, to_tensordict
 from tdckpt._store import StepRecord, StepStore, open_step_store
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
@@ -1003,8 +1003,11 @@ class CheckpointManager:
             keys, exclude: restore a part of the step (patterns as for :meth:`restore`):
                 the selected keys are replaced, and every entry of ``td`` outside the
                 selection stays as it is (``strict`` then compares the selected part only).
-                Not yet for training states or sharded steps.
-            report: return ``(td, report)``, a :class:`~tdckpt.RestoreReport`.
+                For a training state the patterns name entries (``keys="model"``): only the
+                selected entries are read and restored. For a sharded step each rank reads
+                only its rows of the selected leaves.
+            report: return ``(td, report)``, a :class:`~tdckpt.RestoreReport` (its
+                ``missing`` and ``unexpected`` keys are errors under ``strict=True``).
 
         Raises:
             CheckpointNotFoundError: no such step.
@@ -1017,30 +1020,37 @@ class CheckpointManager:
         _check_args(True, allow_pickle, mode)
         mode = self._mode(mode)
         selection = Selection.of_report(keys, exclude, report, in_place=True)
-        if selection is not None and (holds_live_objects(td) or self._sharded_path(step, None)):
-            raise NotImplementedError(
-                f"{self.root}: keys=, exclude= and report= of restore_into do not apply to "
-                "training states or sharded steps yet; restore() a part into a new object."
-            )
         if holds_live_objects(td):  # a training state (a dict of tensors is a nested-dict target)
+            from tdckpt._restore.transform import check_device
+            from tdckpt._state.select import restore_entries
+
+            check_device(device, str(self.root))
+            done = RestoreReport()
             with self._reading(step, verify) as (record, path):
-                with _metadata_checked(path, record):
-                    loaded = load_local(
-                        path,
-                        robust_key=True,
-                        allow_pickle=allow_pickle,
-                        mode=mode,
-                        manifest_checked=True,
-                    )
-                restore_state(
+
+                def read(part: Selection | None) -> Any:
+                    with _metadata_checked(path, record):
+                        return load_local(
+                            path,
+                            robust_key=True,
+                            allow_pickle=allow_pickle,
+                            mode=mode,
+                            manifest_checked=True,
+                            selection=part,
+                            report=done,
+                        )
+
+                restore_entries(
                     td,
-                    loaded,
+                    read,
                     record.manifest.state,
+                    selection,
                     where=f"{record.where}: step {record.step}",
                     strict=strict,
                     device=device,
+                    report=done,
                 )
-            return td
+            return (td, done) if report else td
         if device is not None:
             raise ValueError(
                 "device= applies to a training state (a mapping of names to modules, ...); "
@@ -1049,7 +1059,8 @@ class CheckpointManager:
         if self._sharded_path(step, None):
             from tdckpt._shard.restore import restore_into_rows
 
-            return restore_into_rows(
+            done = RestoreReport()
+            restore_into_rows(
                 self._shard_steps(),
                 td,
                 step,
@@ -1057,7 +1068,10 @@ class CheckpointManager:
                 mode=mode,
                 verify=verify,
                 strict=strict,
+                selection=selection,
+                report=done,
             )
+            return (td, done) if report else td
         done = RestoreReport()
         with self._reading(step, verify) as (record, path):
             same_keys = _same_keys(td, str(record.where), record.step, selection)
@@ -1072,7 +1086,7 @@ class CheckpointManager:
                     manifest_checked=True,  # the store validated it
                     selection=selection,
                     strict=strict,
-                    report=done,
+                    report=done if report else None,  # a report only when asked for
                 )
         return (td, done) if report else td
 
@@ -1090,6 +1104,7 @@ class CheckpointManager:
         report: bool = False,
         rename: Any = None,
         dtype: Any = None,
+        device: str | Any | None = None,
     ) -> Any:
         """Load a committed step into a new object (TensorDict, tensorclass, lazy stack, ...).
 
@@ -1100,20 +1115,23 @@ class CheckpointManager:
 
         ``mode="r"`` (default) maps the files copy-on-write: writes into the result never
         reach the checkpoint. ``keys`` / ``exclude`` / ``strict`` / ``report`` restore a part
-        of the step and ``rename`` / ``dtype`` transform it, as :func:`tdckpt.load_memmap`
-        does (only the selected bytes are mapped; a training state's entries are its
-        top-level keys: ``keys="model"``). See :meth:`restore_into` for the other arguments.
+        of the step and ``rename`` / ``dtype`` / ``device`` transform it, as
+        :func:`tdckpt.load_memmap` does (only the selected bytes are mapped; a training
+        state's entries are its top-level keys: ``keys="model"``). See :meth:`restore_into`
+        for the other arguments.
 
         Raises:
             CheckpointNotFoundError: no such step.
             IntegrityError: ``verify=True`` and the step is damaged.
-            RestoreError: ``strict`` and a pattern of ``keys`` selects nothing.
+            RestoreError: ``strict`` and a pattern of ``keys`` selects nothing; a
+                ``device`` this process does not have (before anything is read).
         """
         from tdckpt._restore.engine import _check_args, load_local
         from tdckpt._restore.select import RestoreReport, Selection
-        from tdckpt._restore.transform import apply_transforms, check_transforms
+        from tdckpt._restore.transform import apply_transforms, check_device, check_transforms
 
         check_transforms(rename, dtype)
+        check_device(device, str(self.root))
         selection = Selection.of_report(keys, exclude, report)
         if rows is not None and not self._steps.capabilities.collective:
             raise ValueError(
@@ -1123,24 +1141,39 @@ class CheckpointManager:
         if self._sharded_path(step, rows):
             from tdckpt._shard.restore import restore_rows
 
-            if selection is not None or rename is not None or dtype is not None:
-                raise NotImplementedError(
-                    f"{self.root}: keys=, exclude=, report=, rename= and dtype= do not apply "
-                    "to sharded steps yet; restore the rows and select keys from the result."
-                )
-            return restore_rows(
-                self._shard_steps(), step, rows, allow_pickle=allow_pickle, mode=mode, verify=verify
+            def transform(obj: Any) -> Any:
+                obj = apply_transforms(obj, rename=rename, dtype=dtype, where=str(self.root))
+                return obj if device is None else obj.to(device)
+
+            done = RestoreReport()
+            part = restore_rows(
+                self._shard_steps(),
+                step,
+                rows,
+                allow_pickle=allow_pickle,
+                mode=mode,
+                verify=verify,
+                selection=selection,
+                strict=strict,
+                report=done,
+                transform=transform if (rename, dtype, device) != (None, None, None) else None,
             )
+            return (part, done) if report else part
         _check_args(True, allow_pickle, mode)
         mode = self._mode(mode)
         done = RestoreReport()
         with self._reading(step, verify) as (record, path):
+            if record.manifest.state is not None:  # a training state: patterns name its entries
+                from tdckpt._state.select import check_entry_patterns
+
+                check_entry_patterns(selection, f"{record.where}: step {record.step}")
             with _metadata_checked(path, record):
                 obj = load_local(
                     path,
                     robust_key=True,
                     allow_pickle=allow_pickle,
                     mode=mode,
+                    device=device,
                     manifest_checked=True,  # the store validated it
                     selection=selection,
                     strict=strict,
@@ -1216,13 +1249,10 @@ def _same_keys(
     raises a RestoreError listing the keys that differ (``where``: the step's path or URL).
     With a ``selection`` (a selective restore), only the target's keys it concerns count.
     """
-    from tdckpt._restore.keys import key_difference, saved_structure, show_keys, target_structure
+    from tdckpt._restore.keys import selected_difference, show_keys
 
     def check(opened: OpenedCheckpoint) -> None:
-        saved = saved_structure(opened)
-        missing, unexpected = key_difference(saved, target_structure(td, opaque=saved.opaque))
-        if selection is not None:
-            missing = [k for k in missing if selection.touches(k)]
+        missing, unexpected = selected_difference(opened, td, selection)
         if missing or unexpected:
             raise RestoreError(
                 f"{where}: step {step} does not have the target's keys (strict=True); "

@@ -492,11 +492,83 @@ def cmd_substitution(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> A
         call("gc_negative", lambda: m.gc(grace_period=-1))
         call("save_existing", lambda: m.save(3, _sub_td(2, rows)))
         out["steps_after"] = m.steps()
+
+
+def cmd_select(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """Selective restores of the steps saved by ``world`` ranks; what each rank opened."""
+    from _fs_access import OpenLog
+    from _shard_compare import assert_same
+
+    from tdckpt._shard.rows import even_part
+    from tdckpt.errors import RestoreError, TdckptError
+
+    total = sum(LENGTHS[world])
+    start, stop = even_part(total, rank, world)
+    out: dict[str, Any] = {}
+    nested = make_case("nested", total)
+    step_dir = Path(args["root"]) / str(step_of("nested"))
+    with OpenLog(step_dir) as seen:
+        got, report = mgr.restore(step_of("nested"), keys="nested.deeper", report=True)
+    want = nested[start:stop].select(("nested", "deeper"))
+    assert_same(got, want, f"rank {rank}: keys=nested.deeper")
+    out["opened"] = sorted(seen.leaves_opened())
+    out["loaded"] = [list(k) for k in report.loaded]
+    got = mgr.restore(step_of("nested"), keys="a", dtype=torch.bfloat16, rename={"a": "obs"})
+    assert torch.equal(got["obs"], nested["a"][start:stop].bfloat16()), f"rank {rank}: cast"
+    out["cast"] = str(got["obs"].dtype)
+    out["skipped"] = sorted(list(k) for k in report.skipped)
+
+    rep = make_case("replicated", total)
+    got, report = mgr.restore(step_of("replicated"), keys=["run", "cfg"], report=True)
+    assert_same(got, rep[start:stop].select("run", "cfg"), f"rank {rank}: replicated only")
+    out["replicated_loaded"] = sorted(list(k) for k in report.loaded)
+    got = mgr.restore(step_of("replicated"), exclude="run")
+    assert_same(got, rep[start:stop].exclude("run"), f"rank {rank}: exclude=run")
+    try:
+        mgr.restore(step_of("replicated"), keys=["x", "nope"])
+    except RestoreError as exc:
+        out["strict"] = str(exc)
+    _, report = mgr.restore(step_of("replicated"), keys=["x", "nope"], strict=False, report=True)
+    out["missing"] = [list(k) for k in report.missing]
+
+    # in place: rank r takes r + 1 rows; only the selected keys change
+    take = [r + 1 for r in range(world)]
+    off = sum(take[:rank])
+    target = make_case("nested", take[rank]).apply(torch.zeros_like)
+    with OpenLog(step_dir) as seen:
+        _, report = mgr.restore_into(target, step_of("nested"), keys="a", report=True)
+    assert torch.equal(target["a"], nested["a"][off : off + take[rank]])
+    assert not target["b"].any() and not target["nested", "deeper", "d"].any()
+    out["into_opened"] = sorted(seen.leaves_opened())
+    out["into_loaded"] = [list(k) for k in report.loaded]
+    # strict: the selection's keys must match; a refusal on one rank leaves every target as is
+    target = make_case("nested", take[rank]).apply(torch.zeros_like)
+    if rank == 0:
+        del target["nested", "deeper", "d"]
+    try:
+        mgr.restore_into(target, step_of("nested"), keys="nested.deeper")
+    except TdckptError as exc:  # rank 0: the RestoreError; rank 1: told that rank 0 failed
+        out["into_strict"] = f"{type(exc).__name__}: {exc}"
+    assert not target["a"].any() and all(
+        not v.any() for v in target.values(True, True) if isinstance(v, torch.Tensor)
+    )
+    if rank == 0:
+        _, report = mgr.restore_into(
+            target, step_of("nested"), keys="nested.deeper", strict=False, report=True
+        )
+    else:
+        _, report = mgr.restore_into(target, step_of("nested"), keys="nested.deeper", report=True)
+    out["into_unexpected"] = [list(k) for k in report.unexpected]
+    assert not target["nested", "c"].any()  # beside the selection, in the same level: kept
+    assert torch.equal(
+        target["nested", "deeper", "d"], nested["nested", "deeper", "d"][off : off + take[rank]]
+    )
     return out
 
 
 COMMANDS = {
     "substitution": cmd_substitution,
+    "select": cmd_select,
     "close": cmd_close,
     "disagree": cmd_disagree,
     "async": cmd_async,

@@ -54,7 +54,7 @@ from tdckpt._restore.plan import (
 )
 from tdckpt._restore.policy import check_allow_pickle, resolve_pickle_policy, user_stacklevel
 from tdckpt._restore.select import RestoreReport, Selection, prune
-from tdckpt._restore.transform import apply_transforms, check_transforms
+from tdckpt._restore.transform import apply_transforms, check_device, check_transforms
 from tdckpt.errors import RestoreError, TdckptError, ValidationError
 from tdckpt.warnings import TdckptWarning
 
@@ -495,7 +495,9 @@ def load_memmap(
             default) loads it with a FutureWarning until tensordict 0.16.
         mode: ``"r"`` maps files copy-on-write, ``"r+"`` shared and writable, None as
             tensordict (shared when the file is writable).
-        device: move leaves there (``"cpu"`` keeps them memory-mapped).
+        device: move leaves there (``"cpu"`` keeps them memory-mapped; ``"meta"`` reads
+            no file, as tensordict). A device this process does not have is refused
+            (RestoreError) before anything is read.
         storage_options: for a ``prefix`` that is an fsspec URL (``s3://...``): the
             filesystem's options. A URL prefix is read into a private local copy first
             (``mode="r"``; see the remote guide).
@@ -506,8 +508,8 @@ def load_memmap(
         exclude: leave these keys out (same patterns), even where ``keys`` selects them.
         strict: a pattern of ``keys`` that selects nothing is an error (False: reported
             as ``missing``).
-        report: also return a :class:`~tdckpt.RestoreReport` (loaded, skipped, missing;
-            keys as saved, before ``rename``).
+        report: also return a :class:`~tdckpt.RestoreReport` (loaded, skipped, missing,
+            unexpected; keys as saved, before ``rename``).
         rename: move keys: a mapping of nested keys (``{"encoder": "model.encoder"}``), or
             a list of ``(regex, replacement)`` pairs applied to each leaf's dotted name.
         dtype: cast every floating-point leaf to this dtype, or a mapping of source dtypes
@@ -532,6 +534,7 @@ def load_memmap(
     """
     _check_args(robust_key, allow_pickle, mode)
     check_transforms(rename, dtype)
+    check_device(device, str(prefix))
     selection = Selection.of_report(keys, exclude, report)
     if is_url(prefix):
         from tdckpt._remote.prefix import local_prefix, relabel_warnings
@@ -759,7 +762,7 @@ def load_memmap_(
                 mode=_url_mode(mode),
                 selection=selection,
                 strict=strict,
-                report=done,
+                report=done if report else None,  # a report only when asked for
             )
     else:
         require_local_options(prefix, storage_options)
@@ -771,7 +774,7 @@ def load_memmap_(
             mode=mode,
             selection=selection,
             strict=strict,
-            report=done,
+            report=done if report else None,  # a report only when asked for
         )
     return (out, done) if report else out
 
@@ -816,6 +819,10 @@ def restore_in_place(
                 try:
                     if check is not None:
                         check(opened)
+                    if selection is not None and report is not None:
+                        from tdckpt._restore.keys import report_difference
+
+                        report_difference(opened, target, report, selection)
                     restore_into_target(
                         target,
                         opened,

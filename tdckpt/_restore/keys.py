@@ -37,7 +37,9 @@ __all__ = [
     "Key",
     "SavedStructure",
     "key_difference",
+    "report_difference",
     "saved_structure",
+    "selected_difference",
     "show_keys",
     "target_structure",
 ]
@@ -71,6 +73,111 @@ def key_difference(saved: SavedStructure, target: set[Key]) -> tuple[list[Key], 
             if not any(k[:j] in saved.open and k[: j + 1] not in saved.keys for j in range(len(k)))
         }
     return sorted(missing), sorted(saved.keys - target)
+
+
+def report_difference(opened: OpenedCheckpoint, target: Any, report: Any, selection: Any) -> None:
+    """Record an in-place restore's ``missing`` and ``unexpected`` keys into ``report``.
+
+    ``opened.root`` is the selected part of the checkpoint (already pruned); the target's
+    keys that ``selection`` does not concern stay as they are, so they are not missing.
+    Each difference is listed by its leaves (a level the target lacks whole, by the keys
+    below it), after the patterns of ``keys`` that selected nothing (``report.missing``).
+    """
+    missing, unexpected = selected_difference(opened, target, selection)
+    assert opened.root is not None
+    named = _Unstacked(target, opened.root)
+    report.missing = [*report.missing, *dict.fromkeys(map(named, _deepest(missing)))]
+    report.unexpected = list(dict.fromkeys(map(named, _deepest(unexpected))))
+
+
+def selected_difference(
+    opened: OpenedCheckpoint, target: Any, selection: Any
+) -> tuple[list[Key], list[Key]]:
+    """``(missing, unexpected)`` of an in-place restore of ``selection`` (every level's key,
+    lazy stacks member by member), the target's keys outside the selection left out.
+
+    ``opened.root`` is the selected part of the checkpoint (already pruned). A pattern names
+    the keys of a lazy stack's members without their index (as :mod:`.select` applies it):
+    a key is compared with the selection without the member indices it passes through.
+    """
+    saved = saved_structure(opened)
+    missing, unexpected = key_difference(saved, target_structure(target, opaque=saved.opaque))
+    if selection is not None:
+        assert opened.root is not None
+        named = _Unstacked(target, opened.root)
+        missing = [k for k in missing if selection.touches(named(k))]
+    return missing, unexpected
+
+
+class _Unstacked:
+    """A structure key without the member indices of the lazy stacks it passes through.
+
+    The key is walked down the target and the (pruned) node tree together: a key only the
+    target has is placed by the target, one only the checkpoint has by its nodes.
+    """
+
+    def __init__(self, target: Any, root: Node) -> None:
+        self.target = target
+        self.root = root
+
+    def __call__(self, key: Key) -> Key:
+        out: list[str] = []
+        obj: Any = self.target
+        node: Node | None = self.root
+        for name in key:
+            if _is_lazy_stack(obj) or isinstance(node, LazyStackNode):
+                index = int(name) if name.isdigit() else -1  # a member: no name of its own
+                obj, node = _member(obj, index), _node_member(node, index)
+                continue
+            out.append(name)
+            obj, node = _child(obj, name), _node_child(node, name)
+        return tuple(out)
+
+
+def _is_lazy_stack(obj: Any) -> bool:
+    try:
+        from tensordict import LazyStackedTensorDict
+    except ImportError:  # without tensordict a target holds no lazy stack
+        return False
+    return isinstance(obj, LazyStackedTensorDict)
+
+
+def _member(obj: Any, index: int) -> Any:
+    members = getattr(obj, "tensordicts", None)
+    return members[index] if members is not None and 0 <= index < len(members) else None
+
+
+def _child(obj: Any, name: str) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, dict):
+        return obj.get(name)
+    inner = getattr(obj, "_tensordict", None)  # a tensorclass: the tensordict of its fields
+    holder = inner if inner is not None and not isinstance(inner, dict) else obj
+    try:
+        return holder.get(name) if name in holder.keys() else None  # noqa: SIM118
+    except Exception:  # not a level (a tensor, a value): nothing below it
+        return None
+
+
+def _node_member(node: Node | None, index: int) -> Node | None:
+    if isinstance(node, LazyStackNode) and 0 <= index < len(node.members):
+        return node.members[index]
+    return None
+
+
+def _node_child(node: Node | None, name: str) -> Node | None:
+    if isinstance(node, TensorClassNode):
+        node = node.inner
+    if isinstance(node, TensorDictNode):
+        return node.entries.get(name)
+    return None
+
+
+def _deepest(keys: list[Key]) -> list[Key]:
+    """The keys of ``keys`` that no other key of it lies below (sorted order kept)."""
+    above = {k[:i] for k in keys for i in range(1, len(k))}
+    return [k for k in keys if k not in above]
 
 
 def saved_structure(opened: OpenedCheckpoint) -> SavedStructure:

@@ -42,21 +42,41 @@ _WHOLE = (TensorClassNode, SubTensorDictNode, LazyViewNode)
 class RestoreReport:
     """What a selective restore did, key by key.
 
+    The fields follow ``torch.nn.Module.load_state_dict``'s result (``missing``: asked for,
+    not in the checkpoint; ``unexpected``: in the checkpoint, not in the target) and TorchRL's
+    ``CheckpointLoadResult`` (``skipped``: not requested). Keys are as saved (before any
+    ``rename``); a container's keys are listed by its leaves.
+
     Attributes:
         loaded: the keys restored (leaves, and values kept whole).
-        skipped: the keys of the checkpoint left out (not selected, or excluded).
-        missing: the patterns of ``keys`` that selected nothing in the checkpoint.
+        skipped: the keys of the checkpoint left out (not selected, or excluded). Never an
+            error.
+        missing: what the restore asked for and the checkpoint lacks: the patterns of
+            ``keys`` that select nothing, and, in place, the target's keys within the
+            selection that the checkpoint does not hold (a restore removes them there).
+        unexpected: in place, the keys of the selected part of the checkpoint that the
+            target does not have (a restore adds them); always empty for a new object.
+
+    Which of them is an error (raised before anything is changed):
+
+    * ``strict=True`` (the default): a pattern of ``keys`` that selects nothing, always;
+      and for :meth:`CheckpointManager.restore_into <tdckpt.CheckpointManager.restore_into>`
+      any ``missing`` or ``unexpected`` key. :func:`tdckpt.load_memmap_` keeps
+      tensordict's ``load_memmap_`` rule - the target takes the checkpoint's structure - and
+      only reports those keys.
+    * ``strict=False``: none of them; a pattern that selects nothing restores nothing.
     """
 
     loaded: list[Key] = field(default_factory=list)
     skipped: list[Key] = field(default_factory=list)
     missing: list[Key] = field(default_factory=list)
+    unexpected: list[Key] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {name: [list(k) for k in getattr(self, name)] for name in _FIELDS}
 
 
-_FIELDS = ("loaded", "skipped", "missing")
+_FIELDS = ("loaded", "skipped", "missing", "unexpected")
 
 
 def parse_patterns(arg: Any, what: str) -> list[Key] | None:

@@ -1,4 +1,4 @@
-"""Transforms on restore: key renames and dtype casts of a restored (new) object.
+"""Transforms on restore: key renames, dtype casts and the device of a restored (new) object.
 
 ``rename`` is a mapping of nested keys to nested keys (``{"encoder": "model.encoder"}``: the
 key and everything below it move; a key is a tuple or a string split on ``.``), or a list of
@@ -11,6 +11,10 @@ Both run on the object the restore built, before it is returned: a restore with 
 that cannot apply (two keys renamed onto one, a rename onto an existing key, a cast torch
 refuses) raises and returns nothing. Leaves that are cast are copies (no longer mapped);
 the others stay memory-mapped.
+
+``device`` (:func:`check_device`) is checked before anything is read; the leaves are moved as
+the object is built, after every check of the restore (validation, selection, strict), so a
+restore that fails returns nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from tdckpt.errors import RestoreError
 
-__all__ = ["apply_transforms", "check_transforms"]
+__all__ = ["apply_transforms", "check_device", "check_transforms"]
 
 Key = tuple[str, ...]
 
@@ -71,6 +75,45 @@ def check_transforms(rename: Any, dtype: Any) -> None:
                     "dtype must be a torch.dtype (the floating leaves' new dtype) or a mapping "
                     f"of torch dtypes to torch dtypes, not {dtype!r}"
                 )
+
+
+def check_device(device: Any, where: str) -> torch.device | None:
+    """``device`` as a :class:`torch.device`, refused before anything is read or changed.
+
+    ``"cpu"`` keeps leaves memory-mapped; ``"meta"`` is tensordict's structure-only load
+    (no file read). Any other device must exist in this process: an accelerator that torch
+    reports unavailable, or an index past its count, is a RestoreError naming it.
+    """
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise RestoreError(
+            f"{where}: device={device!r} is not a torch device ({exc}); nothing was read. "
+            "Pass 'cpu', 'cuda', 'cuda:1', a torch.device, or None."
+        ) from None
+    if dev.type in ("cpu", "meta"):
+        return dev
+    backend = getattr(torch, dev.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if not callable(is_available):
+        is_available = getattr(getattr(torch.backends, dev.type, None), "is_available", None)
+    if not callable(is_available):
+        return dev  # a backend torch cannot be asked about (a plug-in): moving tells
+    if not is_available():
+        raise RestoreError(
+            f"{where}: device={device!r}, but this process has no {dev.type} device (torch "
+            f"{torch.__version__}); nothing was read. Restore on the CPU (device=None) and "
+            "move the result, or run where that device is."
+        )
+    count = getattr(backend, "device_count", None)
+    if dev.index is not None and callable(count) and dev.index >= count():
+        raise RestoreError(
+            f"{where}: device={device!r}, but this process sees {count()} {dev.type} "
+            f"device(s) (indices 0..{count() - 1}); nothing was read."
+        )
+    return dev
 
 
 def apply_transforms(obj: Any, *, rename: Any, dtype: Any, where: str) -> Any:

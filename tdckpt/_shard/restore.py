@@ -13,14 +13,25 @@ every row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tdckpt._shard.group import rank0_refusal
-from tdckpt._shard.rows import ReadStats, even_part, read_rows, row_range
+from tdckpt._shard.rows import (
+    ReadStats,
+    even_part,
+    load_selected,
+    merge_reports,
+    read_rows,
+    row_range,
+)
 from tdckpt._shard.steps import ShardSteps
 from tdckpt.errors import RestoreError
 from tdckpt.schema import Manifest, ShardedManifest
+
+if TYPE_CHECKING:
+    from tdckpt._restore.select import RestoreReport, Selection
 
 __all__ = ["restore_into_rows", "restore_rows", "wants_shard_path"]
 
@@ -70,17 +81,20 @@ def _read(
     allow_pickle: bool | None,
     mode: str | None,
     stats: ReadStats | None,
+    selection: Selection | None = None,
+    strict: bool = True,
+    report: RestoreReport | None = None,
 ) -> Any:
     if isinstance(manifest, ShardedManifest):
         total = manifest.batch_size[0]
         loaded = None
     else:
         from tdckpt._read.expected import expecting
-        from tdckpt._restore.engine import load_memmap
 
         # a plain step's metadata checked against its manifest, as CheckpointManager.restore
         with expecting(path, manifest, where=f"{path}: step {manifest.step}"):
-            loaded = load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode)
+            loaded, done = load_selected(path, selection, allow_pickle=allow_pickle, mode=mode)
+        merge_reports([done], report, where=path, strict=strict)
         if not getattr(loaded, "batch_size", None):
             raise RestoreError(
                 f"{path}: this step has batch size {list(getattr(loaded, 'batch_size', []))}, "
@@ -107,7 +121,18 @@ def _read(
     if not isinstance(manifest, ShardedManifest):
         assert loaded is not None
         return loaded if (start, stop) == (0, total) else loaded[start:stop]
-    return read_rows(path, manifest, start, stop, allow_pickle=allow_pickle, mode=mode, stats=stats)
+    return read_rows(
+        path,
+        manifest,
+        start,
+        stop,
+        allow_pickle=allow_pickle,
+        mode=mode,
+        stats=stats,
+        selection=selection,
+        strict=strict,
+        report=report,
+    )
 
 
 def restore_rows(
@@ -119,11 +144,18 @@ def restore_rows(
     mode: str | None,
     verify: bool,
     stats: ReadStats | None = None,
+    selection: Selection | None = None,
+    strict: bool = True,
+    report: RestoreReport | None = None,
+    transform: Callable[[Any], Any] | None = None,
 ) -> Any:
     """``CheckpointManager.restore`` of a part of the global rows (see the module).
 
     In a group every rank first agrees on the operation and the step, and after reading
-    on the outcome: a rank that fails makes every rank raise.
+    on the outcome: a rank that fails makes every rank raise. ``selection``: only these
+    keys are read (each rank maps only its rows of the selected leaves), recorded into
+    ``report``. ``transform``: applied to this rank's part before the outcome is agreed
+    (renames, casts, a device move: one rank that cannot makes every rank raise).
     """
     group = mgr.group
     if group is not None:
@@ -148,7 +180,12 @@ def restore_rows(
                 allow_pickle=allow_pickle,
                 mode=mode,
                 stats=stats,
+                selection=selection,
+                strict=strict,
+                report=report,
             )
+            if transform is not None:
+                part = transform(part)
     except Exception as exc:
         if group is None:
             raise
@@ -167,8 +204,15 @@ def restore_into_rows(
     mode: str | None,
     verify: bool,
     strict: bool,
+    selection: Selection | None = None,
+    report: RestoreReport | None = None,
 ) -> Any:
-    """``CheckpointManager.restore_into``: ``td.batch_size[0]`` rows, offsets in rank order."""
+    """``CheckpointManager.restore_into``: ``td.batch_size[0]`` rows, offsets in rank order.
+
+    ``selection`` (made with ``in_place=True``): only the selected keys are read and
+    replaced; the target's entries outside it stay as they are (``strict`` compares the
+    selected part only).
+    """
     from tensordict import is_tensor_collection
 
     group = mgr.group
@@ -201,14 +245,29 @@ def restore_into_rows(
                 allow_pickle=allow_pickle,
                 mode=mode,
                 stats=None,
+                selection=selection,
+                strict=strict,
+                report=report,
             )
-            _check_target(td, part, path, resolved, strict=strict)
+            missing = _check_target(
+                td, part, path, resolved, strict=strict, selection=selection, report=report
+            )
     except Exception as exc:
         if group is None:
             raise
         error = exc
     if group is not None:  # a rank that refused leaves every rank's target untouched
         group.settle("restore_into", step, error)
+    if selection is not None:  # within the selection the step decides; outside, the target
+        from tensordict import is_tensorclass
+
+        # TensorDict.update merges nested levels: the entries outside the selection stay
+        into = td._tensordict if is_tensorclass(td) else td
+        for key in missing if not strict else []:
+            if key in into.keys(True):
+                del into[key]
+        into.update(part._tensordict if is_tensorclass(part) else part)
+        return td
     target = td._tensordict if hasattr(td, "_tensordict") else td
     source = part._tensordict if hasattr(part, "_tensordict") else part
     if strict:
@@ -230,7 +289,18 @@ def _keys(obj: Any) -> set[tuple[str, ...]]:
     return out
 
 
-def _check_target(td: Any, part: Any, path: Path, step: int, *, strict: bool) -> None:
+def _check_target(
+    td: Any,
+    part: Any,
+    path: Path,
+    step: int,
+    *,
+    strict: bool,
+    selection: Selection | None = None,
+    report: RestoreReport | None = None,
+) -> list[tuple[str, ...]]:
+    """Refuse a target the rows cannot go into; the target's keys (within ``selection``)
+    that the step lacks, which a ``strict=False`` restore removes."""
     if list(td.batch_size[1:]) != list(part.batch_size[1:]):
         raise RestoreError(
             f"{path}: step {step} has batch size [rows, {list(part.batch_size[1:])}] but the "
@@ -246,20 +316,27 @@ def _check_target(td: Any, part: Any, path: Path, step: int, *, strict: bool) ->
             path=str(path),
             step=step,
         )
-    if strict:
-        have, saved = _keys(td), _keys(part)
-        missing, unexpected = sorted(have - saved), sorted(saved - have)
-        if missing or unexpected:
-            from tdckpt._restore.keys import show_keys as _show_keys
+    if not strict and selection is None:
+        return []  # the target takes the step's structure: nothing to compare
+    have, saved = _keys(td), _keys(part)
+    missing, unexpected = sorted(have - saved), sorted(saved - have)
+    if selection is not None:
+        missing = [k for k in missing if selection.touches(k)]
+        if report is not None:
+            report.missing = [*report.missing, *missing]
+            report.unexpected = unexpected
+    if strict and (missing or unexpected):
+        from tdckpt._restore.keys import show_keys as _show_keys
 
-            raise RestoreError(
-                f"{path}: step {step} does not have the target's keys (strict=True); "
-                f"nothing was changed. In the target but not the checkpoint: "
-                f"{_show_keys(missing)}. In the checkpoint but not the target: "
-                f"{_show_keys(unexpected)}. Pass strict=False to give the target the "
-                "checkpoint's structure.",
-                path=str(path),
-                step=step,
-                missing=missing,
-                unexpected=unexpected,
-            )
+        raise RestoreError(
+            f"{path}: step {step} does not have the target's keys (strict=True); "
+            f"nothing was changed. In the target but not the checkpoint: "
+            f"{_show_keys(missing)}. In the checkpoint but not the target: "
+            f"{_show_keys(unexpected)}. Pass strict=False to give the target the "
+            "checkpoint's structure.",
+            path=str(path),
+            step=step,
+            missing=missing,
+            unexpected=unexpected,
+        )
+    return missing

@@ -17,12 +17,23 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tdckpt.errors import RestoreError, UnsafePathError
 from tdckpt.schema import ShardedManifest, ShardRecord
 
-__all__ = ["ReadStats", "even_part", "plan_rows", "read_rows", "row_range"]
+if TYPE_CHECKING:
+    from tdckpt._restore.select import RestoreReport, Selection
+
+__all__ = [
+    "ReadStats",
+    "even_part",
+    "load_selected",
+    "merge_reports",
+    "plan_rows",
+    "read_rows",
+    "row_range",
+]
 
 
 @dataclass
@@ -117,6 +128,65 @@ def _leaf_bytes(obj: Any) -> int:
     return total
 
 
+def load_selected(
+    path: Path,
+    selection: Selection | None,
+    *,
+    allow_pickle: bool | None,
+    mode: str | None,
+) -> tuple[Any, RestoreReport | None]:
+    """One prefix (a shard, the replicated entries, a plain step) restored whole or in part.
+
+    With a ``selection`` only its leaves are mapped; a pattern that selects nothing here is
+    not an error yet (it may select the replicated entries): see :func:`merge_reports`.
+    """
+    from tdckpt._restore.engine import load_memmap
+
+    if selection is None:
+        return load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode), None
+    loaded, report = load_memmap(
+        path,
+        robust_key=True,
+        allow_pickle=allow_pickle,
+        mode=mode,
+        keys=selection.keys,
+        exclude=selection.exclude,
+        strict=False,
+        report=True,
+    )
+    return loaded, report
+
+
+def merge_reports(
+    parts: list[RestoreReport | None],
+    into: RestoreReport | None,
+    *,
+    where: Path,
+    strict: bool,
+) -> None:
+    """Combine the reports of the prefixes a selective restore read (one shard's is enough:
+    every shard holds the same keys); a pattern is missing when no part holds it.
+
+    Raises:
+        RestoreError: ``strict`` and a pattern of ``keys`` selects nothing in any part.
+    """
+    done = [p for p in parts if p is not None]
+    if not done:
+        return
+    missing = [p for p in done[0].missing if all(p in other.missing for other in done[1:])]
+    if strict and missing:
+        raise RestoreError(
+            f"{where}: {len(missing)} pattern(s) of keys= select nothing: "
+            f"{', '.join('.'.join(p) for p in missing)}. Fix the pattern, or pass "
+            "strict=False to restore what the others select.",
+            path=str(where),
+        )
+    if into is not None:
+        into.loaded = list(dict.fromkeys(k for p in done for k in p.loaded))
+        into.skipped = list(dict.fromkeys(k for p in done for k in p.skipped))
+        into.missing = missing
+
+
 def read_rows(
     step_path: Path,
     manifest: ShardedManifest,
@@ -126,16 +196,22 @@ def read_rows(
     allow_pickle: bool | None,
     mode: str | None,
     stats: ReadStats | None = None,
+    selection: Selection | None = None,
+    strict: bool = True,
+    report: RestoreReport | None = None,
 ) -> Any:
     """The global rows ``start .. stop`` of a sharded step (replicated entries put back).
+
+    ``selection``: only these keys (each shard and the replicated entries read in part,
+    only the selected leaves mapped); what was loaded and skipped goes into ``report``.
 
     Raises:
         MetadataError: the step manifest and its shards disagree (see
             :mod:`tdckpt._shard.check`), naming the shard's file and the key.
+        RestoreError: ``strict`` and a pattern of ``keys`` selects nothing.
     """
     import torch
 
-    from tdckpt._restore.engine import load_memmap
     from tdckpt._shard.check import check_shards
 
     # The manifest's rows, keys and dtypes are checked against every shard first.
@@ -144,13 +220,13 @@ def read_rows(
     if not plan:  # no rows: the structure, from the first shard
         plan = [(manifest.shards[0], 0, 0)]
     pieces = []
+    reports: list[RestoreReport | None] = []
     for shard, lo, hi in plan:
-        loaded = load_memmap(
-            _shard_path(step_path, shard.prefix),
-            robust_key=True,
-            allow_pickle=allow_pickle,
-            mode=mode,
+        loaded, done = load_selected(
+            _shard_path(step_path, shard.prefix), selection, allow_pickle=allow_pickle, mode=mode
         )
+        if not reports:  # every shard holds the same keys: one's report says it
+            reports.append(done)
         whole = lo == 0 and hi == shard.stop - shard.start
         pieces.append(loaded if whole else loaded[lo:hi])
         if stats is not None:
@@ -158,12 +234,16 @@ def read_rows(
             stats.bytes_requested += _leaf_bytes(pieces[-1])
     out: Any = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
     if manifest.replicated is not None:
-        rep = load_memmap(
+        rep, done = load_selected(
             _shard_path(step_path, manifest.replicated.prefix),
-            robust_key=True,
+            selection,
             allow_pickle=allow_pickle,
             mode=mode,
         )
+        reports.append(done)
+        present = {(k,) if isinstance(k, str) else k for k in rep.keys(True)}
         for key in manifest.replicated.keys:
-            out.set(tuple(key), rep.get(tuple(key)))
+            if tuple(key) in present:  # a selective restore may have left it out
+                out.set(tuple(key), rep.get(tuple(key)))
+    merge_reports(reports, report, where=step_path, strict=strict)
     return out
