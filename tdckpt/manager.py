@@ -1258,9 +1258,16 @@ def _same_keys(
     raises a RestoreError listing the keys that differ (``where``: the step's path or URL).
     With a ``selection`` (a selective restore), only the target's keys it concerns count.
     """
-    from tdckpt._restore.keys import key_difference, saved_structure, target_structure
+    from tdckpt._restore.keys import (
+        key_difference,
+        saved_structure,
+        structures_match,
+        target_structure,
+    )
 
     def check(opened: OpenedCheckpoint) -> None:
+        if opened.root is not None and structures_match(opened.root, td):
+            return  # the same keys, level by level: nothing to list
         saved = saved_structure(opened)
         missing, unexpected = key_difference(saved, target_structure(td, opaque=saved.opaque))
         if selection is not None:

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from tdckpt._read.consolidated_parse import RESERVED, Level, parse_consolidated
-from tdckpt._read.nodes import TensorDictNode
+from tdckpt._read.nodes import LeafNode, TensorDictNode
 from tdckpt._read.storage import (
     MAX_JSON_BYTES,
     Listing,
@@ -304,32 +304,80 @@ class ConsolidatedStorage(Storage):
             return torch.empty(0, dtype=dtype)
         return self._mapping(shared=mode == "r+")[start : start + nbytes].view(dtype)
 
-    def map_many(
-        self, leaves: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], mode: MapMode
-    ) -> list[torch.Tensor]:
-        """Views of many leaves, each shaped ``shape`` (contiguous): what :meth:`map` and a
-        view give, built with one ``as_strided`` per leaf on a per-dtype view of the map."""
+    def map_leaves(self, nodes: Sequence[LeafNode], mode: MapMode) -> list[torch.Tensor | None]:
+        """The tensors of many leaves as views of the one mapping, in order (each shaped as
+        its node says, contiguous: what :meth:`map` and a view give); None for a node that
+        is not a dense leaf with bytes in the file (the caller maps it on its own).
+
+        Built on a per-dtype view of the map: one ``as_strided`` per leaf, or, for a run of
+        consecutive leaves of one dtype and shape evenly spaced in the file (tensordict
+        writes many: the same shape, each padded to 8 bytes), one ``as_strided`` for the
+        whole run, ``unbind`` into its leaves in one call.
+        """
         base = self._mapping(shared=mode == "r+")
         typed: dict[torch.dtype, torch.Tensor] = {}
         #: shape -> (contiguous strides, numel): a checkpoint repeats a few shapes
         layouts: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}
         table = self._parsed.leaves
         data_size = self.data_size
-        out: list[torch.Tensor] = []
-        append = out.append
-        for rel, dtype, shape in leaves:
-            start, size = table[rel]
+        places = [
+            table.get(src.source)
+            if (src := node.file) is not None
+            and src.source is not None
+            and src.data is None
+            and not node.is_nested
+            else None
+            for node in nodes
+        ]
+        count = len(places)
+        out: list[torch.Tensor | None] = []
+        i = 0
+        while i < count:
+            place = places[i]
+            if place is None:
+                out.append(None)
+                i += 1
+                continue
+            node = nodes[i]
+            dtype, shape = node.dtype, node.shape
+            start, size = place
             item = dtype.itemsize
-            whole = typed.get(dtype)
-            if whole is None:
-                whole = typed[dtype] = base[: data_size - data_size % item].view(dtype)
             known = layouts.get(shape)
             if known is None:
                 known = layouts[shape] = (_strides(shape), math.prod(shape))
-            if size and size == known[1] * item:
-                append(whole.as_strided(shape, known[0], start // item))
-            else:  # no bytes (or not these): map() builds it, or says what is wrong
-                append(self.map(rel, dtype, known[1], mode=mode).view(shape))
+            if not size or size != known[1] * item:
+                out.append(None)  # no bytes (or not these): mapped on its own, or refused
+                i += 1
+                continue
+            whole = typed.get(dtype)
+            if whole is None:
+                whole = typed[dtype] = base[: data_size - data_size % item].view(dtype)
+            # The run of leaves from i on like this one, each ``step`` bytes after the last.
+            end = i + 1
+            following = places[end] if end < count else None
+            step = following[0] - start if following is not None else 0
+            if step >= size and not step % item:
+                last = start
+                while end < count:
+                    following = places[end]
+                    if following is None:
+                        break
+                    other = nodes[end]
+                    if (
+                        following[1] != size
+                        or following[0] - last != step
+                        or other.dtype is not dtype
+                        or other.shape != shape
+                    ):
+                        break
+                    last = following[0]
+                    end += 1
+            if end - i == 1:
+                out.append(whole.as_strided(shape, known[0], start // item))
+            else:
+                run = whole.as_strided((end - i, *shape), (step // item, *known[0]), start // item)
+                out.extend(run.unbind(0))
+            i = end
         return out
 
     def close(self) -> None:

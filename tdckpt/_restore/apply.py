@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,6 +43,8 @@ from tdckpt._restore.plan import (
 from tdckpt.errors import RestoreError
 
 __all__ = ["restore_into_target", "tensordict_order"]
+
+_IS_NESTED = attrgetter("is_nested")
 
 
 class _Plan:
@@ -466,7 +469,19 @@ class _Preparer:
         # level's leaves are mapped in one call once the loop is done.
         leaves: list[LeafNode] = []
         leaf_keys: list[str] = []
-        for key, sub in node.entries.items():
+        #: the entries still to go through one by one
+        others = node.entries
+        if (
+            batch == tuple(node.batch_size)
+            and set(map(type, others.values())) == {LeafNode}
+            and not any(map(_IS_NESTED, others.values()))
+        ):
+            # A level of dense leaves at the saved batch size (the large case): validation
+            # checked that every shape starts with it, so nothing is left to check per leaf.
+            leaves = cast("list[LeafNode]", list(others.values()))
+            leaf_keys = list(others)
+            others = {}
+        for key, sub in others.items():
             if type(sub) is LeafNode:
                 shape = sub.shape[:1] if sub.is_nested else sub.shape
                 if shape[:nb] != batch:
@@ -554,6 +569,8 @@ def tensordict_order(
     """A level's items in the order tensordict leaves them: the target's keys where they were
     (``current``; empty for a new object), then the saved tensors, then the saved sub-levels
     and non-tensor data (each in saved order; ``tensors`` and ``levels`` are)."""
+    if not levels and current.keys() == tensors.keys():  # a level of leaves, the same keys
+        return dict(zip(current, map(tensors.__getitem__, current), strict=True))
     ordered = {}
     for key in current:
         if key in tensors:

@@ -15,6 +15,7 @@ tensorclass's own tensordict for the tensorclass) and walked as the target is.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -33,7 +34,14 @@ from tdckpt._read.nodes import (
 from tdckpt._read.pipeline import OpenedCheckpoint
 from tdckpt._restore.plan import Mapper, has_tensordict
 
-__all__ = ["Key", "SavedStructure", "key_difference", "saved_structure", "target_structure"]
+__all__ = [
+    "Key",
+    "SavedStructure",
+    "key_difference",
+    "saved_structure",
+    "structures_match",
+    "target_structure",
+]
 
 Key = tuple[str, ...]
 
@@ -64,6 +72,42 @@ def key_difference(saved: SavedStructure, target: set[Key]) -> tuple[list[Key], 
             if not any(k[:j] in saved.open and k[: j + 1] not in saved.keys for j in range(len(k)))
         }
     return sorted(missing), sorted(saved.keys - target)
+
+
+def structures_match(root: Node, obj: Any) -> bool:
+    """Whether ``obj`` certainly has the keys of ``root`` (:func:`saved_structure` and
+    :func:`target_structure` would find no difference), compared level by level.
+
+    The strict check's fast answer for the usual restore: TensorDict levels of tensors into
+    TensorDicts of tensors, each level's keys compared as sets in one call, a level of
+    leaves only checked in one pass. False at anything else (another kind of level or
+    value, a key that differs): the full comparison then decides, and names the keys.
+    """
+    try:
+        from tensordict import TensorDict
+    except ImportError:
+        return False
+    tensor = torch.Tensor
+    stack: list[tuple[Node, Any]] = [(root, obj)]
+    while stack:
+        node, value = stack.pop()
+        if type(node) is not TensorDictNode or type(value) is not TensorDict:
+            return False
+        entries = node.entries
+        items = value._tensordict
+        if entries.keys() != items.keys():
+            return False
+        if set(map(type, entries.values())) == {LeafNode}:
+            if not all(map(isinstance, items.values(), repeat(tensor))):
+                return False
+            continue
+        for key, sub in entries.items():
+            if type(sub) is LeafNode:
+                if not isinstance(items[key], tensor):
+                    return False
+            else:
+                stack.append((sub, items[key]))
+    return True
 
 
 def saved_structure(opened: OpenedCheckpoint) -> SavedStructure:
