@@ -165,3 +165,59 @@ def test_a_level_of_leaves_into_another_batch_size_is_refused(tmp_path: Path) ->
     wider = TensorDict({f"k{i}": torch.zeros(4) for i in range(10)}, [4])
     out = tdckpt.load_memmap_(wider, path, allow_pickle=False)
     assert out["k3"].shape == (4, 2) and torch.equal(out["k3"], torch.ones(4, 2))
+
+
+# -- the mapping budget: counted only where a restore needs a good part of the limit ----------
+
+
+def _leafy(tmp_path: Path, leaves: int) -> Path:
+    prefix = tmp_path / "ck"
+    TensorDict({f"k{i}": torch.full((1,), float(i)) for i in range(leaves)}).memmap(prefix)
+    return prefix
+
+
+def _limit_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int) -> list[int]:
+    """``vm.max_map_count`` read from a file saying ``limit``; the returned list grows by one
+    each time the process's mappings are counted."""
+    from tdckpt._restore import budget
+
+    path = tmp_path / "max_map_count"
+    path.write_text(f"{limit}\n")
+    monkeypatch.setattr(budget, "MAX_MAP_COUNT_PATH", str(path))
+    counted: list[int] = []
+    real = budget._current_mappings
+
+    def counting() -> int | None:
+        counted.append(1)
+        return real()
+
+    monkeypatch.setattr(budget, "_current_mappings", counting)
+    return counted
+
+
+def test_a_restore_far_below_the_map_limit_does_not_count_the_mappings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = _leafy(tmp_path, 1500)
+    counted = _limit_file(tmp_path, monkeypatch, 1_000_000)
+    target = TensorDict({f"k{i}": torch.zeros(1) for i in range(1500)})
+    tdckpt.load_memmap_(target, prefix)
+    assert target["k7"].item() == 7.0
+    assert counted == []
+
+
+def test_a_restore_near_the_map_limit_is_refused_before_mapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Needing more than half the limit, the mappings are counted first: refused, the
+    target untouched (a limit of 2,500 here; the process already holds hundreds)."""
+    prefix = _leafy(tmp_path, 1500)
+    counted = _limit_file(tmp_path, monkeypatch, 2500)
+    target = TensorDict(a=torch.zeros(1))
+    with pytest.raises(RestoreError, match="restoring maps 1500 leaf files") as info:
+        tdckpt.load_memmap_(target, prefix)
+    assert "Nothing was changed" in str(info.value)
+    assert counted
+    assert list(target.keys()) == ["a"] and target["a"].item() == 0.0
+    with pytest.raises(RestoreError, match="restoring maps 1500 leaf files"):
+        tdckpt.load_memmap(prefix)

@@ -43,12 +43,14 @@ import errno
 import json
 import math
 import mmap
+import operator
 import os
 import stat
 import struct
 import threading
 import weakref
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -84,6 +86,10 @@ _OPEN_FLAGS = os.O_RDONLY | sum(
 )
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+_FILE = operator.attrgetter("file")
+_DATA = operator.attrgetter("data")
+_SOURCE = operator.attrgetter("source")
+_IS_NESTED = operator.attrgetter("is_nested")
 
 
 def open_consolidated(
@@ -320,15 +326,23 @@ class ConsolidatedStorage(Storage):
         layouts: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}
         table = self._parsed.leaves
         data_size = self.data_size
-        places = [
-            table.get(src.source)
-            if (src := node.file) is not None
-            and src.source is not None
-            and src.data is None
-            and not node.is_nested
-            else None
-            for node in nodes
-        ]
+        files = list(map(_FILE, nodes))
+        if (
+            all(map(operator.is_not, files, repeat(None)))
+            and not any(map(_IS_NESTED, nodes))
+            and all(map(operator.is_, map(_DATA, files), repeat(None)))
+        ):  # the usual level, checked by C-level maps: dense leaves, each in the file
+            places = list(map(table.get, map(_SOURCE, files)))
+        else:
+            places = [
+                table.get(src.source)
+                if (src := node.file) is not None
+                and src.source is not None
+                and src.data is None
+                and not node.is_nested
+                else None
+                for node in nodes
+            ]
         count = len(places)
         out: list[torch.Tensor | None] = []
         i = 0

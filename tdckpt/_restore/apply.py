@@ -32,7 +32,7 @@ from tdckpt._read.nodes import (
 )
 from tdckpt._read.pipeline import OpenedCheckpoint
 from tdckpt._read.storage import MapMode
-from tdckpt._restore.budget import check_map_budget
+from tdckpt._restore.budget import check_map_budget, refuse_if_out_of_mappings
 from tdckpt._restore.plan import (
     Mapper,
     check_tensorclass_fields,
@@ -40,7 +40,7 @@ from tdckpt._restore.plan import (
     non_tensor_value,
     tensorclass_fields,
 )
-from tdckpt.errors import RestoreError
+from tdckpt.errors import RestoreError, TdckptError
 
 __all__ = ["restore_into_target", "tensordict_order"]
 
@@ -675,11 +675,14 @@ def _built_non_tensors(value: Any, node: Node) -> list[tuple[Any, str]]:
 
 def _non_tensor_levels(levels: list[Any]) -> list[Any]:
     """The TensorDicts inside the NonTensorData entries of ``levels`` (they carry memmap flags)."""
+    tensor = torch.Tensor
     return [
         v._tensordict
         for lvl in levels
+        # a level of tensors only (the large one) is skipped on the set of its value types
+        if not all(issubclass(t, tensor) for t in set(map(type, lvl._tensordict.values())))
         for v in lvl._tensordict.values()
-        if not isinstance(v, torch.Tensor) and _is_non_tensor_data(v)
+        if not isinstance(v, tensor) and _is_non_tensor_data(v)
     ]
 
 
@@ -709,7 +712,12 @@ def restore_into_target(
     mapper = Mapper(opened.storage, mode, device)
     builder = builder_factory(opened, mapper, unpickle)
     prep = _Preparer(opened, mapper, builder, unpickle)
-    prep.into(target, root)
+    try:
+        prep.into(target, root)
+    except (TdckptError, MemoryError) as exc:
+        del prep, builder, mapper  # what was mapped so far is freed before it is counted
+        refuse_if_out_of_mappings(opened, device, exc)
+        raise
     plan = prep.plan
 
     # Snapshot of everything the commit touches, to put back on failure. A view target's
