@@ -90,6 +90,10 @@ _FILE = operator.attrgetter("file")
 _DATA = operator.attrgetter("data")
 _SOURCE = operator.attrgetter("source")
 _IS_NESTED = operator.attrgetter("is_nested")
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_START = operator.itemgetter(0)
+_SIZE = operator.itemgetter(1)
 
 
 def open_consolidated(
@@ -344,6 +348,7 @@ class ConsolidatedStorage(Storage):
                 for node in nodes
             ]
         count = len(places)
+        uniform = _uniform_run(nodes, places) if count > 2 else 0
         out: list[torch.Tensor | None] = []
         i = 0
         while i < count:
@@ -367,25 +372,10 @@ class ConsolidatedStorage(Storage):
             if whole is None:
                 whole = typed[dtype] = base[: data_size - data_size % item].view(dtype)
             # The run of leaves from i on like this one, each ``step`` bytes after the last.
-            end = i + 1
-            following = places[end] if end < count else None
-            step = following[0] - start if following is not None else 0
-            if step >= size and not step % item:
-                last = start
-                while end < count:
-                    following = places[end]
-                    if following is None:
-                        break
-                    other = nodes[end]
-                    if (
-                        following[1] != size
-                        or following[0] - last != step
-                        or other.dtype is not dtype
-                        or other.shape != shape
-                    ):
-                        break
-                    last = following[0]
-                    end += 1
+            if uniform and not i:  # the level is one run
+                end, step = count, uniform
+            else:
+                end, step = _run_from(i, nodes, places)
             if end - i == 1:
                 out.append(whole.as_strided(shape, known[0], start // item))
             else:
@@ -449,3 +439,53 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(d, 1)
     return tuple(reversed(strides))
+
+
+def _run_from(
+    i: int, nodes: Sequence[LeafNode], places: list[tuple[int, int] | None]
+) -> tuple[int, int]:
+    """``(end, step)``: leaves ``i`` to ``end - 1`` are a run - one dtype, shape and size,
+    each ``step`` bytes after the one before (``end == i + 1``: leaf ``i`` alone)."""
+    first = places[i]
+    assert first is not None
+    start, size = first
+    dtype, shape = nodes[i].dtype, nodes[i].shape
+    count = len(places)
+    end = i + 1
+    following = places[end] if end < count else None
+    if following is None:
+        return end, 0
+    step = following[0] - start
+    if step < size or step % dtype.itemsize:
+        return end, 0
+    last = start
+    while end < count:
+        following = places[end]
+        if following is None:
+            break
+        other = nodes[end]
+        if (
+            following[1] != size
+            or following[0] - last != step
+            or other.dtype is not dtype
+            or other.shape != shape
+        ):
+            break
+        last = following[0]
+        end += 1
+    return end, step
+
+
+def _uniform_run(nodes: Sequence[LeafNode], places: list[tuple[int, int] | None]) -> int:
+    """The step in bytes if every leaf of a level is one run (:func:`_run_from` of the first
+    would reach the last), checked column by column in C; else 0."""
+    if None in places or len(set(map(_DTYPE, nodes))) != 1:
+        return 0
+    if len(set(map(_SHAPE, nodes))) != 1 or len(set(map(_SIZE, places))) != 1:  # type: ignore[arg-type]
+        return 0
+    starts = list(map(_START, places))  # type: ignore[arg-type]
+    steps = set(map(operator.sub, starts[1:], starts[:-1]))
+    step = steps.pop() if len(steps) == 1 else 0
+    size = places[0][1]  # type: ignore[index]
+    item = nodes[0].dtype.itemsize
+    return step if size and step >= size and not step % item else 0
