@@ -221,3 +221,68 @@ def test_a_restore_near_the_map_limit_is_refused_before_mapping(
     assert list(target.keys()) == ["a"] and target["a"].item() == 0.0
     with pytest.raises(RestoreError, match="restoring maps 1500 leaf files"):
         tdckpt.load_memmap(prefix)
+
+
+# -- validation of a level of usual leaves, column by column ----------------------------------
+
+
+def _checkpoints(tmp_path: Path) -> dict[str, Path]:
+    made: dict[str, Path] = {}
+
+    def save(name: str, td: TensorDict) -> Path:
+        td.memmap(tmp_path / name)
+        made[name] = tmp_path / name
+        return made[name]
+
+    save("flat", TensorDict({f"k{i}": torch.randn(3, 2) for i in range(50)}, [3]))
+    save("nested", _mixed())
+    save("odd names", TensorDict({"a b": torch.ones(2), "é": torch.ones(2), "x": torch.ones(2)}))
+    save("zero element", TensorDict({"a": torch.ones(2, 0), "b": torch.ones(2)}, [2]))
+    short = save("short", TensorDict({f"k{i}": torch.ones(8) for i in range(5)}))
+    (short / "k3.memmap").write_bytes(b"\0" * 8)
+    missing = save("missing", TensorDict({f"k{i}": torch.ones(8) for i in range(5)}))
+    (missing / "k1.memmap").unlink()
+    return made
+
+
+@pytest.mark.parametrize("lane", [False, True])
+def test_usual_leaves_validate_as_the_per_leaf_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lane: bool
+) -> None:
+    from tdckpt._read import validate
+    from tdckpt._read.lane import open_current
+
+    def opened_nodes(prefix: Path) -> tuple[Any, list[Any]]:
+        if lane:
+            opened = open_current(prefix, robust_key=True)
+            if opened is None:
+                return None, []
+        else:
+            opened = open_checkpoint(prefix, robust_key=True)
+        try:
+            return opened.root, [(p.code, p.path, p.key) for p in opened.problems]
+        finally:
+            opened.close()
+
+    answered: list[str] = []
+    real = validate.usual_leaves
+
+    def recording(*args: Any) -> Any:
+        out = real(*args)
+        if out is not None:
+            answered.append(name)
+        return out
+
+    monkeypatch.setattr(validate, "usual_leaves", recording)
+    for name, prefix in _checkpoints(tmp_path).items():
+        fast = opened_nodes(prefix)
+        with monkeypatch.context() as m:
+            m.setattr(validate, "usual_leaves", lambda *args: None)
+            slow = opened_nodes(prefix)
+        assert fast == slow, name
+        if name in ("short", "missing") and not lane:
+            assert fast[1], name  # the problem is reported, by the per-leaf path
+    # the column path answered for the usual levels (a restore lists sizes unknown: "short"
+    # is found when mapped), never where a problem is to be reported
+    assert {"flat", "nested"} <= set(answered) if not lane else "flat" in answered
+    assert "missing" not in answered and "zero element" not in answered
