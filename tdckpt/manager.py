@@ -118,7 +118,8 @@ class CheckpointManager:
             ``"consolidated"``: each step is a folder of one data file,
             ``tensordict.consolidated``, that ``TensorDict.from_consolidated`` loads, and
             the manifest, which records every leaf's offset, size and checksum. Restores map
-            the one file once. (:meth:`save_async` saves the memmap layout only.)
+            the one file once. (:meth:`save_async` snapshots a detached copy, then writes
+            the one file in the background.)
         storage_options: for an fsspec URL root (``s3://bucket/run``, ``memory://x``), the
             filesystem's options (credentials, ``client_kwargs``...). A URL root is kept in
             object storage (``pip install 'tdckpt[remote]'``; see the remote guide and
@@ -535,7 +536,9 @@ class CheckpointManager:
         One save is in flight at a time: this call (and :meth:`save`) first waits for the
         previous background save. The buffer is reused by the next snapshot of the same
         layout, so memory stays flat over any number of saves (one extra copy of the
-        state at most); :meth:`close` frees it.
+        state at most); :meth:`close` frees it. With ``layout="consolidated"`` the snapshot
+        is a detached copy of ``state`` instead (a new one per save), and what tensordict
+        cannot write as one file (non-tensor data that is not JSON) fails in the background.
 
         A failure of the background save is never lost: :meth:`SaveFuture.result` raises
         it; if nobody asked, the next :meth:`save`/:meth:`save_async` and :meth:`close`
@@ -585,12 +588,9 @@ class CheckpointManager:
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
             metadata = copy.deepcopy(metadata)  # plain JSON: later edits must not reach it
-        if self.layout == "consolidated":
-            raise ValueError(
-                "save_async stages the memmap layout only; with layout='consolidated' call "
-                "save() (or make a manager with layout='memmap' for background saves)"
-            )
         obj, record = self._saveable(state)  # on the caller's thread, before the snapshot
+        if self.layout == "consolidated":
+            return self._save_async_consolidated(step, obj, metadata, record)
         with self._staging_lock:  # one snapshot at a time uses the staging buffer
             self._background.drain(before=f"this save of step {step} started", stacklevel=2)
             with self._writing:
@@ -599,6 +599,29 @@ class CheckpointManager:
             answered = self._schedule.save_started()
             prepared = prepare_checkpoint(obj, self.root / _atomic.step_name(step))
             snapshot = self._staging.stage(prepared)
+            future = self._background.submit(
+                step, lambda: self._save_in_background(step, snapshot, metadata, record)
+            )
+        self._schedule.saved(step, answered)
+        return future
+
+    def _save_async_consolidated(
+        self, step: int, obj: Any, metadata: dict[str, Any] | None, record: StateRecord | None
+    ) -> SaveFuture:
+        """:meth:`save_async` in the consolidated layout: a detached copy of ``obj``, taken
+        now on the caller's thread, is written in the background by what :meth:`save`
+        runs (tensordict's ``consolidate(filename=...)``, then the manifest)."""
+        from tdckpt._write.consolidated_write import check_consolidatable
+        from tdckpt._write.snapshot import detached_copy
+
+        check_consolidatable(obj, self.root / _atomic.step_name(step))
+        with self._staging_lock:
+            self._background.drain(before=f"this save of step {step} started", stacklevel=3)
+            with self._writing:
+                self._ensure_lock()
+                self._refuse_existing(step, self._index.entries().get(step, {}))
+            answered = self._schedule.save_started()
+            snapshot = detached_copy(obj)
             future = self._background.submit(
                 step, lambda: self._save_in_background(step, snapshot, metadata, record)
             )
