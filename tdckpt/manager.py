@@ -126,7 +126,8 @@ class CheckpointManager:
             ``"consolidated"``: each step is a folder of one data file,
             ``tensordict.consolidated``, that ``TensorDict.from_consolidated`` loads, and
             the manifest, which records every leaf's offset, size and checksum. Restores map
-            the one file once. (:meth:`save_async` saves the memmap layout only.)
+            the one file once. (:meth:`save_async` snapshots a detached copy, then writes
+            the one file in the background.)
         storage_options: for an fsspec URL root (``s3://bucket/run``, ``memory://x``), the
             filesystem's options (credentials, ``client_kwargs``...); refused for a local
             root. In object storage a step is committed by a conditional create of its
@@ -524,7 +525,9 @@ class CheckpointManager:
         One save is in flight at a time: this call (and :meth:`save`) first waits for the
         previous background save. The buffer is reused by the next snapshot of the same
         layout, so memory stays flat over any number of saves (one extra copy of the
-        state at most); :meth:`close` frees it.
+        state at most); :meth:`close` frees it. With ``layout="consolidated"`` the snapshot
+        is a detached copy of ``state`` instead (a new one per save), and what tensordict
+        cannot write as one file (non-tensor data that is not JSON) fails in the background.
 
         A failure of the background save is never lost: :meth:`SaveFuture.result` raises
         it; if nobody asked, the next :meth:`save`/:meth:`save_async` and :meth:`close`
@@ -576,12 +579,12 @@ class CheckpointManager:
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
             metadata = copy.deepcopy(metadata)  # plain JSON: later edits must not reach it
-        if self.layout == "consolidated":
-            raise ValueError(
-                "save_async stages the memmap layout only; with layout='consolidated' call "
-                "save() (or make a manager with layout='memmap' for background saves)"
-            )
         obj, record = self._saveable(state)  # on the caller's thread, before the snapshot
+        consolidated = self.layout == "consolidated"
+        if consolidated:  # written whole by tensordict's consolidate: refused now, not later
+            from tdckpt._write.consolidated_write import check_consolidatable
+
+            check_consolidatable(obj, Path(self.root, _atomic.step_name(step)))
         with self._staging_lock:  # one snapshot at a time uses the staging buffer
             self._background.drain(before=f"this save of step {step} started", stacklevel=2)
             if not collective:  # (a collective save checks on rank 0, in the protocol)
@@ -591,7 +594,7 @@ class CheckpointManager:
                         raise self._steps.exists_error(step)
             answered = self._schedule.save_started()
             job: Callable[[], Path | str]
-            if collective or not self._steps.capabilities.file_backed:
+            if collective or not self._steps.capabilities.file_backed or consolidated:
                 from tdckpt._write.snapshot import detached_copy
 
                 # tensors cloned, non-tensor values deep-copied; a shard's errors (a bad
@@ -1249,9 +1252,11 @@ def _same_keys(
     raises a RestoreError listing the keys that differ (``where``: the step's path or URL).
     With a ``selection`` (a selective restore), only the target's keys it concerns count.
     """
-    from tdckpt._restore.keys import selected_difference, show_keys
+    from tdckpt._restore.keys import selected_difference, show_keys, structures_match
 
     def check(opened: OpenedCheckpoint) -> None:
+        if opened.root is not None and structures_match(opened.root, td):
+            return  # the same keys, level by level: nothing to list
         missing, unexpected = selected_difference(opened, td, selection)
         if missing or unexpected:
             raise RestoreError(

@@ -43,18 +43,20 @@ import errno
 import json
 import math
 import mmap
+import operator
 import os
 import stat
 import struct
 import threading
 import weakref
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
 
 from tdckpt._read.consolidated_parse import RESERVED, Level, parse_consolidated
-from tdckpt._read.nodes import TensorDictNode
+from tdckpt._read.nodes import LeafNode, TensorDictNode
 from tdckpt._read.storage import (
     MAX_JSON_BYTES,
     Listing,
@@ -84,6 +86,14 @@ _OPEN_FLAGS = os.O_RDONLY | sum(
 )
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+_FILE = operator.attrgetter("file")
+_DATA = operator.attrgetter("data")
+_SOURCE = operator.attrgetter("source")
+_IS_NESTED = operator.attrgetter("is_nested")
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_START = operator.itemgetter(0)
+_SIZE = operator.itemgetter(1)
 
 
 def open_consolidated(
@@ -304,32 +314,74 @@ class ConsolidatedStorage(Storage):
             return torch.empty(0, dtype=dtype)
         return self._mapping(shared=mode == "r+")[start : start + nbytes].view(dtype)
 
-    def map_many(
-        self, leaves: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], mode: MapMode
-    ) -> list[torch.Tensor]:
-        """Views of many leaves, each shaped ``shape`` (contiguous): what :meth:`map` and a
-        view give, built with one ``as_strided`` per leaf on a per-dtype view of the map."""
+    def map_leaves(self, nodes: Sequence[LeafNode], mode: MapMode) -> list[torch.Tensor | None]:
+        """The tensors of many leaves as views of the one mapping, in order (each shaped as
+        its node says, contiguous: what :meth:`map` and a view give); None for a node that
+        is not a dense leaf with bytes in the file (the caller maps it on its own).
+
+        Built on a per-dtype view of the map: one ``as_strided`` per leaf, or, for a run of
+        consecutive leaves of one dtype and shape evenly spaced in the file (tensordict
+        writes many: the same shape, each padded to 8 bytes), one ``as_strided`` for the
+        whole run, ``unbind`` into its leaves in one call.
+        """
         base = self._mapping(shared=mode == "r+")
         typed: dict[torch.dtype, torch.Tensor] = {}
         #: shape -> (contiguous strides, numel): a checkpoint repeats a few shapes
         layouts: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}
         table = self._parsed.leaves
         data_size = self.data_size
-        out: list[torch.Tensor] = []
-        append = out.append
-        for rel, dtype, shape in leaves:
-            start, size = table[rel]
+        files = list(map(_FILE, nodes))
+        if (
+            all(map(operator.is_not, files, repeat(None)))
+            and not any(map(_IS_NESTED, nodes))
+            and all(map(operator.is_, map(_DATA, files), repeat(None)))
+        ):  # the usual level, checked by C-level maps: dense leaves, each in the file
+            places = list(map(table.get, map(_SOURCE, files)))
+        else:
+            places = [
+                table.get(src.source)
+                if (src := node.file) is not None
+                and src.source is not None
+                and src.data is None
+                and not node.is_nested
+                else None
+                for node in nodes
+            ]
+        count = len(places)
+        uniform = _uniform_run(nodes, places) if count > 2 else 0
+        out: list[torch.Tensor | None] = []
+        i = 0
+        while i < count:
+            place = places[i]
+            if place is None:
+                out.append(None)
+                i += 1
+                continue
+            node = nodes[i]
+            dtype, shape = node.dtype, node.shape
+            start, size = place
             item = dtype.itemsize
-            whole = typed.get(dtype)
-            if whole is None:
-                whole = typed[dtype] = base[: data_size - data_size % item].view(dtype)
             known = layouts.get(shape)
             if known is None:
                 known = layouts[shape] = (_strides(shape), math.prod(shape))
-            if size and size == known[1] * item:
-                append(whole.as_strided(shape, known[0], start // item))
-            else:  # no bytes (or not these): map() builds it, or says what is wrong
-                append(self.map(rel, dtype, known[1], mode=mode).view(shape))
+            if not size or size != known[1] * item:
+                out.append(None)  # no bytes (or not these): mapped on its own, or refused
+                i += 1
+                continue
+            whole = typed.get(dtype)
+            if whole is None:
+                whole = typed[dtype] = base[: data_size - data_size % item].view(dtype)
+            # The run of leaves from i on like this one, each ``step`` bytes after the last.
+            if uniform and not i:  # the level is one run
+                end, step = count, uniform
+            else:
+                end, step = _run_from(i, nodes, places)
+            if end - i == 1:
+                out.append(whole.as_strided(shape, known[0], start // item))
+            else:
+                run = whole.as_strided((end - i, *shape), (step // item, *known[0]), start // item)
+                out.extend(run.unbind(0))
+            i = end
         return out
 
     def close(self) -> None:
@@ -387,3 +439,53 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(d, 1)
     return tuple(reversed(strides))
+
+
+def _run_from(
+    i: int, nodes: Sequence[LeafNode], places: list[tuple[int, int] | None]
+) -> tuple[int, int]:
+    """``(end, step)``: leaves ``i`` to ``end - 1`` are a run - one dtype, shape and size,
+    each ``step`` bytes after the one before (``end == i + 1``: leaf ``i`` alone)."""
+    first = places[i]
+    assert first is not None
+    start, size = first
+    dtype, shape = nodes[i].dtype, nodes[i].shape
+    count = len(places)
+    end = i + 1
+    following = places[end] if end < count else None
+    if following is None:
+        return end, 0
+    step = following[0] - start
+    if step < size or step % dtype.itemsize:
+        return end, 0
+    last = start
+    while end < count:
+        following = places[end]
+        if following is None:
+            break
+        other = nodes[end]
+        if (
+            following[1] != size
+            or following[0] - last != step
+            or other.dtype is not dtype
+            or other.shape != shape
+        ):
+            break
+        last = following[0]
+        end += 1
+    return end, step
+
+
+def _uniform_run(nodes: Sequence[LeafNode], places: list[tuple[int, int] | None]) -> int:
+    """The step in bytes if every leaf of a level is one run (:func:`_run_from` of the first
+    would reach the last), checked column by column in C; else 0."""
+    if None in places or len(set(map(_DTYPE, nodes))) != 1:
+        return 0
+    if len(set(map(_SHAPE, nodes))) != 1 or len(set(map(_SIZE, places))) != 1:  # type: ignore[arg-type]
+        return 0
+    starts = list(map(_START, places))  # type: ignore[arg-type]
+    steps = set(map(operator.sub, starts[1:], starts[:-1]))
+    step = steps.pop() if len(steps) == 1 else 0
+    size = places[0][1]  # type: ignore[index]
+    item = nodes[0].dtype.itemsize
+    return step if size and step >= size and not step % item else 0

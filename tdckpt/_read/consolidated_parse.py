@@ -35,6 +35,8 @@ MAX_LEVELS = 1_000_000
 #: Dimensions of a leaf's shape, at most (as a meta.json's).
 _MAX_NDIM = 64
 
+_ITEMSIZE = operator.attrgetter("itemsize")
+
 #: The fields of a level; every other key of a level's object is a sub-level.
 RESERVED = frozenset({"cls", "non_tensors", "leaves", "cls_metadata", "size"})
 
@@ -290,10 +292,17 @@ class _Parser:
         entries = node.entries if node is not None else None
         dtypes, sizes, starts, shapes = self.check_leaves(key, leaves)
         leaf_keys = list(leaves)
-        files = [
-            n + LEAF_SUFFIX if n.isidentifier() else encode_key(n) + LEAF_SUFFIX for n in leaf_keys
-        ]
-        paths = [prefix + f for f in files] if prefix else files
+        # Per-leaf names, keys and files built by C-level maps (the large level is 10,000
+        # leaves): a name that is an identifier is its own file name.
+        repeat = itertools.repeat
+        if all(map(str.isidentifier, leaf_keys)):
+            files = list(map(operator.add, leaf_keys, repeat(LEAF_SUFFIX)))
+        else:
+            files = [
+                n + LEAF_SUFFIX if n.isidentifier() else encode_key(n) + LEAF_SUFFIX
+                for n in leaf_keys
+            ]
+        paths = list(map(operator.add, repeat(prefix), files)) if prefix else files
         level.files.update(zip(files, sizes, strict=True))
         self.leaves.update(zip(paths, zip(starts, sizes, strict=True), strict=True))
         if entries is not None and node is not None:
@@ -301,21 +310,25 @@ class _Parser:
             if nb and set(map(operator.itemgetter(slice(0, nb)), shapes_t)) - {batch_t}:
                 node = None  # a leaf that does not start with the batch size: validation says
             else:
-                repeat = itertools.repeat
+                vfiles = (
+                    list(map(VFile, paths, sizes))
+                    if all(sizes)
+                    else [VFile(p, n) if n else None for p, n in zip(paths, sizes, strict=True)]
+                )
                 entries.update(
                     zip(
                         leaf_keys,
                         map(
                             LeafNode,
-                            [(*key, n) for n in leaf_keys],
+                            list(zip(*map(repeat, key), leaf_keys, strict=False)),  # (*key, name)
                             paths,
                             dtypes,
                             shapes_t,
                             repeat(leaf_device),
                             repeat(False),
-                            [VFile(p, n) if n else None for p, n in zip(paths, sizes, strict=True)],
+                            vfiles,
                             repeat(None),
-                            map(operator.floordiv, sizes, [d.itemsize for d in dtypes]),
+                            map(operator.floordiv, sizes, map(_ITEMSIZE, dtypes)),
                         ),
                         strict=True,
                     )
@@ -432,7 +445,7 @@ class _Parser:
             return [], [], [], []
         columns = self.columns(specs)
         names = list(leaves)
-        if columns is None or any(name[:4] == "<NJT" for name in names):
+        if columns is None or any(map(str.startswith, names, itertools.repeat("<NJT"))):
             dtypes: list[torch.dtype] = []
             sizes: list[int] = []
             starts: list[int] = []
@@ -480,7 +493,7 @@ class _Parser:
         dims = list(itertools.chain.from_iterable(shapes))
         if dims and (set(map(type, dims)) != ints or min(dims) < 0):
             return None
-        items = [dtype.itemsize for dtype in dtypes]
+        items = list(map(_ITEMSIZE, dtypes))
         sizes = list(map(operator.mul, map(math.prod, shapes), items))
         if (
             min(starts) < 0

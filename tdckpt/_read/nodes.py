@@ -193,7 +193,9 @@ def pickled_nodes(node: Node) -> list[PickledNode]:
         if isinstance(cur, (NonTensorNode, NonTensorStackNode, TensorClassNode)) and cur.pickle:
             out.append(cur)
         if isinstance(cur, TensorDictNode):
-            stack.extend(reversed(list(cur.entries.values())))
+            values = cur.entries.values()
+            if set(map(type, values)) != {LeafNode}:  # leaves only: nothing below
+                stack.extend(reversed(list(values)))
         elif isinstance(cur, LazyStackNode):
             stack.extend(reversed(cur.members))
         elif isinstance(cur, TensorClassNode):

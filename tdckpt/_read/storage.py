@@ -139,7 +139,7 @@ def parse_json(data: bytes, *, where: str | Callable[[], str]) -> Any:
                 path=where,
             )
     try:
-        return from_json(data)
+        return from_json(data, cache_strings=False)  # faster; interning buys nothing here
     except Exception:
         pass
     if callable(where):

@@ -39,6 +39,7 @@ from tdckpt._read.nodes import (
 )
 from tdckpt._read.storage import Storage, join
 from tdckpt._read.tree import VDir, VFile
+from tdckpt._read.validate_columns import usual_leaves
 from tdckpt._read.views import build_sub_td, build_view, node_batch
 from tdckpt._report import Problem
 from tdckpt.errors import TdckptError
@@ -260,6 +261,10 @@ def _build_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorDictNode | No
             f"{len(model.names)} dimension names for a batch size of {len(batch)} dims.",
         )
     entries = node.entries
+    usual = usual_leaves(vdir, key, model.entries, batch, ctx.claimed, MAX_BYTES)
+    if usual is not None:  # a level of usual leaves, all valid (the large case)
+        entries.update(usual)
+        return node  # no nested tensor: no size table shares a file
     for name, entry in model.entries.items():
         sub = (*key, name)
         if type(entry) is tuple:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -31,7 +32,7 @@ from tdckpt._read.nodes import (
 )
 from tdckpt._read.pipeline import OpenedCheckpoint
 from tdckpt._read.storage import MapMode
-from tdckpt._restore.budget import check_map_budget
+from tdckpt._restore.budget import check_map_budget, refuse_if_out_of_mappings
 from tdckpt._restore.plan import (
     Mapper,
     check_tensorclass_fields,
@@ -39,9 +40,11 @@ from tdckpt._restore.plan import (
     non_tensor_value,
     tensorclass_fields,
 )
-from tdckpt.errors import RestoreError
+from tdckpt.errors import RestoreError, TdckptError
 
 __all__ = ["restore_into_target", "tensordict_order"]
+
+_IS_NESTED = attrgetter("is_nested")
 
 
 class _Plan:
@@ -466,7 +469,19 @@ class _Preparer:
         # level's leaves are mapped in one call once the loop is done.
         leaves: list[LeafNode] = []
         leaf_keys: list[str] = []
-        for key, sub in node.entries.items():
+        #: the entries still to go through one by one
+        others = node.entries
+        if (
+            batch == tuple(node.batch_size)
+            and set(map(type, others.values())) == {LeafNode}
+            and not any(map(_IS_NESTED, others.values()))
+        ):
+            # A level of dense leaves at the saved batch size (the large case): validation
+            # checked that every shape starts with it, so nothing is left to check per leaf.
+            leaves = cast("list[LeafNode]", list(others.values()))
+            leaf_keys = list(others)
+            others = {}
+        for key, sub in others.items():
             if type(sub) is LeafNode:
                 shape = sub.shape[:1] if sub.is_nested else sub.shape
                 if shape[:nb] != batch:
@@ -554,6 +569,8 @@ def tensordict_order(
     """A level's items in the order tensordict leaves them: the target's keys where they were
     (``current``; empty for a new object), then the saved tensors, then the saved sub-levels
     and non-tensor data (each in saved order; ``tensors`` and ``levels`` are)."""
+    if not levels and current.keys() == tensors.keys():  # a level of leaves, the same keys
+        return dict(zip(current, map(tensors.__getitem__, current), strict=True))
     ordered = {}
     for key in current:
         if key in tensors:
@@ -658,11 +675,14 @@ def _built_non_tensors(value: Any, node: Node) -> list[tuple[Any, str]]:
 
 def _non_tensor_levels(levels: list[Any]) -> list[Any]:
     """The TensorDicts inside the NonTensorData entries of ``levels`` (they carry memmap flags)."""
+    tensor = torch.Tensor
     return [
         v._tensordict
         for lvl in levels
+        # a level of tensors only (the large one) is skipped on the set of its value types
+        if not all(issubclass(t, tensor) for t in set(map(type, lvl._tensordict.values())))
         for v in lvl._tensordict.values()
-        if not isinstance(v, torch.Tensor) and _is_non_tensor_data(v)
+        if not isinstance(v, tensor) and _is_non_tensor_data(v)
     ]
 
 
@@ -692,7 +712,12 @@ def restore_into_target(
     mapper = Mapper(opened.storage, mode, device)
     builder = builder_factory(opened, mapper, unpickle)
     prep = _Preparer(opened, mapper, builder, unpickle)
-    prep.into(target, root)
+    try:
+        prep.into(target, root)
+    except (TdckptError, MemoryError) as exc:
+        del prep, builder, mapper  # what was mapped so far is freed before it is counted
+        refuse_if_out_of_mappings(opened, device, exc)
+        raise
     plan = prep.plan
 
     # Snapshot of everything the commit touches, to put back on failure. A view target's

@@ -42,7 +42,7 @@ from tdckpt._read.views import node_batch
 from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import ValidationReport
 from tdckpt._restore.apply import restore_into_target, tensordict_order
-from tdckpt._restore.budget import check_map_budget
+from tdckpt._restore.budget import check_map_budget, refuse_if_out_of_mappings
 from tdckpt._restore.plan import (
     Mapper,
     check_tensorclass_fields,
@@ -602,7 +602,12 @@ def load_local(
                     assert opened.root is not None
                     check_map_budget(opened, dev)
                     builder = _Builder(opened, Mapper(opened.storage, mode, dev), unpickle)  # type: ignore[arg-type]
-                    return builder.build(opened.root)
+                    try:
+                        return builder.build(opened.root)
+                    except (TdckptError, MemoryError) as exc:
+                        del builder  # what was mapped so far is freed before it is counted
+                        refuse_if_out_of_mappings(opened, dev, exc)
+                        raise
                 finally:
                     opened.close()
             except TdckptError:

@@ -15,6 +15,7 @@ tensorclass's own tensordict for the tensorclass) and walked as the target is.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "saved_structure",
     "selected_difference",
     "show_keys",
+    "structures_match",
     "target_structure",
 ]
 
@@ -178,6 +180,42 @@ def _deepest(keys: list[Key]) -> list[Key]:
     """The keys of ``keys`` that no other key of it lies below (sorted order kept)."""
     above = {k[:i] for k in keys for i in range(1, len(k))}
     return [k for k in keys if k not in above]
+
+
+def structures_match(root: Node, obj: Any) -> bool:
+    """Whether ``obj`` certainly has the keys of ``root`` (:func:`saved_structure` and
+    :func:`target_structure` would find no difference), compared level by level.
+
+    The strict check's fast answer for the usual restore: TensorDict levels of tensors into
+    TensorDicts of tensors, each level's keys compared as sets in one call, a level of
+    leaves only checked in one pass. False at anything else (another kind of level or
+    value, a key that differs): the full comparison then decides, and names the keys.
+    """
+    try:
+        from tensordict import TensorDict
+    except ImportError:
+        return False
+    tensor = torch.Tensor
+    stack: list[tuple[Node, Any]] = [(root, obj)]
+    while stack:
+        node, value = stack.pop()
+        if type(node) is not TensorDictNode or type(value) is not TensorDict:
+            return False
+        entries = node.entries
+        items = value._tensordict
+        if entries.keys() != items.keys():
+            return False
+        if set(map(type, entries.values())) == {LeafNode}:
+            if not all(map(isinstance, items.values(), repeat(tensor))):
+                return False
+            continue
+        for key, sub in entries.items():
+            if type(sub) is LeafNode:
+                if not isinstance(items[key], tensor):
+                    return False
+            else:
+                stack.append((sub, items[key]))
+    return True
 
 
 def saved_structure(opened: OpenedCheckpoint) -> SavedStructure:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
+import operator
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,7 +119,7 @@ class Mapper:
         #: The storage's call that gives many leaves as views of one mapping (a consolidated
         #: file), where leaves are used as they are mapped.
         self._map_views = (
-            getattr(storage, "map_many", None)
+            getattr(storage, "map_leaves", None)
             if not self._structure_only and not self._move
             else None
         )
@@ -199,21 +201,16 @@ class Mapper:
         return out
 
     def _views(self, nodes: Sequence[LeafNode]) -> list[torch.Tensor]:
-        """The tensors of ``nodes`` as views of the storage's one mapping (``map_many``):
-        dense leaves in one call, any other through :meth:`_other_leaf`."""
+        """The tensors of ``nodes`` as views of the storage's one mapping (``map_leaves``);
+        any leaf that call leaves out through :meth:`_other_leaf`."""
         assert self._map_views is not None
-        dense = [
-            node
-            for node in nodes
-            if not node.is_nested
-            and (src := node.file) is not None
-            and src.data is None
-            and src.source is not None
+        views: list[torch.Tensor | None] = self._map_views(nodes, self.mode)
+        if all(map(operator.is_not, views, itertools.repeat(None))):
+            return views  # type: ignore[return-value]
+        return [
+            view if view is not None else self._other_leaf(node)
+            for view, node in zip(views, nodes, strict=True)
         ]
-        if len(dense) != len(nodes):
-            return [self._other_leaf(node) for node in nodes]
-        specs = [(node.file.source, node.dtype, node.shape) for node in dense]  # type: ignore[union-attr]
-        return self._map_views(specs, self.mode)  # type: ignore[no-any-return]
 
     def _other_leaf(self, node: LeafNode) -> torch.Tensor:
         """A leaf that is not a dense tensor in a directory's file (or that is moved, or

@@ -41,7 +41,7 @@ from tdckpt.schema import (
     StateRecord,
 )
 
-__all__ = ["LAYOUTS", "write_consolidated"]
+__all__ = ["LAYOUTS", "check_consolidatable", "write_consolidated"]
 
 #: The layouts a step can be saved in.
 LAYOUTS = ("memmap", "consolidated")
@@ -57,6 +57,17 @@ def check_layout(layout: object) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return str(layout)
+
+
+def check_consolidatable(obj: Any, dest_dir: str | os.PathLike[str]) -> None:
+    """Refuse an object tensordict cannot write as one consolidated file (``dest_dir``:
+    where it was to go, for the message)."""
+    if not callable(getattr(obj, "consolidate", None)):
+        raise UnsupportedContentError(
+            f"{dest_dir}: layout='consolidated' saves a TensorDict, tensorclass or lazy stack "
+            f"(tensordict's consolidate()), not a {type(obj).__name__}. Use layout='memmap'.",
+            path=str(dest_dir),
+        )
 
 
 def write_consolidated(
@@ -87,12 +98,7 @@ def write_consolidated(
             path="metadata",
         )
     check_json_data(metadata)
-    if not callable(getattr(obj, "consolidate", None)):
-        raise UnsupportedContentError(
-            f"{dest_dir}: layout='consolidated' saves a TensorDict, tensorclass or lazy stack "
-            f"(tensordict's consolidate()), not a {type(obj).__name__}. Use layout='memmap'.",
-            path=str(dest_dir),
-        )
+    check_consolidatable(obj, dest_dir)
     dest = Path(dest_dir)
     created = not dest.exists()
     if created:
