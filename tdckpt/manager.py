@@ -700,6 +700,7 @@ class CheckpointManager:
         state: StateRecord | None,
     ) -> Path | str:
         with self._writing:
+            self._ensure_lock()
             return self._save_locked(step, snapshot, metadata, overwrite=False, state=state)
 
     @staticmethod
@@ -716,10 +717,9 @@ class CheckpointManager:
 
     @contextlib.contextmanager
     def _claimed(self, step: int, overwrite: bool) -> Iterator[None]:
-        """Under ``_writing``: the writer lock taken and ``step`` claimed while the block
-        runs - refused if it exists without ``overwrite``, or is being restored or
-        verified; an existing one is marked as being overwritten (restores of it wait)."""
-        self._ensure_lock()
+        """Under ``_writing`` and the writer lock: ``step`` claimed while the block runs -
+        refused if it exists without ``overwrite``, or is being restored or verified; an
+        existing one is marked as being overwritten (restores of it wait)."""
         if not self._steps.existing(step):
             yield
             return
@@ -752,7 +752,8 @@ class CheckpointManager:
         progress: ProgressArg = None,
         state: StateRecord | None = None,
     ) -> Path | str:
-        """The body of a save, under ``_writing``: begin, write, commit, then retention.
+        """The body of a save, under ``_writing`` and the writer lock: begin, write,
+        commit, then retention.
 
         ``obj`` is what to write: an object, or a staged snapshot of one (the background
         thread of :meth:`save_async`).
@@ -829,8 +830,10 @@ class CheckpointManager:
     @contextlib.contextmanager
     def _turn(self, step: int, overwrite: bool) -> Iterator[None]:
         """This process's exclusive turn to write ``step`` (see :meth:`_claimed`)."""
-        with self._writing, self._claimed(step, overwrite):
-            yield
+        with self._writing:
+            self._ensure_lock()
+            with self._claimed(step, overwrite):
+                yield
 
     def _apply_retention(self, *, just_saved: int | None, stacklevel: int) -> list[Path | str]:
         """Retire the steps the policy does not keep, then remove them. ``stacklevel``: of
@@ -1217,6 +1220,8 @@ class CheckpointManager:
             # One user of tdckpt's group at a time: a save in flight finishes first.
             self._background.drain(before="this restore started", stacklevel=4)
             return True
+        if not self._steps.capabilities.collective:
+            return False  # no sharded step there: no listing to find out
         try:
             return isinstance(self._resolve(step)[2], ShardedManifest)
         except TdckptError:

@@ -169,3 +169,25 @@ def test_every_public_method_on_a_two_rank_group(tmp_path: Path) -> None:
         assert mgr.steps() == [3, 4] and mgr.verify(4).ok
         whole = mgr.restore(4)
         assert whole.batch_size == (sum(LENGTHS[2]),) and bool((whole["step"] == 4).all())
+
+
+def test_the_seam_adds_no_request_to_object_storage() -> None:
+    """Store requests per call on memory://, as the object-storage manager made them before
+    it became a layer: the one manager must not list or renew more (it did: a save listed
+    the root twice and renewed the lease four times, a restore listed it twice)."""
+    td = _td(1)
+    url = f"memory://t{uuid.uuid4().hex[:12]}/run"
+    with CheckpointManager(url, retention=KeepLast(1)) as mgr:
+        mgr.save(1, td)
+        most = {"save": 11, "restore": 3, "restore_into": 3, "save_async": 13, "steps": 1}
+        calls = {
+            "save": lambda: mgr.save(2, td),
+            "restore": lambda: mgr.restore(2),
+            "restore_into": lambda: mgr.restore_into(_td(0), 2),
+            "save_async": lambda: mgr.save_async(3, td).result(),
+            "steps": mgr.steps,
+        }
+        for name, call in calls.items():
+            before = mgr.store.calls
+            call()
+            assert mgr.store.calls - before <= most[name], (name, mgr.store.calls - before)

@@ -290,10 +290,10 @@ class ObjectStepStore:
         return self.store.show(layout.commit_name(step))
 
     def begin(self, step: int, *, overwrite: bool) -> Attempt:
+        """A fresh attempt prefix. A committed ``step`` is refused by the conditional create
+        of :meth:`commit` (the caller checked :meth:`existing` already: no second listing)."""
         if overwrite:  # the manager refuses it first (no atomic rename); never reached
             raise ValueError(f"{self.root}: overwrite=True is not supported in object storage.")
-        if self.existing(step):
-            raise self.exists_error(step)
         attempt = uuid.uuid4().hex
         return Attempt(step, layout.attempt_name(step, attempt), False, pending=attempt)
 
