@@ -42,10 +42,11 @@ from tdckpt._manage.schedule import SaveSchedule
 from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
 from tdckpt._progress import ProgressArg, progress_bar
+from tdckpt._read.object_storage import open_step_storage
+from tdckpt._read.storage import Storage
 from tdckpt._remote import layout
 from tdckpt._remote.encode import encode_checkpoint
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
-from tdckpt._remote.prefix import relabel_warnings
 from tdckpt._remote.store import Store, mtime, open_store, shorten
 from tdckpt._remote.transfer import check_uploaded, download_step, plan_objects, upload_encoded
 from tdckpt._state import holds_live_objects, restore_state
@@ -640,21 +641,23 @@ class RemoteCheckpointManager(CheckpointManager):
         with self._pinned(step) as (resolved, record):
             url = self._url(resolved, record)
             report = VerifyReport(step=resolved, path=url)
-            with tempfile.TemporaryDirectory(prefix="tdckpt-verify-", dir=_memory_tmp()) as tmp:
-                report.bytes_checked = download_step(
-                    self._store,
-                    layout.attempt_name(resolved, record.attempt),
-                    record,
-                    Path(tmp) / "step",
-                    step=resolved,
-                    progress=progress,
-                    report=report,
-                )
+            report.bytes_checked = download_step(
+                self._store,
+                layout.attempt_name(resolved, record.attempt),
+                record,
+                None,  # checked as read, written nowhere
+                step=resolved,
+                progress=progress,
+                report=report,
+            )
             return report
 
     @contextlib.contextmanager
-    def _local_copy(self, step: int | None) -> Iterator[tuple[int, Path, str]]:
-        """The step downloaded and verified into a local folder, while the block runs."""
+    def _step_source(self, step: int | None) -> Iterator[tuple[int, Path | Storage, str]]:
+        """What a restore reads the step from, while the block runs: the step in the store
+        (:func:`~tdckpt._read.object_storage.open_step_storage`: ranged reads of only the
+        leaves restored, every file checked), or, with ``cache_dir``, its verified copy
+        there (file-backed leaves)."""
         with self._pinned(step) as (resolved, record):
             prefix = layout.attempt_name(resolved, record.attempt)
             url = self._store.show(prefix)
@@ -679,19 +682,14 @@ class RemoteCheckpointManager(CheckpointManager):
                     shutil.rmtree(part, ignore_errors=True)
                 yield resolved, cached, url
                 return
-            tmp = Path(tempfile.mkdtemp(prefix="tdckpt-restore-", dir=self._tmp_parent()))
-            try:
-                download_step(self._store, prefix, record, tmp / "step", step=resolved)
-                yield resolved, tmp / "step", url
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            yield resolved, open_step_storage(self._store, url, record, prefix, resolved), url
 
     @staticmethod
     def _mode(mode: str | None) -> str:
         if mode == "r+":
             raise ValueError(
                 "mode='r+' maps the checkpoint's files shared so writes reach them; a step in "
-                "object storage is read into a private copy, so writes could never reach it. "
+                "object storage is read into memory, so writes could never reach it. "
                 "Use mode='r' (default)."
             )
         return "r"
@@ -724,12 +722,12 @@ class RemoteCheckpointManager(CheckpointManager):
                 "training states yet; restore() a part into a new object."
             )
         if holds_live_objects(td):  # a training state: every entry checked, then restored
-            from tdckpt._restore.engine import load_memmap
+            from tdckpt._restore.engine import load_source
 
-            with self._local_copy(step) as (resolved, local, url), relabel_warnings(local, url):
+            with self._step_source(step) as (resolved, source, url):
                 _, record = self._resolve_record(resolved)
-                loaded = load_memmap(
-                    local, robust_key=True, allow_pickle=allow_pickle, mode=local_mode
+                loaded = load_source(
+                    source, robust_key=True, allow_pickle=allow_pickle, mode=local_mode
                 )
                 restore_state(
                     td,
@@ -746,21 +744,19 @@ class RemoteCheckpointManager(CheckpointManager):
                 "a TensorDict is restored on the CPU: move it afterwards."
             )
         done = RestoreReport()
-        with self._local_copy(step) as (resolved, local, url):
+        with self._step_source(step) as (resolved, source, url):
             same_keys = _same_keys(td, url, resolved, selection)
-
-            with relabel_warnings(local, url):
-                restore_in_place(
-                    td,
-                    local,
-                    True,
-                    allow_pickle=allow_pickle,
-                    mode=local_mode,
-                    check=same_keys if strict else None,
-                    selection=selection,
-                    strict=strict,
-                    report=done,
-                )
+            restore_in_place(
+                td,
+                source,
+                True,
+                allow_pickle=allow_pickle,
+                mode=local_mode,
+                check=same_keys if strict else None,
+                selection=selection,
+                strict=strict,
+                report=done,
+            )
         return (td, done) if report else td
 
     def save_async(
@@ -821,10 +817,12 @@ class RemoteCheckpointManager(CheckpointManager):
     ) -> Any:
         """As :meth:`CheckpointManager.restore`, from the store (checksums always verified).
 
-        With ``keys`` / ``exclude`` the whole step is still downloaded (then only the
-        selected part is restored).
+        With ``keys`` / ``exclude`` only the selected leaves' bytes are fetched (ranged
+        reads; the metadata is read whole).
         """
-        from tdckpt._restore.engine import load_memmap
+        from tdckpt._restore.engine import _check_args, load_source
+        from tdckpt._restore.select import Selection
+        from tdckpt._restore.transform import check_transforms
 
         if rows is not None:
             raise ValueError(
@@ -833,14 +831,16 @@ class RemoteCheckpointManager(CheckpointManager):
             )
 
         local_mode = self._mode(mode)
-        with self._local_copy(step) as (_, local, url), relabel_warnings(local, url):
-            return load_memmap(
-                local,
+        _check_args(True, allow_pickle, local_mode)
+        check_transforms(rename, dtype)
+        selection = Selection.of_report(keys, exclude, report)
+        with self._step_source(step) as (_, source, _url):
+            return load_source(
+                source,
                 robust_key=True,
                 allow_pickle=allow_pickle,
                 mode=local_mode,
-                keys=keys,
-                exclude=exclude,
+                selection=selection,
                 strict=strict,
                 report=report,
                 rename=rename,

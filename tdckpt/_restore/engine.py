@@ -37,12 +37,12 @@ from tdckpt._read.nodes import (
     pickled_nodes,
 )
 from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
-from tdckpt._read.storage import MapMode
+from tdckpt._read.storage import MapMode, Storage
 from tdckpt._read.views import node_batch
 from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import ValidationReport
 from tdckpt._restore.apply import restore_into_target, tensordict_order
-from tdckpt._restore.budget import check_map_budget
+from tdckpt._restore.budget import check_map_budget, leaf_sources
 from tdckpt._restore.plan import (
     Mapper,
     check_tensorclass_fields,
@@ -58,7 +58,14 @@ from tdckpt._restore.transform import apply_transforms, check_transforms
 from tdckpt.errors import RestoreError, TdckptError, ValidationError
 from tdckpt.warnings import TdckptWarning
 
-__all__ = ["load_local", "load_memmap", "load_memmap_", "open_for_restore", "restore_in_place"]
+__all__ = [
+    "load_local",
+    "load_memmap",
+    "load_memmap_",
+    "load_source",
+    "open_for_restore",
+    "restore_in_place",
+]
 
 _MODES = (None, "r", "r+")
 
@@ -67,8 +74,10 @@ _MODES = (None, "r", "r+")
 _SWAP_RETRIES = 10
 
 
-def _identity(prefix: str | os.PathLike[str]) -> tuple[int, int] | None:
-    """What the prefix names now (device, inode), or None if nothing."""
+def _identity(prefix: str | os.PathLike[str] | Storage) -> tuple[int, int] | None:
+    """What the prefix names now (device, inode), or None if nothing (or not a path)."""
+    if isinstance(prefix, Storage):
+        return None
     try:
         st = os.stat(prefix)
     except (OSError, ValueError):
@@ -76,7 +85,7 @@ def _identity(prefix: str | os.PathLike[str]) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _swapped(prefix: str | os.PathLike[str], before: tuple[int, int] | None) -> bool:
+def _swapped(prefix: str | os.PathLike[str] | Storage, before: tuple[int, int] | None) -> bool:
     """Whether ``prefix`` now names another tree than when the failed read began.
 
     ``tdckpt.save(..., overwrite=True)`` swaps in the new tree atomically and then removes
@@ -123,7 +132,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 def open_for_restore(
-    prefix: str | os.PathLike[str],
+    prefix: str | os.PathLike[str] | Storage,
     *,
     robust_key: bool | None,
     allow_pickle: bool | None,
@@ -533,30 +542,46 @@ def load_memmap(
     _check_args(robust_key, allow_pickle, mode)
     check_transforms(rename, dtype)
     selection = Selection.of_report(keys, exclude, report)
+    source: str | os.PathLike[str] | Storage = prefix
     if is_url(prefix):
-        from tdckpt._remote.prefix import local_prefix, relabel_warnings
+        from tdckpt._read.object_storage import open_url_storage
 
-        with (
-            local_prefix(prefix, storage_options, data=True) as local,  # type: ignore[arg-type]
-            relabel_warnings(local, str(prefix)),
-        ):
-            return load_memmap(
-                local,
-                robust_key=robust_key,
-                allow_pickle=allow_pickle,
-                mode=_url_mode(mode),
-                device=device,
-                keys=keys,
-                exclude=exclude,
-                strict=strict,
-                report=report,
-                rename=rename,
-                dtype=dtype,
-            )
-    require_local_options(prefix, storage_options)
+        mode = _url_mode(mode)
+        source = open_url_storage(str(prefix), storage_options)
+    else:
+        require_local_options(prefix, storage_options)
+    return load_source(
+        source,
+        robust_key=robust_key,
+        allow_pickle=allow_pickle,
+        mode=mode,
+        device=device,
+        selection=selection,
+        strict=strict,
+        report=report,
+        rename=rename,
+        dtype=dtype,
+    )
+
+
+def load_source(
+    source: str | os.PathLike[str] | Storage,
+    *,
+    robust_key: bool | None,
+    allow_pickle: bool | None,
+    mode: str | None,
+    device: torch.device | str | None = None,
+    selection: Selection | None = None,
+    strict: bool = True,
+    report: bool = False,
+    rename: Any = None,
+    dtype: Any = None,
+) -> Any:
+    """:func:`load_memmap` of a local prefix or an opened storage (arguments checked, the
+    selection made): load, then rename and cast; ``(object, report)`` with ``report``."""
     done = RestoreReport()
     obj = load_local(
-        prefix,
+        source,
         robust_key=robust_key,
         allow_pickle=allow_pickle,
         mode=mode,
@@ -565,12 +590,13 @@ def load_memmap(
         strict=strict,
         report=done,
     )
-    obj = apply_transforms(obj, rename=rename, dtype=dtype, where=os.fspath(prefix))
+    where = source.location if isinstance(source, Storage) else os.fspath(source)
+    obj = apply_transforms(obj, rename=rename, dtype=dtype, where=where)
     return (obj, done) if report else obj
 
 
 def load_local(
-    prefix: str | os.PathLike[str],
+    prefix: str | os.PathLike[str] | Storage,
     *,
     robust_key: bool | None,
     allow_pickle: bool | None,
@@ -598,6 +624,8 @@ def load_local(
                 try:
                     assert opened.root is not None
                     check_map_budget(opened, dev)
+                    if dev is None or dev.type != "meta":
+                        _read_ahead(opened)
                     builder = _Builder(opened, Mapper(opened.storage, mode, dev), unpickle)  # type: ignore[arg-type]
                     return builder.build(opened.root)
                 finally:
@@ -626,7 +654,7 @@ class _Reading:
 
     def __init__(
         self,
-        prefix: str | os.PathLike[str],
+        prefix: str | os.PathLike[str] | Storage,
         robust_key: bool | None,
         allow_pickle: bool | None,
         manifest_checked: bool,
@@ -640,7 +668,8 @@ class _Reading:
         self.selection = selection
         self.strict = strict
         self.report = RestoreReport()
-        self.lane = robust_key is True
+        # the lane reads a local directory; an opened storage is read as it is
+        self.lane = robust_key is True and not isinstance(prefix, Storage)
         self.defer = True
         self.swaps = 0
         self.identity: tuple[int, int] | None = None
@@ -653,6 +682,7 @@ class _Reading:
         self.opened = None
         self.from_lane = False
         if self.lane:
+            assert not isinstance(self.prefix, Storage)
             opened = open_current(
                 self.prefix, robust_key=self.robust_key, manifest_checked=self.manifest_checked
             )
@@ -687,6 +717,13 @@ class _Reading:
             self.swaps += 1
             return True
         return False
+
+
+def _read_ahead(opened: OpenedCheckpoint) -> None:
+    """Ask a storage with ranged reads for every leaf the restore maps, all at once (after
+    ``keys=`` / ``exclude=`` pruned the tree: only those leaves' bytes are fetched)."""
+    if opened.storage.ranged_reads and opened.root is not None:
+        opened.storage.prefetch(leaf_sources(opened.root))
 
 
 def _short_leaf(opened: OpenedCheckpoint) -> bool:
@@ -744,35 +781,24 @@ def load_memmap_(
     _check_args(robust_key, allow_pickle, mode)
     selection = Selection.of_report(keys, exclude, report, in_place=True)
     done = RestoreReport()
-    if is_url(prefix):  # an fsspec URL: a verified private local copy, then the same engine
-        from tdckpt._remote.prefix import local_prefix, relabel_warnings
+    source: str | os.PathLike[str] | Storage = prefix
+    if is_url(prefix):  # an fsspec URL: read in place by ranges (object_storage.py)
+        from tdckpt._read.object_storage import open_url_storage
 
-        with (
-            local_prefix(prefix, storage_options, data=True) as local,  # type: ignore[arg-type]
-            relabel_warnings(local, str(prefix)),
-        ):
-            out = restore_in_place(
-                target,
-                local,
-                robust_key,
-                allow_pickle=allow_pickle,
-                mode=_url_mode(mode),
-                selection=selection,
-                strict=strict,
-                report=done,
-            )
+        mode = _url_mode(mode)
+        source = open_url_storage(str(prefix), storage_options)
     else:
         require_local_options(prefix, storage_options)
-        out = restore_in_place(
-            target,
-            prefix,
-            robust_key,
-            allow_pickle=allow_pickle,
-            mode=mode,
-            selection=selection,
-            strict=strict,
-            report=done,
-        )
+    out = restore_in_place(
+        target,
+        source,
+        robust_key,
+        allow_pickle=allow_pickle,
+        mode=mode,
+        selection=selection,
+        strict=strict,
+        report=done,
+    )
     return (out, done) if report else out
 
 
@@ -780,14 +806,14 @@ def _url_mode(mode: str | None) -> str:
     if mode == "r+":
         raise ValueError(
             "mode='r+' makes writes reach the checkpoint's files; a checkpoint at a URL is read "
-            "into a private copy, so they never could. Use mode='r' or None."
+            "into memory, so they never could. Use mode='r' or None."
         )
     return "r"
 
 
 def restore_in_place(
     target: Any,
-    prefix: str | os.PathLike[str],
+    prefix: str | os.PathLike[str] | Storage,
     robust_key: bool | None,
     *,
     allow_pickle: bool | None,
@@ -816,6 +842,7 @@ def restore_in_place(
                 try:
                     if check is not None:
                         check(opened)
+                    _read_ahead(opened)
                     restore_into_target(
                         target,
                         opened,

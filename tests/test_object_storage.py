@@ -1,0 +1,239 @@
+# ruff: noqa: F811  (pytest fixtures imported from _remote_fixtures are parameters here)
+"""Object storage read in place (``tdckpt/_read/object_storage.py``): a restore fetches only
+the bytes it uses, by ranged reads, and never makes a local copy.
+
+Requests and bytes are counted at the moto S3 server itself (its WSGI app, see
+``_remote_fixtures.py``): what the client really asked for, not a mock's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("fsspec")
+from _remote_fixtures import Remote, _timeout, moto_s3, remote, s3_remote  # noqa: F401
+
+import tdckpt
+from tdckpt import CheckpointManager
+from tdckpt._read.object_storage import ObjectStorage, open_url_storage
+from tdckpt.errors import IntegrityError, TdckptError
+
+tensordict = pytest.importorskip("tensordict")
+TensorDict = tensordict.TensorDict
+
+BIG = 1 << 20  # float32 elements: 4 MiB, an object of its own
+SMALL = 4096  # 16 KiB: packed with the others
+
+
+def _step() -> Any:
+    g = torch.Generator().manual_seed(0)
+    return TensorDict(
+        big=TensorDict({f"b{i}": torch.randn(BIG, generator=g) for i in range(8)}),
+        small=TensorDict({f"s{i:03d}": torch.randn(SMALL, generator=g) for i in range(64)}),
+        batch_size=[],
+    )
+
+
+def _mgr(r: Remote, **kw: Any) -> Any:
+    return CheckpointManager(r.url, storage_options=r.storage_options, **kw)
+
+
+def _fetched(r: Remote, fn: Any) -> tuple[Any, int, int]:
+    """``fn()``, with the GET requests and body bytes it cost at the server."""
+    assert r.s3 is not None
+    requests, sent = r.s3.snapshot()
+    out = fn()
+    requests2, sent2 = r.s3.snapshot()
+    return out, requests2 - requests, sent2 - sent
+
+
+def test_selective_restore_fetches_only_the_selected_ranges(s3_remote: Remote) -> None:
+    td = _step()
+    with _mgr(s3_remote) as mgr:
+        mgr.save(1, td)
+    with _mgr(s3_remote) as mgr:
+        whole, _, whole_bytes = _fetched(s3_remote, lambda: mgr.restore(1))
+        assert torch.equal(whole["big", "b3"], td["big", "b3"])
+        assert whole_bytes >= 8 * BIG * 4 + 64 * SMALL * 4
+
+        part, requests, nbytes = _fetched(s3_remote, lambda: mgr.restore(1, keys="big.b3"))
+        assert list(part.keys(True, True)) == [("big", "b3")]
+        assert torch.equal(part["big", "b3"], td["big", "b3"])
+        # the record, one listing of the step's objects, the metadata, one leaf's range
+        leaf = BIG * 4
+        assert leaf <= nbytes < leaf + (256 << 10), nbytes
+        assert requests <= 8, requests
+
+        # one small leaf out of a pack: its range, not the pack
+        part, requests, nbytes = _fetched(s3_remote, lambda: mgr.restore(1, keys="small.s010"))
+        assert torch.equal(part["small", "s010"], td["small", "s010"])
+        assert nbytes < (256 << 10), nbytes
+        assert requests <= 8, requests
+
+        target = _step().apply(torch.zeros_like)
+        _, requests, nbytes = _fetched(
+            s3_remote, lambda: mgr.restore_into(target, 1, keys=["big.b0", "big.b1"])
+        )
+        assert torch.equal(target["big", "b0"], td["big", "b0"])
+        assert torch.equal(target["big", "b1"], td["big", "b1"])
+        assert not target["big", "b2"].any()  # outside the selection: untouched
+        assert 2 * BIG * 4 <= nbytes < 2 * BIG * 4 + (256 << 10), nbytes
+
+
+def test_load_memmap_of_a_url_fetches_only_the_selected_leaves(
+    s3_remote: Remote, tmp_path: Path
+) -> None:
+    td = _step()
+    td.memmap(tmp_path / "p")
+    s3_remote.fs().put(str(tmp_path / "p"), s3_remote.path("p"), recursive=True)
+    url = f"{s3_remote.url}/p"
+    so = s3_remote.storage_options
+    out, requests, nbytes = _fetched(
+        s3_remote, lambda: tdckpt.load_memmap(url, storage_options=so, keys="big.b5")
+    )
+    assert torch.equal(out["big", "b5"], td["big", "b5"])
+    assert BIG * 4 <= nbytes < BIG * 4 + (256 << 10), nbytes
+    # the listing, the three meta.json files (one batch of ranges), the leaf
+    assert requests <= 8, requests
+    # validate and inspect read no leaf byte
+    report, _, nbytes = _fetched(s3_remote, lambda: tdckpt.validate(url, storage_options=so))
+    assert report.ok and report.prefix == url
+    assert nbytes < 64 << 10, nbytes
+    info, _, nbytes = _fetched(s3_remote, lambda: tdckpt.inspect(url, storage_options=so))
+    assert info.leaf_count == 72 and info.storage == "object"
+    assert nbytes < 64 << 10, nbytes
+
+
+def _no_tmp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any temporary folder an error: object storage is read in place."""
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a temporary folder was created")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", refused)
+
+
+def test_restore_verify_and_reads_make_no_local_copy(
+    remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: every object-storage read went through a downloaded temporary folder."""
+    td = _step()
+    td.memmap(tmp_path / "p")
+    remote.fs().put(str(tmp_path / "p"), remote.path("p"), recursive=True)
+    with _mgr(remote) as mgr:
+        mgr.save(1, td)
+    so = remote.storage_options
+    url = f"{remote.url}/p"
+    _no_tmp(monkeypatch)
+    with _mgr(remote) as mgr:
+        assert torch.equal(mgr.restore(1)["small", "s001"], td["small", "s001"])
+        target = _step().apply(torch.zeros_like)
+        mgr.restore_into(target, 1)
+        assert torch.equal(target["big", "b7"], td["big", "b7"])
+        assert mgr.verify(1).ok
+    assert torch.equal(tdckpt.load_memmap(url, storage_options=so)["big", "b1"], td["big", "b1"])
+    assert tdckpt.validate(url, storage_options=so).ok
+
+
+def _flip(r: Remote, path: str, at: int = 100) -> None:
+    """Flip one byte of ``path`` (a file of step 1) in its object, at rest."""
+    fs = r.fs()
+    record = json.loads(fs.cat_file(r.path("1.tdckpt.json")))
+    loc = record["locations"][path]
+    obj = r.path(f"1.attempt-{record['attempt']}/{record['objects'][loc['object']]['name']}")
+    data = bytearray(fs.cat_file(obj))
+    data[loc["offset"] + at] ^= 0x01
+    fs.pipe_file(obj, bytes(data))
+
+
+def test_a_damaged_leaf_is_refused_by_name_and_key_only_when_read(remote: Remote) -> None:
+    td = _step()
+    with _mgr(remote) as mgr:
+        mgr.save(1, td)
+    _flip(remote, "big/b2.memmap")
+    with _mgr(remote) as mgr:
+        step_url = mgr.path(1)
+        target = _step().apply(torch.zeros_like)
+        with pytest.raises(IntegrityError) as info:
+            mgr.restore_into(target, 1)
+        text = str(info.value)
+        assert text.startswith(f"{step_url}: step 1 is damaged in the store: changed: ")
+        assert "big/b2.memmap" in text and "('big', 'b2')" in text
+        (problem,) = info.value.problems  # type: ignore[attr-defined]
+        assert (problem.path, problem.key, problem.kind) == (
+            "big/b2.memmap",
+            ("big", "b2"),
+            "changed",
+        )
+        assert not target["big", "b0"].any()  # all or nothing
+        # a restore that does not select the damaged leaf never reads it
+        part = mgr.restore(1, keys="big.b3")
+        assert torch.equal(part["big", "b3"], td["big", "b3"])
+        # verify reads everything and reports it
+        assert [p.path for p in mgr.verify(1).problems] == ["big/b2.memmap"]
+
+
+def test_damaged_metadata_is_refused_before_anything_is_parsed(remote: Remote) -> None:
+    with _mgr(remote) as mgr:
+        mgr.save(1, _step())
+    _flip(remote, "small/meta.json", at=5)
+    with _mgr(remote) as mgr:
+        with pytest.raises(IntegrityError, match=r"small/meta\.json") as info:
+            mgr.restore(1, keys="big.b0")  # the metadata of every level is read
+        assert str(info.value).startswith(f"{mgr.path(1)}: step 1 is damaged")
+
+
+def test_a_url_prefix_with_a_manifest_is_checked_as_read(remote: Remote, tmp_path: Path) -> None:
+    """A plain prefix that carries a tdckpt manifest (a step folder uploaded as is): its
+    leaves are checked against it; the error names the URL and the key."""
+    local = tmp_path / "root"
+    with CheckpointManager(local) as mgr:
+        mgr.save(1, _step())
+        step = mgr.path(1)
+    fs = remote.fs()
+    fs.put(str(step), remote.path("s"), recursive=True)
+    leaf = remote.path("s/small/s005.memmap")
+    data = bytearray(fs.cat_file(leaf))
+    data[0] ^= 1
+    fs.pipe_file(leaf, bytes(data))
+    url = f"{remote.url}/s"
+    so = remote.storage_options
+    with pytest.raises(TdckptError) as info:
+        tdckpt.load_memmap(url, storage_options=so)
+    assert f"{url}/small/s005.memmap" in str(info.value) or "small/s005.memmap" in str(info.value)
+    assert str(info.value).startswith(url)
+    assert "/tmp" not in str(info.value)
+    part = tdckpt.load_memmap(url, storage_options=so, keys="small.s006")
+    assert list(part.keys(True, True)) == [("small", "s006")]
+
+
+def test_object_storage_capabilities_and_mode(remote: Remote, tmp_path: Path) -> None:
+    TensorDict(a=torch.arange(4.0)).memmap(tmp_path / "p")
+    remote.fs().put(str(tmp_path / "p"), remote.path("p"), recursive=True)
+    storage = open_url_storage(f"{remote.url}/p", remote.storage_options)
+    assert isinstance(storage, ObjectStorage)
+    assert (storage.file_backed, storage.ranged_reads, storage.writable_in_place) == (
+        False,
+        True,
+        False,
+    )
+    assert storage.listdir("").files == {
+        "a.memmap": 16,
+        "meta.json": storage.listdir("").files["meta.json"],
+    }
+    with pytest.raises(PermissionError, match="mode='r\\+'"):
+        storage.map("a.memmap", torch.float32, 4, mode="r+")
+    out = storage.map("a.memmap", torch.float32, 4, mode="r")
+    out += 1  # a private buffer: writable, never reaches the store
+    assert out.tolist() == [1.0, 2.0, 3.0, 4.0]
+    again = tdckpt.load_memmap(f"{remote.url}/p", storage_options=remote.storage_options)
+    assert again["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="mode='r\\+'"):
+        tdckpt.load_memmap(f"{remote.url}/p", storage_options=remote.storage_options, mode="r+")
