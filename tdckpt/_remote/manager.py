@@ -12,12 +12,13 @@ committed and read (see :mod:`tdckpt._remote.layout`):
   step; of two writers racing one step exactly one create succeeds and the other gets a
   :class:`~tdckpt.errors.CommitConflictError`. ``overwrite=True`` is refused: replacing a
   committed step needs an atomic swap object stores do not have.
-* restore / restore_into: read the record, fetch exactly each file's bytes with ranged,
-  concurrent reads into a private local folder (``cache_dir``, or a temporary one in memory-
-  backed ``/dev/shm`` when there is one), verify every checksum while reading, then run the
-  same in-place engine on that folder: all or nothing, target untouched on any error. Leaves
-  are mapped copy-on-write (``mode="r"``); the temporary folder is removed right after (the
-  mapped pages stay with the tensors).
+* restore / restore_into: read the record, then read the step in place
+  (:mod:`tdckpt._read.object_storage`): its metadata in one batch of ranged reads, then only
+  the leaves restored (``keys=`` selects them), by ranged, concurrent reads, every checksum
+  verified as the bytes arrive; the same read path and in-place engine as a local restore:
+  all or nothing, target untouched on any error. Leaves are private in-memory buffers
+  (``mode="r"``). With ``cache_dir``, the step is downloaded there once instead (kept,
+  re-verified on reuse) and its files are mapped.
 * retention: delete the record first (the step is gone), then its data; gc: delete attempt
   prefixes no record names once older than a grace period."""
 
@@ -104,9 +105,10 @@ class RemoteCheckpointManager(CheckpointManager):
             {"endpoint_url": ...}}`` for S3-compatible stores, ``{"anon": True}``.
         lease_ttl: seconds a writer's lease lasts without renewal (see
             :mod:`tdckpt._remote.lease`).
-        cache_dir: a local folder for downloaded steps: restores then keep their files
-            there (``<cache_dir>/<step>.attempt-<id>/``, re-verified on reuse) instead of
-            in a temporary folder removed after each restore.
+        cache_dir: a local folder for downloaded steps: restores then download the whole
+            step there once (``<cache_dir>/<step>.attempt-<id>/``, re-verified on reuse) and
+            map its files (file-backed leaves), instead of reading only the restored
+            leaves' bytes from the store into memory.
 
     Example:
         >>> import torch
