@@ -237,3 +237,23 @@ def test_object_storage_capabilities_and_mode(remote: Remote, tmp_path: Path) ->
     assert again["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
     with pytest.raises(ValueError, match="mode='r\\+'"):
         tdckpt.load_memmap(f"{remote.url}/p", storage_options=remote.storage_options, mode="r+")
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tensordict"
+
+
+def test_upgrade_dry_run_of_a_legacy_url_plans_in_place(
+    remote: Remote, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensordict 0.2.1 checkpoint at a URL: the plan is read from the store (its metadata
+    only), and names the URL, not a downloaded copy."""
+    remote.fs().put(str(FIXTURES / "0.2.1" / "nested" / "ckpt"), remote.path("old"), recursive=True)
+    url = f"{remote.url}/old"
+    so = remote.storage_options
+    _no_tmp(monkeypatch)
+    plan = tdckpt.upgrade(url, dry_run=True, storage_options=so)
+    assert plan.dry_run and plan.prefix == url and plan.steps
+    shown = [op.path for op in plan.operations if op.kind in ("backup", "swap")]
+    assert shown and all(p == url for p in shown), shown
+    with pytest.raises(TdckptError, match="not supported"):
+        tdckpt.upgrade(url, storage_options=so)
