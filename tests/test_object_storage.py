@@ -257,3 +257,20 @@ def test_upgrade_dry_run_of_a_legacy_url_plans_in_place(
     assert shown and all(p == url for p in shown), shown
     with pytest.raises(TdckptError, match="not supported"):
         tdckpt.upgrade(url, storage_options=so)
+
+
+def test_a_single_archive_object_at_a_url_is_refused_clearly(
+    remote: Remote, tmp_path: Path
+) -> None:
+    TensorDict(a=torch.arange(4.0)).memmap(tmp_path / "p")
+    from tdckpt._write.archive_write import write_archive
+
+    archive = tmp_path / "p.tdz"
+    write_archive(tmp_path / "p", archive)
+    remote.fs().put_file(str(archive), remote.path("p.tdz"))
+    url = f"{remote.url}/p.tdz"
+    with pytest.raises(tdckpt.errors.MetadataError, match="a single object") as info:
+        tdckpt.load_memmap(url, storage_options=remote.storage_options)
+    assert str(info.value).startswith(url)
+    report = tdckpt.validate(url, storage_options=remote.storage_options)
+    assert not report.ok and "a single object" in report.problems[0].message

@@ -42,7 +42,13 @@ from tdckpt._read.expected import check_read
 from tdckpt._read.storage import MAX_JSON_BYTES, Listing, MapMode, Storage, check_component
 from tdckpt._report import ProblemKind, VerifyProblem
 from tdckpt._write.checksum import new_hasher
-from tdckpt.errors import CheckpointNotFoundError, IntegrityError, MetadataError, UnsafePathError
+from tdckpt.errors import (
+    CheckpointNotFoundError,
+    IntegrityError,
+    MetadataError,
+    TdckptError,
+    UnsafePathError,
+)
 from tdckpt.schema import MANIFEST_NAME, FileRecord, Manifest
 
 if TYPE_CHECKING:
@@ -376,6 +382,14 @@ def _size(info: dict[str, Any]) -> int:
     return size if type(size) is int and size >= 0 else 0
 
 
+def _is_object(store: Store) -> bool:
+    """Whether the store's root is itself an object (not a prefix of objects)."""
+    try:
+        return bool(store._call("stat", "", lambda: store.fs.isfile(store.root)))
+    except (OSError, TdckptError):
+        return False
+
+
 def open_url_storage(url: str, storage_options: dict[str, Any] | None) -> ObjectStorage:
     """The plain prefix at ``url`` (a folder of objects a tensordict save wrote), from one
     listing; checked against its ``tdckpt.manifest.json`` where it has a valid one.
@@ -388,6 +402,13 @@ def open_url_storage(url: str, storage_options: dict[str, Any] | None) -> Object
 
     store = open_store(url, storage_options)
     found = store.find("")
+    if not found and _is_object(store):
+        raise MetadataError(
+            f"{store.url}: a single object (a .tdz archive or a consolidated file); tdckpt reads "
+            "a folder of objects in place, not one archive. Download it (fsspec's get) and "
+            "open the local file, or upload the folder tensordict's memmap() wrote.",
+            path=store.url,
+        )
     if not found:
         raise CheckpointNotFoundError(
             f"{store.url}: no objects under this prefix; pass the URL of a saved tensordict "
