@@ -274,3 +274,24 @@ def test_a_single_archive_object_at_a_url_is_refused_clearly(
     assert str(info.value).startswith(url)
     report = tdckpt.validate(url, storage_options=remote.storage_options)
     assert not report.ok and "a single object" in report.problems[0].message
+
+
+def test_restoring_only_the_model_of_a_training_state_skips_the_optimizer_bytes(
+    s3_remote: Remote,
+) -> None:
+    """``restore(step, keys="model")`` of a training state: the optimizer's moments (twice
+    the model's bytes) are never fetched."""
+    model = torch.nn.Linear(512, 1024)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 512)).sum().backward()
+    opt.step()
+    with _mgr(s3_remote) as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    with _mgr(s3_remote) as mgr:
+        part, _, nbytes = _fetched(s3_remote, lambda: mgr.restore(1, keys="model"))
+        _, _, whole = _fetched(s3_remote, lambda: mgr.restore(1))
+    assert set(part.keys()) == {"model"}
+    assert torch.equal(part["model", "weight"], model.weight.detach())
+    assert model_bytes <= nbytes < model_bytes + (256 << 10), (nbytes, model_bytes)
+    assert whole >= 3 * model_bytes
