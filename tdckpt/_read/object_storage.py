@@ -239,12 +239,11 @@ class ObjectStorage(Storage):
         out: dict[str, bytearray] = {}
         for batch in _batches(self._runs(rels)):
             chunks = self._read_ranges([(obj, start, end) for obj, start, end, _ in batch])
-            for (_, start, _end, files), chunk in zip(batch, chunks, strict=True):
+            for (_, start, _end, files), pieces in zip(batch, chunks, strict=True):
                 for rel in files:
                     span = self._spans[rel]
-                    lo = span.offset - start
-                    piece = chunk[lo : lo + span.size]
-                    out[rel] = self._checked(rel, span, bytearray(piece))
+                    data = _assemble(pieces, span.offset - start, span.size)
+                    out[rel] = self._checked(rel, span, data)
         return out
 
     def _runs(self, rels: Sequence[str]) -> list[tuple[str, int, int, list[str]]]:
@@ -273,8 +272,9 @@ class ObjectStorage(Storage):
                 runs.append(current)
         return runs
 
-    def _read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes]:
-        """``cat_ranges`` of ``ranges``, a large range as RANGE_BYTES pieces issued together."""
+    def _read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[list[bytes]]:
+        """``cat_ranges`` of ``ranges``, a large range as RANGE_BYTES pieces issued together:
+        the pieces of each range, in order (joined by :func:`_assemble`, one copy per file)."""
         pieces: list[tuple[str, int, int]] = []
         counts: list[int] = []
         for obj, start, end in ranges:
@@ -296,7 +296,7 @@ class ObjectStorage(Storage):
         self.bytes_fetched += sum(len(g) for g in got)
         out, i = [], 0
         for n in counts:
-            out.append(got[i] if n == 1 else b"".join(got[i : i + n]))
+            out.append(got[i : i + n])
             i += n
         return out
 
@@ -306,7 +306,7 @@ class ObjectStorage(Storage):
         if problem is not None and problem.kind == "changed":
             # a checksum mismatch: read once more (a glitch in transit is not damage at rest)
             (again,) = self._read_ranges([(span.obj, span.offset, span.offset + span.size)])
-            data = bytearray(again)
+            data = _assemble(again, 0, span.size)
             problem = _problem(rel, span, data)
         if problem is None:
             return data
@@ -327,6 +327,20 @@ class ObjectStorage(Storage):
             if not rel.endswith(".memmap") and span.size <= _cap(rel)
         ]
         self.prefetch(small)
+
+
+def _assemble(pieces: list[bytes], lo: int, size: int) -> bytearray:
+    """Bytes ``lo`` to ``lo + size`` of the concatenated ``pieces``, copied once into a new
+    buffer (shorter where the pieces end first: the object was short)."""
+    total = sum(len(p) for p in pieces)
+    out = bytearray(max(0, min(lo + size, total) - lo))
+    pos = 0
+    for piece in pieces:
+        a, b = max(lo, pos), min(lo + size, pos + len(piece))
+        if a < b:
+            out[a - lo : b - lo] = memoryview(piece)[a - pos : b - pos]
+        pos += len(piece)
+    return out
 
 
 def _problem(rel: str, span: Span, data: bytearray) -> VerifyProblem | None:
