@@ -75,18 +75,6 @@ __all__ = ["DEFAULT_GRACE_S", "RemoteCheckpointManager"]
 DEFAULT_GRACE_S = 3600.0
 
 
-def _memory_tmp() -> str | None:
-    shm = Path("/dev/shm")
-    try:
-        if shm.is_dir():
-            probe = tempfile.mkdtemp(prefix="tdckpt-probe-", dir=shm)
-            Path(probe).rmdir()
-            return str(shm)
-    except OSError:
-        pass
-    return None
-
-
 def _why(exc: BaseException) -> str:
     """What went wrong, for a warning issued after a commit: a store failure's operation,
     object and cause (not its "Nothing was committed" advice, which is for failed saves)."""
@@ -610,10 +598,11 @@ class RemoteCheckpointManager(CheckpointManager):
 
     # -- verifying and restoring ---------------------------------------------------------
     def _tmp_parent(self) -> str | None:
+        """Where a download into ``cache_dir`` is assembled (beside it: renamed into place)."""
         if self.cache_dir is not None:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             return str(self.cache_dir)
-        return _memory_tmp()
+        return None
 
     def verify(self, step: int | None = None, *, progress: ProgressArg = None) -> VerifyReport:
         """Read every object of a step from the store and compare each file with the
