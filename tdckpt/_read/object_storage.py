@@ -451,19 +451,22 @@ def open_url_storage(url: str, storage_options: dict[str, Any] | None) -> Object
 
 
 def open_step_storage(
-    store: Store, url: str, record: CommitRecord, prefix: str, step: int
+    store: Store, url: str, record: CommitRecord, objects: Sequence[str], step: int
 ) -> ObjectStorage:
-    """A committed step of an object-storage root, for reading: ``url`` names it in every
-    message; each file lies where ``record`` says (object ``<prefix>/<object name>``, at its
-    offset) and must match the record's manifest. One listing of the step's objects first:
-    an object gone or shorter than the record says is refused from its listed size, unread
-    (a record is not trusted to size the reads).
+    """A committed step of an object-storage root, for reading: the one call the step store
+    makes. ``url`` names the step in every message; ``objects[i]`` is where the record's
+    ``objects[i]`` lies (a path relative to the store's root: the caller resolves it, so a
+    record may name objects of earlier steps); each file lies in its object at the offset
+    the record gives and must match the record's manifest. One listing of each folder
+    holding the step's objects first: an object gone or shorter than the record says is
+    refused from its listed size, unread (a record is not trusted to size the reads).
 
     Raises:
         IntegrityError: an object the step needs is gone or short ("step N is damaged").
     """
     damaged = f"{url}: step {step} is damaged in the store"
-    objects = [f"{prefix}/{obj.name}" for obj in record.objects]
+    if len(objects) != len(record.objects):
+        raise ValueError(f"{url}: {len(objects)} object paths for {len(record.objects)} objects")
     listed: dict[str, dict[str, Any]] = {}
     for folder in sorted({o.rpartition("/")[0] for o in objects}):
         listed.update({f"{folder}/{k}": v for k, v in store.find(folder).items()})

@@ -673,7 +673,8 @@ class RemoteCheckpointManager(CheckpointManager):
                     shutil.rmtree(part, ignore_errors=True)
                 yield resolved, cached, url
                 return
-            yield resolved, open_step_storage(self._store, url, record, prefix, resolved), url
+            objects = [f"{prefix}/{obj.name}" for obj in record.objects]
+            yield resolved, open_step_storage(self._store, url, record, objects, resolved), url
 
     @staticmethod
     def _mode(mode: str | None) -> str:
