@@ -324,3 +324,21 @@ def test_ranges_split_and_merged_give_every_byte(
         part = mgr.restore(1, keys=["odd", "small.s7", "small.s30"])
         assert torch.equal(part["small", "s30"], td["small", "s30"])
         assert torch.equal(part["odd"], td["odd"])
+
+
+def test_a_pickle_larger_than_the_metadata_cap_is_read_on_demand(
+    remote: Remote, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only JSON metadata has the JSON cap: a pickled value (the restore's own 1 GiB cap)
+    over it is not read ahead but read when unpickled, as from a local folder."""
+    from tdckpt._read import object_storage, storage
+
+    for module in (storage, object_storage):
+        monkeypatch.setattr(module, "MAX_JSON_BYTES", 8192)
+    value = set(range(5000))  # pickles to about 25 KB
+    td = TensorDict(a=torch.zeros(2), obj=tensordict.NonTensorData(data=value), batch_size=[])
+    with _mgr(remote) as mgr:
+        mgr.save(1, td)
+    with _mgr(remote) as mgr:
+        out = mgr.restore(1, allow_pickle=True)
+    assert out["obj"] == value

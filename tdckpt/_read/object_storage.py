@@ -80,7 +80,9 @@ class Span:
 
 
 def _cap(rel: str) -> float:
-    """The most bytes the read path reads whole of ``rel`` (infinite for a leaf)."""
+    """The largest ``rel`` opening reads ahead (a leaf: never; a metadata file: up to the
+    read path's cap for it, a larger one is refused from its size, unread; any other small
+    file: a pickle, say, read ahead below MAX_JSON_BYTES, on demand above)."""
     from tdckpt._read.tree import MAX_PT_BYTES
 
     if rel == MANIFEST_NAME:
@@ -172,7 +174,9 @@ class ObjectStorage(Storage):
         if rel in self._inline:
             return self._inline[rel]
         span = self._span(rel)
-        cap = min(max_bytes, _cap(rel))
+        # the caller's cap; a JSON file's is the module's now (tests lower it), as opening
+        # read ahead only the JSON files under it
+        cap = min(max_bytes, _storage.MAX_JSON_BYTES) if rel.endswith(".json") else max_bytes
         if span.size > cap:
             raise MetadataError(
                 f"{self.display(rel)}: {span.size} bytes, more than the {int(cap)} bytes tdckpt "
