@@ -342,3 +342,18 @@ def test_a_pickle_larger_than_the_metadata_cap_is_read_on_demand(
     with _mgr(remote) as mgr:
         out = mgr.restore(1, allow_pickle=True)
     assert out["obj"] == value
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_a_nested_tensor_at_a_url_round_trips(remote: Remote, tmp_path: Path) -> None:
+    """Its size table is metadata (read with the rest); its values are a leaf."""
+    nt = torch.nested.nested_tensor([torch.arange(3.0), torch.arange(5.0)])
+    TensorDict(nt=nt, x=torch.ones(2, 4096), batch_size=[2]).memmap(tmp_path / "p")  # 32 KiB
+    remote.fs().put(str(tmp_path / "p"), remote.path("p"), recursive=True)
+    url = f"{remote.url}/p"
+    storage = open_url_storage(url, remote.storage_options)
+    assert storage.ranges_fetched >= 1
+    before = storage.bytes_fetched
+    assert before < 4096  # metadata only: no leaf read ahead
+    out = tdckpt.load_memmap(url, storage_options=remote.storage_options)
+    assert [t.tolist() for t in out["nt"].unbind()] == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0, 3.0, 4.0]]

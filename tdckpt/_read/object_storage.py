@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tdckpt._keys import NESTED_SHAPE_SUFFIX
 from tdckpt._read import storage as _storage
 from tdckpt._read.expected import check_read
 from tdckpt._read.storage import MAX_JSON_BYTES, Listing, MapMode, Storage, check_component
@@ -79,6 +80,11 @@ class Span:
     key: tuple[str, ...] | None = None
 
 
+def _is_leaf(rel: str) -> bool:
+    """Whether ``rel`` holds a tensor's bytes (read only when restored, never ahead)."""
+    return rel.endswith(".memmap") and not rel.endswith(NESTED_SHAPE_SUFFIX)
+
+
 def _cap(rel: str) -> float:
     """The largest ``rel`` opening reads ahead (a leaf: never; a metadata file: up to the
     read path's cap for it, a larger one is refused from its size, unread; any other small
@@ -91,6 +97,8 @@ def _cap(rel: str) -> float:
         return _storage.MAX_JSON_BYTES  # looked up now: tests lower it
     if rel.endswith(".pt"):
         return MAX_PT_BYTES
+    if rel.endswith(NESTED_SHAPE_SUFFIX):  # a nested tensor's size table: validation reads it
+        return MAX_JSON_BYTES
     if rel.endswith(".memmap"):
         return float("inf")
     return MAX_JSON_BYTES
@@ -326,9 +334,7 @@ class ObjectStorage(Storage):
         """Read ahead every file the read path reads whole (metadata, not leaves), in one
         batch of ranges; a file over its cap is left for :meth:`read_bytes` to refuse."""
         small = [
-            rel
-            for rel, span in self._spans.items()
-            if not rel.endswith(".memmap") and span.size <= _cap(rel)
+            rel for rel, span in self._spans.items() if not _is_leaf(rel) and span.size <= _cap(rel)
         ]
         self.prefetch(small)
 
