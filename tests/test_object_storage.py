@@ -357,3 +357,19 @@ def test_a_nested_tensor_at_a_url_round_trips(remote: Remote, tmp_path: Path) ->
     assert before < 4096  # metadata only: no leaf read ahead
     out = tdckpt.load_memmap(url, storage_options=remote.storage_options)
     assert [t.tolist() for t in out["nt"].unbind()] == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0, 3.0, 4.0]]
+
+
+def test_a_gone_object_is_reported_from_the_listing(remote: Remote) -> None:
+    """The listing and the metadata reads run together; the listing's finding is the error
+    (the object gone, by name), whatever the concurrent read ran into."""
+    with _mgr(remote) as mgr:
+        mgr.save(1, TensorDict(a=torch.zeros(3), batch_size=[]))
+    fs = remote.fs()
+    record = json.loads(fs.cat_file(remote.path("1.tdckpt.json")))
+    (obj,) = record["objects"]
+    fs.rm_file(remote.path(f"1.attempt-{record['attempt']}/{obj['name']}"))
+    with _mgr(remote) as mgr, pytest.raises(IntegrityError) as info:
+        mgr.restore(1)
+    assert {p.kind for p in info.value.problems} == {"missing"}  # type: ignore[attr-defined]
+    assert f"no object {obj['name']}" in str(info.value)
+    assert str(info.value).startswith(f"{remote.url}/1.attempt-")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -477,10 +478,56 @@ def open_step_storage(
     damaged = f"{url}: step {step} is damaged in the store"
     if len(objects) != len(record.objects):
         raise ValueError(f"{url}: {len(objects)} object paths for {len(record.objects)} objects")
+    files = {f.path: f for f in record.manifest.files}
+    spans = {
+        path: Span(
+            objects[loc.object],
+            loc.offset,
+            files[path].size,
+            files[path].checksum,
+            _key(files[path]),
+        )
+        for path, loc in record.locations.items()
+    }
+    manifest = (record.manifest.model_dump_json(indent=1) + "\n").encode()
+    storage = ObjectStorage(
+        store, url, spans, inline={MANIFEST_NAME: manifest}, damaged=damaged, step=step
+    )
+    # The listing and the metadata reads go out together (one round trip less per restore):
+    # metadata reads are capped, so no record can make them large; no leaf is read before
+    # the listing has vouched for every object's size.
+    read_error: TdckptError | None = None
+    with ThreadPoolExecutor(1, "tdckpt-list") as pool:
+        listing = pool.submit(_list_objects, store, objects)
+        try:
+            storage._read_small_files()
+        except TdckptError as exc:
+            read_error = exc
+        listed = listing.result()
+    _check_listed(record, objects, listed, files, damaged, url, step)
+    if read_error is not None:
+        raise read_error
+    return storage
+
+
+def _list_objects(store: Store, objects: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Every object in the folders that hold ``objects``: path -> info (one listing each)."""
     listed: dict[str, dict[str, Any]] = {}
     for folder in sorted({o.rpartition("/")[0] for o in objects}):
         listed.update({f"{folder}/{k}": v for k, v in store.find(folder).items()})
-    files = {f.path: f for f in record.manifest.files}
+    return listed
+
+
+def _check_listed(
+    record: CommitRecord,
+    objects: Sequence[str],
+    listed: dict[str, dict[str, Any]],
+    files: dict[str, FileRecord],
+    damaged: str,
+    url: str,
+    step: int,
+) -> None:
+    """Refuse the step if an object it needs is gone or shorter than the record says."""
     for index, obj in enumerate(record.objects):
         info = listed.get(objects[index])
         held = None if info is None else info.get("size")
@@ -497,13 +544,8 @@ def open_step_storage(
                 found = f"object {obj.name} holds {held} bytes, the record says {obj.size}"
             else:
                 continue
-            key = files[path].key
             problem = VerifyProblem(
-                path,
-                tuple(key) if key is not None else None,
-                kind,
-                f"{files[path].size} bytes",
-                found,
+                path, _key(files[path]), kind, f"{files[path].size} bytes", found
             )
             raise IntegrityError(
                 f"{damaged}: {problem}; nothing was restored and the target is unchanged. "
@@ -512,19 +554,3 @@ def open_step_storage(
                 step=step,
                 problems=[problem],
             )
-    spans = {
-        path: Span(
-            objects[loc.object],
-            loc.offset,
-            files[path].size,
-            files[path].checksum,
-            _key(files[path]),
-        )
-        for path, loc in record.locations.items()
-    }
-    manifest = (record.manifest.model_dump_json(indent=1) + "\n").encode()
-    storage = ObjectStorage(
-        store, url, spans, inline={MANIFEST_NAME: manifest}, damaged=damaged, step=step
-    )
-    storage._read_small_files()
-    return storage
