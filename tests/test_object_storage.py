@@ -373,3 +373,24 @@ def test_a_gone_object_is_reported_from_the_listing(remote: Remote) -> None:
     assert {p.kind for p in info.value.problems} == {"missing"}  # type: ignore[attr-defined]
     assert f"no object {obj['name']}" in str(info.value)
     assert str(info.value).startswith(f"{remote.url}/1.attempt-")
+
+
+def test_a_url_prefix_s_metadata_is_checked_against_its_manifest(
+    remote: Remote, tmp_path: Path
+) -> None:
+    """The manifest is read in the same batch as the metadata; the metadata read ahead is
+    then checked against it before anything parses it."""
+    local = tmp_path / "root"
+    with CheckpointManager(local) as mgr:
+        mgr.save(1, _step())
+        step = mgr.path(1)
+    fs = remote.fs()
+    fs.put(str(step), remote.path("s"), recursive=True)
+    meta = remote.path("s/small/meta.json")
+    fs.pipe_file(meta, bytes(fs.cat_file(meta)).replace(b'"shape"', b'"shapE"', 1))
+    url = f"{remote.url}/s"
+    with pytest.raises(IntegrityError, match=r"small/meta\.json") as info:
+        tdckpt.load_memmap(url, storage_options=remote.storage_options)
+    assert str(info.value).startswith(url)
+    (problem,) = info.value.problems  # type: ignore[attr-defined]
+    assert problem.kind == "changed"

@@ -331,6 +331,20 @@ class ObjectStorage(Storage):
             problems=[problem],
         )
 
+    def _peek(self, rel: str) -> bytearray | None:
+        """The bytes of ``rel`` read ahead, left for the reader (None if not read ahead)."""
+        with self._lock:
+            return self._ready.get(rel)
+
+    def _check_ready(self) -> None:
+        """Check what was read ahead against the spans as they are now (a plain prefix's
+        checksums are known only once its manifest, read in the same batch, is parsed)."""
+        with self._lock:
+            ready = list(self._ready.items())
+        checked = {rel: self._checked(rel, self._spans[rel], data) for rel, data in ready}
+        with self._lock:
+            self._ready.update(checked)
+
     def _read_small_files(self) -> None:
         """Read ahead every file the read path reads whole (metadata, not leaves), in one
         batch of ranges; a file over its cap is left for :meth:`read_bytes` to refuse."""
@@ -444,10 +458,11 @@ def open_url_storage(url: str, storage_options: dict[str, Any] | None) -> Object
         _safe(rel, store.url)
     spans = {rel: Span(rel, 0, _size(info)) for rel, info in found.items()}
     storage = ObjectStorage(store, store.url, spans)
-    manifest = spans.get(MANIFEST_NAME)
-    if manifest is not None and manifest.size <= MAX_MANIFEST_BYTES:
+    storage._read_small_files()  # the manifest with the rest: one batch of reads
+    raw = storage._peek(MANIFEST_NAME)
+    if raw is not None:
         try:
-            model = Manifest.model_validate_json(storage.read_bytes(MANIFEST_NAME))
+            model = Manifest.model_validate_json(raw)
         except ValueError:  # pydantic's ValidationError: the read path reports it
             model = None
         if model is not None:
@@ -457,7 +472,7 @@ def open_url_storage(url: str, storage_options: dict[str, Any] | None) -> Object
                     spans[record.path] = Span(
                         record.path, 0, known.size, record.checksum, _key(record)
                     )
-    storage._read_small_files()
+            storage._check_ready()  # what was read ahead, against the manifest now known
     return storage
 
 
