@@ -394,3 +394,29 @@ def test_a_url_prefix_s_metadata_is_checked_against_its_manifest(
     assert str(info.value).startswith(url)
     (problem,) = info.value.problems  # type: ignore[attr-defined]
     assert problem.kind == "changed"
+
+
+def test_metadata_read_ahead_is_bounded(
+    remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read ahead stops at the read path's budget for all metadata together (what is left is
+    read on demand, where the read path's own budget applies); many small files go out in
+    several batches."""
+    from tdckpt._read import object_storage, tree
+
+    td = TensorDict({f"l{i}": TensorDict(x=torch.ones(3)) for i in range(6)}, batch_size=[])
+    td.memmap(tmp_path / "p")
+    remote.fs().put(str(tmp_path / "p"), remote.path("p"), recursive=True)
+    url = f"{remote.url}/p"
+    monkeypatch.setattr(object_storage, "BATCH_RANGES", 2)
+    storage = open_url_storage(url, remote.storage_options)
+    assert storage.ranges_fetched == 7  # the 7 meta.json files (in batches of at most 2)
+    out = tdckpt.load_memmap(url, storage_options=remote.storage_options)
+    assert out["l5", "x"].tolist() == [1.0, 1.0, 1.0]
+    monkeypatch.setattr(tree, "MAX_METADATA_BYTES", 300)
+    storage = open_url_storage(url, remote.storage_options)
+    assert storage.bytes_fetched <= 300
+    assert 0 < storage.ranges_fetched < 7
+    # what was not read ahead is read when the read path asks for it
+    out = tdckpt.load_memmap(url, storage_options=remote.storage_options)
+    assert out["l0", "x"].tolist() == [1.0, 1.0, 1.0]

@@ -62,6 +62,8 @@ __all__ = ["ObjectStorage", "Span", "open_step_storage", "open_url_storage"]
 #: Bytes per ranged read, and bytes in flight per batch of ranged reads.
 RANGE_BYTES = 16 << 20
 BATCH_BYTES = 128 << 20
+#: Ranges in one batch at most (a prefix of 100,000 tiny files is read in many batches).
+BATCH_RANGES = 1024
 #: Two wanted ranges of one object at most this far apart are read as one range (a pack of
 #: small files costs one request, not one per file); the bytes between are dropped.
 MERGE_GAP = 64 << 10
@@ -348,9 +350,19 @@ class ObjectStorage(Storage):
     def _read_small_files(self) -> None:
         """Read ahead every file the read path reads whole (metadata, not leaves), in one
         batch of ranges; a file over its cap is left for :meth:`read_bytes` to refuse."""
-        small = [
-            rel for rel, span in self._spans.items() if not _is_leaf(rel) and span.size <= _cap(rel)
-        ]
+        from tdckpt._read.tree import MAX_METADATA_BYTES
+
+        # Smallest first, up to the read path's budget for all metadata together: what is
+        # left over is read on demand, where the read path refuses it (nothing here holds
+        # more in memory than the local reader would parse).
+        small, total = [], 0
+        for rel, span in sorted(self._spans.items(), key=lambda item: item[1].size):
+            if _is_leaf(rel) or span.size > _cap(rel):
+                continue
+            if total + span.size > MAX_METADATA_BYTES:
+                break
+            small.append(rel)
+            total += span.size
         self.prefetch(small)
 
 
@@ -388,12 +400,14 @@ def _problem(rel: str, span: Span, data: bytearray) -> VerifyProblem | None:
 def _batches(
     runs: list[tuple[str, int, int, list[str]]],
 ) -> list[list[tuple[str, int, int, list[str]]]]:
-    """``runs`` in batches of at most BATCH_BYTES (one run alone may be larger)."""
+    """``runs`` in batches of at most BATCH_BYTES and BATCH_RANGES (one run alone may be
+    larger)."""
     batches: list[list[tuple[str, int, int, list[str]]]] = []
     size = BATCH_BYTES
     for run in runs:
         nbytes = run[2] - run[1]
-        if size + nbytes > BATCH_BYTES and (not batches or batches[-1]):
+        full = size + nbytes > BATCH_BYTES or (batches and len(batches[-1]) >= BATCH_RANGES)
+        if full and (not batches or batches[-1]):
             batches.append([])
             size = 0
         batches[-1].append(run)
