@@ -113,9 +113,9 @@ class Selection:
 
     def selects(self, key: Key) -> bool:
         """Whether ``key`` (and everything below it) is restored."""
-        if self.exclude and _Patterns.of(self.exclude).cover(key):
+        if self.exclude and self._excluded.cover(key):
             return False
-        return self.keys is None or _Patterns.of(self.keys).cover(key)
+        return self.keys is None or self._selected.cover(key)
 
     def touches(self, key: Key) -> bool:
         """Whether a restore of this selection concerns ``key`` (selects it or below it)."""
@@ -123,9 +123,17 @@ class Selection:
 
     def reaches_below(self, key: Key) -> bool:
         """Whether a pattern of ``keys`` names something below ``key`` (not excluded itself)."""
-        if self.keys is None or (self.exclude and _Patterns.of(self.exclude).cover(key)):
+        if self.keys is None or (self.exclude and self._excluded.cover(key)):
             return False
-        return _Patterns.of(self.keys).below(key)
+        return self._selected.below(key)
+
+    @functools.cached_property
+    def _selected(self) -> _Patterns:
+        return _Patterns(tuple(self.keys or ()))
+
+    @functools.cached_property
+    def _excluded(self) -> _Patterns:
+        return _Patterns(tuple(self.exclude))
 
 
 class _Patterns:
@@ -133,8 +141,6 @@ class _Patterns:
     is then checked with one set lookup per level, not one fnmatch per pattern and name."""
 
     __slots__ = ("literal", "prefixes", "wild")
-
-    _cache: dict[tuple[Key, ...], _Patterns] = {}  # noqa: RUF012 - a bounded memo, below
 
     def __init__(self, patterns: tuple[Key, ...]) -> None:
         self.literal = frozenset(p for p in patterns if _literal(p))
@@ -144,13 +150,7 @@ class _Patterns:
 
     @classmethod
     def of(cls, patterns: list[Key]) -> _Patterns:
-        frozen = tuple(patterns)
-        found = cls._cache.get(frozen)
-        if found is None:
-            if len(cls._cache) > 64:
-                cls._cache.clear()
-            found = cls._cache[frozen] = cls(frozen)
-        return found
+        return cls(tuple(patterns))
 
     def cover(self, key: Key) -> bool:
         """Whether a pattern names ``key`` or a key above it."""
