@@ -1,6 +1,6 @@
 """tdckpt benchmarks: one command, every ratio measured against its baseline in the same run.
 
-    python benchmarks/run.py [restore|restore_into|save|verify|upgrade ...] [--quick]
+    python benchmarks/run.py [restore|restore_into|save|verify|upgrade|selective ...] [--quick]
 
 * restore: ``tdckpt.load_memmap_`` vs tensordict's ``td.load_memmap_`` on the same
   checkpoints (10, 1,000 and 10,000 leaves; one 1 GiB leaf vs one 1 KiB leaf), and
@@ -15,6 +15,9 @@
 * remote: object storage, ``CheckpointManager("s3://...")`` save / restore_into vs DCP's
   FsspecWriter / FsspecReader on one local moto server, requests counted
   (benchmarks/bench_remote.py).
+* selective: restoring 1% of the leaves of a 1 GiB step vs the whole step, on a local root
+  and on a moto S3 server (requests and bytes counted), and ``tdckpt.export_safetensors``
+  vs ``safetensors.torch.save_file`` of the same tensors (benchmarks/bench_selective.py).
 * torchrl: a 1M-transition ``LazyMemmapStorage`` buffer and a policy through
   ``torchrl.checkpoint``, TorchRL's default adapters (+ fsync) vs tdckpt's
   (benchmarks/bench_torchrl.py; needs torchrl).
@@ -546,6 +549,7 @@ BENCHES = {
     "async": lambda work, quick: __import__("bench_async").bench(work, quick),
     "state": lambda work, quick: __import__("bench_state").bench(work, quick),
     "remote": lambda work, quick: __import__("bench_remote").bench(work, quick),
+    "selective": lambda work, quick: __import__("bench_selective").bench(work, quick),
     "torchrl": lambda work, quick: __import__("bench_torchrl").bench(work, quick),
 }
 

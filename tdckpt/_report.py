@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-__all__ = ["Inspection", "NodeInfo", "Problem", "ValidationReport"]
+__all__ = ["Inspection", "NodeInfo", "Problem", "ValidationReport", "VerifyProblem"]
 
 Severity = Literal["error", "warning", "info"]
+ProblemKind = Literal[
+    "missing", "short", "long", "changed", "extra", "not_a_file", "manifest", "unreadable"
+]
 
 
 @dataclass(frozen=True)
@@ -146,3 +149,33 @@ class Inspection:
             "problems": [p.to_json() for p in self.problems],
             "tree": self.root.to_json(),
         }
+
+
+@dataclass(frozen=True)
+class VerifyProblem:
+    """One file that does not match the manifest.
+
+    Attributes:
+        path: the file, relative to the step (POSIX; ``""`` for the step itself).
+        key: the nested key the file stores (lazy-stack members appear as their index,
+            a tensorclass's fields under the tensorclass's key), or None if unknown.
+        kind: ``"missing"``, ``"short"`` / ``"long"`` (size differs), ``"changed"``
+            (checksum differs), ``"extra"`` (not in the manifest), ``"not_a_file"``
+            (a directory, symlink or device where a file belongs), ``"manifest"`` (the
+            manifest itself is missing or invalid), ``"unreadable"`` (I/O or archive error).
+        expected: what the manifest records (size or checksum), if anything.
+        found: what is on disk.
+    """
+
+    path: str
+    key: tuple[str, ...] | None
+    kind: ProblemKind
+    expected: str | None = None
+    found: str | None = None
+
+    def __str__(self) -> str:
+        key = f" (key {self.key!r})" if self.key is not None else ""
+        detail = ""
+        if self.expected is not None or self.found is not None:
+            detail = f": expected {self.expected or '-'}, found {self.found or '-'}"
+        return f"{self.kind}: {self.path or '.'}{key}{detail}"

@@ -74,6 +74,7 @@ from tdckpt.warnings import TdckptDeprecationWarning, TdckptWarning
 
 if TYPE_CHECKING:
     from tdckpt._read.pipeline import OpenedCheckpoint
+    from tdckpt._read.storage import Storage
     from tdckpt._write.lock import RootLock
 
 __all__ = [
@@ -144,8 +145,10 @@ class CheckpointManager:
             :func:`time.monotonic`; a fake clock in tests).
         lease_ttl: for a URL root, seconds a writer's lease lasts without renewal (default
             600); refused for a local root (a file lock guards it).
-        cache_dir: for a URL root, where restores download a step (default: a private
-            temporary folder); refused for a local root (read in place).
+        cache_dir: for a URL root, a local folder restores download a whole step into once
+            (re-verified when reused) and map its files from; by default a restore reads
+            only the leaves it restores, by ranged reads, into memory. Refused for a local
+            root (read in place).
 
     Example:
         >>> import tempfile, torch
@@ -1191,10 +1194,12 @@ class CheckpointManager:
         return (obj, done) if report else obj
 
     @contextlib.contextmanager
-    def _reading(self, step: int | None, verify: bool) -> Iterator[tuple[StepRecord, Path]]:
+    def _reading(
+        self, step: int | None, verify: bool
+    ) -> Iterator[tuple[StepRecord, Path | Storage]]:
         """A committed step, pinned against retention and opened by the store (a local
-        folder or archive to read), verified first when asked and the store's reads are
-        not verified anyway."""
+        folder or archive, or the store's own reader), verified first when asked and the
+        store's reads are not verified anyway."""
         with self._pinned(step) as record:
             if verify and not self._steps.capabilities.verifies_reads:
                 self._verified(record.step, record.where, record.manifest)
@@ -1209,7 +1214,7 @@ class CheckpointManager:
         if mode == "r+":
             raise ValueError(
                 "mode='r+' maps the checkpoint's files shared so writes reach them; a step in "
-                "object storage is read into a private copy, so writes could never reach it. "
+                "object storage is read into memory, so writes could never reach it. "
                 "Use mode='r' (default)."
             )
         return "r"
@@ -1237,14 +1242,17 @@ def _info(record: StepRecord) -> StepInfo:
     )
 
 
-def _metadata_checked(path: Path, record: StepRecord) -> Any:
+def _metadata_checked(path: Path | Storage, record: StepRecord) -> Any:
     """Every file the restore reads whole (``meta.json``, ...) checked against the manifest.
 
     Always, not only under ``verify=True``: those files are read anyway (see
     :mod:`tdckpt._read.expected`). A mismatch raises an IntegrityError, target untouched.
+    A store's own reader (object storage) checks every file it reads itself.
     """
     from tdckpt._read.expected import expecting
 
+    if not isinstance(path, (str, os.PathLike)):
+        return contextlib.nullcontext()
     return expecting(path, record.manifest, where=f"{record.where}: step {record.step}")
 
 

@@ -56,6 +56,8 @@ def _timeout(request: pytest.FixtureRequest, fault_trials: int) -> Iterator[None
 class MotoS3:
     endpoint: str
     requests: Counter[str] = field(default_factory=Counter)
+    #: response body bytes sent, by method (what a client fetched)
+    sent: Counter[str] = field(default_factory=Counter)
     #: (method, path) -> should this request fail with a 500?
     failing: Callable[[str, str], bool] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -86,6 +88,11 @@ class MotoS3:
         with self.lock:
             return sum(self.requests.values())
 
+    def snapshot(self) -> tuple[int, int]:
+        """(GET requests, GET body bytes) so far: subtract two to count what a call fetched."""
+        with self.lock:
+            return self.requests["GET"], self.sent["GET"]
+
 
 def start_moto() -> tuple[Any, MotoS3]:
     """Start a ThreadedMotoServer on 127.0.0.1:<free port> with a counting wrapper."""
@@ -115,7 +122,16 @@ def start_moto() -> tuple[Any, MotoS3]:
                 b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
                 b"<Message>injected</Message></Error>"
             ]
-        return app(environ, start_response)
+        result = app(environ, start_response)
+        try:
+            body = b"".join(result)
+        finally:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+        with state.lock:
+            state.sent[method] += len(body)
+        return [body]
 
     server._server.app = counting  # type: ignore[union-attr]
     return server, state

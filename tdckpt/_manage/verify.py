@@ -19,53 +19,21 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from tdckpt._keys import decode_key
 from tdckpt._manage.steps import ZIP_READ_ERRORS
+from tdckpt._report import ProblemKind, VerifyProblem
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import CHUNK_BYTES, new_hasher
 from tdckpt.schema import MANIFEST_NAME, LeafChecksumRecord, Manifest
 
 __all__ = ["Progress", "VerifyProblem", "VerifyReport", "manifest_problem", "verify_files"]
 
-ProblemKind = Literal[
-    "missing", "short", "long", "changed", "extra", "not_a_file", "manifest", "unreadable"
-]
 Progress = Callable[[int, int], None]
 
 
 # -- verification reports -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VerifyProblem:
-    """One file that does not match the manifest.
-
-    Attributes:
-        path: the file, relative to the step (POSIX; ``""`` for the step itself).
-        key: the nested key the file stores (lazy-stack members appear as their index,
-            a tensorclass's fields under the tensorclass's key), or None if unknown.
-        kind: ``"missing"``, ``"short"`` / ``"long"`` (size differs), ``"changed"``
-            (checksum differs), ``"extra"`` (not in the manifest), ``"not_a_file"``
-            (a directory, symlink or device where a file belongs), ``"manifest"`` (the
-            manifest itself is missing or invalid), ``"unreadable"`` (I/O or archive error).
-        expected: what the manifest records (size or checksum), if anything.
-        found: what is on disk.
-    """
-
-    path: str
-    key: tuple[str, ...] | None
-    kind: ProblemKind
-    expected: str | None = None
-    found: str | None = None
-
-    def __str__(self) -> str:
-        key = f" (key {self.key!r})" if self.key is not None else ""
-        detail = ""
-        if self.expected is not None or self.found is not None:
-            detail = f": expected {self.expected or '-'}, found {self.found or '-'}"
-        return f"{self.kind}: {self.path or '.'}{key}{detail}"
 
 
 @dataclass

@@ -23,6 +23,7 @@ from tdckpt._read.nodes import (
 )
 from tdckpt._read.pipeline import open_checkpoint
 from tdckpt._read.state_structure import state_problems
+from tdckpt._read.storage import Storage
 from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import Inspection, NodeInfo, Problem, ValidationReport
 from tdckpt.errors import TdckptError
@@ -60,20 +61,13 @@ def validate(
         ...     tdckpt.validate(d).ok
         True
     """
-    if is_url(prefix):
-        from tdckpt._remote.prefix import local_prefix, relabel
-
-        try:
-            with local_prefix(prefix, storage_options, data=False) as local:  # type: ignore[arg-type]
-                return relabel(validate(local, robust_key=robust_key), local, str(prefix))
-        except TdckptError as exc:
+    try:
+        opened = open_checkpoint(_source(prefix, storage_options), robust_key=robust_key)
+    except TdckptError as exc:
+        if is_url(prefix):
             return ValidationReport(
                 prefix=str(prefix), problems=[Problem(_code(exc), "error", "", (), str(exc))]
             )
-    require_local_options(prefix, storage_options)
-    try:
-        opened = open_checkpoint(prefix, robust_key=robust_key)
-    except TdckptError as exc:
         return ValidationReport(
             prefix=os.fspath(prefix),
             problems=[Problem(_code(exc), "error", _rel_path(exc, prefix), (), str(exc))],
@@ -102,6 +96,19 @@ def validate(
         )
     finally:
         opened.close()
+
+
+def _source(
+    prefix: str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> str | os.PathLike[str] | Storage:
+    """What :func:`open_checkpoint` reads: the local prefix, or a URL's object storage
+    (metadata read at once; no leaf byte is fetched by validate or inspect)."""
+    if is_url(prefix):
+        from tdckpt._read.object_storage import open_url_storage
+
+        return open_url_storage(str(prefix), storage_options)
+    require_local_options(prefix, storage_options)
+    return prefix
 
 
 def _rel_path(exc: TdckptError, prefix: str | os.PathLike[str]) -> str:
@@ -144,13 +151,7 @@ def inspect(
     ``prefix`` may be an fsspec URL (with ``storage_options``): only its metadata objects
     are fetched.
     """
-    if is_url(prefix):
-        from tdckpt._remote.prefix import local_prefix, relabel
-
-        with local_prefix(prefix, storage_options, data=False) as local:  # type: ignore[arg-type]
-            return relabel(inspect(local, robust_key=robust_key), local, str(prefix))
-    require_local_options(prefix, storage_options)
-    opened = open_checkpoint(prefix, robust_key=robust_key)
+    opened = open_checkpoint(_source(prefix, storage_options), robust_key=robust_key)
     try:
         root = (
             _info(opened.root, ())

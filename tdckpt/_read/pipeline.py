@@ -105,7 +105,7 @@ def _read_manifest_model(
 
 
 def open_checkpoint(
-    prefix: str | os.PathLike[str],
+    prefix: str | os.PathLike[str] | Storage,
     *,
     robust_key: bool | None,
     defer_leaf_sizes: bool = False,
@@ -119,8 +119,15 @@ def open_checkpoint(
     ``manifest_checked``: the caller (the manager, restoring a step it resolved) has just
     validated the prefix's manifest: it is not read again (``manifest_model`` is None).
     Nothing a restore builds comes from the manifest.
+
+    ``prefix`` may be an opened :class:`Storage` (object storage: see
+    ``object_storage.py``); it is read as it is, and closed with the result.
     """
-    storage = open_storage(prefix, defer_leaf_sizes=defer_leaf_sizes)
+    if isinstance(prefix, Storage):
+        storage = prefix
+        prefix = storage.location
+    else:
+        storage = open_storage(prefix, defer_leaf_sizes=defer_leaf_sizes)
     if storage.verbatim_keys:
         robust_key = True  # no file names to decode: every virtual name is the robust one
     prebuilt = storage.validated_root()

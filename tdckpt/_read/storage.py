@@ -31,7 +31,7 @@ import os
 import stat
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -177,6 +177,13 @@ class Storage(ABC):
     #: Keys are recorded verbatim, not as file names (a consolidated file): the key encoding
     #: is not the caller's to choose, every (virtual) name is the robust one.
     verbatim_keys: bool = False
+    #: Capabilities a caller asks instead of testing the type. ``file_backed``: leaves are
+    #: files a tensor can map (and a directory level can name); ``ranged_reads``: leaf bytes
+    #: come from ranged reads, best asked all at once (:meth:`prefetch`);
+    #: ``writable_in_place``: ``mode="r+"`` can make writes reach the checkpoint.
+    file_backed: bool = True
+    ranged_reads: bool = False
+    writable_in_place: bool = True
 
     @abstractmethod
     def listdir(self, rel: str) -> Listing:
@@ -220,6 +227,10 @@ class Storage(ABC):
     def read_json(self, rel: str) -> Any:
         """Read and parse a JSON file (bounded size and depth)."""
         return parse_json(self.read_bytes(rel), where=lambda: self.display(rel))
+
+    def prefetch(self, rels: Iterable[str]) -> None:  # noqa: B027 - optional hook
+        """Read the leaf files ``rels`` ahead, together (a storage with ``ranged_reads``):
+        what a restore maps next. Local storages map on demand and ignore it."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (archives unmap their file)."""

@@ -358,20 +358,3 @@ def mtime(info: dict[str, Any]) -> float | None:
             with contextlib.suppress(ValueError):
                 return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
     return None
-
-
-def memory_tmp() -> str | None:
-    """``/dev/shm`` when this machine has a writable one (downloads land in memory), else
-    None (the default temporary folder)."""
-    import tempfile
-    from pathlib import Path
-
-    shm = Path("/dev/shm")
-    try:
-        if shm.is_dir():
-            probe = tempfile.mkdtemp(prefix="tdckpt-probe-", dir=shm)
-            Path(probe).rmdir()
-            return str(shm)
-    except OSError:
-        pass
-    return None

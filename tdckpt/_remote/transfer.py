@@ -138,13 +138,14 @@ def download_step(
     store: Store,
     prefix: str,
     record: CommitRecord,
-    dest: Path,
+    dest: Path | None,
     *,
     step: int,
     progress: Callable[[int, int], None] | None = None,
     report: VerifyReport | None = None,
 ) -> int:
-    """Read every file of the step into ``dest`` (a new folder), verifying checksums.
+    """Read every file of the step into ``dest`` (a new folder; None: only check them,
+    as ``verify`` does, writing nothing), verifying checksums.
 
     Each object is read whole, in ranges of RANGE_BYTES issued together (a pack of small
     files costs one request, not one per file); batches of objects stay under
@@ -161,9 +162,10 @@ def download_step(
         files.sort(key=lambda f: record.locations[f.path].offset)
     total = sum(f.size for f in manifest.files)
     done = 0
-    dest.mkdir(parents=True, exist_ok=False)
-    for d in sorted({str(Path(f.path).parent) for f in manifest.files} - {"."}):
-        (dest / d).mkdir(parents=True, exist_ok=True)
+    if dest is not None:
+        dest.mkdir(parents=True, exist_ok=False)
+        for d in sorted({str(Path(f.path).parent) for f in manifest.files} - {"."}):
+            (dest / d).mkdir(parents=True, exist_ok=True)
 
     def spans(index: int) -> list[tuple[str, int, int]]:
         files = by_object[index]
@@ -296,14 +298,16 @@ def download_step(
                             if found != f.checksum:
                                 problem(f, "changed", f.checksum, found)
                                 continue
-                    _write_new(dest / f.path, parts)
+                    if dest is not None:
+                        _write_new(dest / f.path, parts)
                     done += f.size
                     if report is not None:
                         report.files_checked += 1
                     if progress is not None:
                         progress(done, total)
-    text = manifest.model_dump_json(indent=1) + "\n"
-    _write_new(dest / MANIFEST_NAME, [memoryview(text.encode())])
+    if dest is not None:
+        text = manifest.model_dump_json(indent=1) + "\n"
+        _write_new(dest / MANIFEST_NAME, [memoryview(text.encode())])
     return done
 
 

@@ -33,6 +33,7 @@ from tdckpt.errors import RestoreError
 __all__ = [
     "MAX_MAP_COUNT_PATH",
     "check_map_budget",
+    "leaf_sources",
     "mapped_leaf_files",
     "refuse_if_out_of_mappings",
 ]
@@ -71,6 +72,27 @@ def mapped_leaf_files(node: Node) -> int:
         elif isinstance(cur, (SubTensorDictNode, LazyViewNode)):
             stack.append(cur.source)
     return count
+
+
+def leaf_sources(node: Node) -> list[str]:
+    """The leaf files restoring ``node`` reads (relative paths), in tree order."""
+    out: list[str] = []
+    stack: list[Node] = [node]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, LeafNode):
+            src = cur.file  # a nested tensor's size table was read by validation
+            if src is not None and src.data is None and src.source is not None and cur.numel:
+                out.append(src.source)
+        elif isinstance(cur, TensorDictNode):
+            stack.extend(reversed(list(cur.entries.values())))
+        elif isinstance(cur, LazyStackNode):
+            stack.extend(reversed(cur.members))
+        elif isinstance(cur, TensorClassNode):
+            stack.append(cur.inner)
+        elif isinstance(cur, (SubTensorDictNode, LazyViewNode)):
+            stack.append(cur.source)
+    return out
 
 
 def _read_int(path: str) -> int | None:

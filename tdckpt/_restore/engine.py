@@ -25,40 +25,32 @@ import torch
 
 from tdckpt._read.lane import open_current
 from tdckpt._read.nodes import (
-    LazyStackNode,
-    LazyViewNode,
-    LeafNode,
-    Node,
-    NonTensorNode,
-    NonTensorStackNode,
-    SubTensorDictNode,
-    TensorClassNode,
-    TensorDictNode,
     pickled_nodes,
 )
 from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
-from tdckpt._read.storage import MapMode
-from tdckpt._read.views import node_batch
+from tdckpt._read.storage import MapMode, Storage
 from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import ValidationReport
-from tdckpt._restore.apply import restore_into_target, tensordict_order
-from tdckpt._restore.budget import check_map_budget, refuse_if_out_of_mappings
+from tdckpt._restore.apply import restore_into_target
+from tdckpt._restore.budget import check_map_budget, leaf_sources, refuse_if_out_of_mappings
+from tdckpt._restore.build import Builder
 from tdckpt._restore.plan import (
     Mapper,
-    check_tensorclass_fields,
-    has_tensordict,
-    non_tensor_value,
-    nt_stack_value,
-    resolve_tensorclass,
-    tensorclass_fields,
 )
 from tdckpt._restore.policy import check_allow_pickle, resolve_pickle_policy, user_stacklevel
 from tdckpt._restore.select import RestoreReport, Selection, prune
 from tdckpt._restore.transform import apply_transforms, check_device, check_transforms
-from tdckpt.errors import RestoreError, TdckptError, ValidationError
+from tdckpt.errors import TdckptError, ValidationError
 from tdckpt.warnings import TdckptWarning
 
-__all__ = ["load_local", "load_memmap", "load_memmap_", "open_for_restore", "restore_in_place"]
+__all__ = [
+    "load_local",
+    "load_memmap",
+    "load_memmap_",
+    "load_source",
+    "open_for_restore",
+    "restore_in_place",
+]
 
 _MODES = (None, "r", "r+")
 
@@ -67,8 +59,10 @@ _MODES = (None, "r", "r+")
 _SWAP_RETRIES = 10
 
 
-def _identity(prefix: str | os.PathLike[str]) -> tuple[int, int] | None:
-    """What the prefix names now (device, inode), or None if nothing."""
+def _identity(prefix: str | os.PathLike[str] | Storage) -> tuple[int, int] | None:
+    """What the prefix names now (device, inode), or None if nothing (or not a path)."""
+    if isinstance(prefix, Storage):
+        return None
     try:
         st = os.stat(prefix)
     except (OSError, ValueError):
@@ -76,7 +70,7 @@ def _identity(prefix: str | os.PathLike[str]) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _swapped(prefix: str | os.PathLike[str], before: tuple[int, int] | None) -> bool:
+def _swapped(prefix: str | os.PathLike[str] | Storage, before: tuple[int, int] | None) -> bool:
     """Whether ``prefix`` now names another tree than when the failed read began.
 
     ``tdckpt.save(..., overwrite=True)`` swaps in the new tree atomically and then removes
@@ -123,7 +117,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 def open_for_restore(
-    prefix: str | os.PathLike[str],
+    prefix: str | os.PathLike[str] | Storage,
     *,
     robust_key: bool | None,
     allow_pickle: bool | None,
@@ -195,280 +189,6 @@ def _select(
         report.loaded, report.skipped, report.missing = done.loaded, done.skipped, done.missing
 
 
-# -- building new objects ------------------------------------------------------------------
-
-
-class _Builder:
-    """Builds fresh objects (tensordict classes, or plain dicts without tensordict)."""
-
-    def __init__(self, opened: OpenedCheckpoint, mapper: Mapper, unpickle: bool) -> None:
-        self.opened = opened
-        self.mapper = mapper
-        self.unpickle = unpickle
-        self.td = has_tensordict()
-
-    def _device(self, saved: str | None) -> torch.device | None:
-        if self.mapper.device is not None:
-            return self.mapper.device
-        if saved is None:
-            return None
-        device = torch.device(saved)  # validation checked it parses
-        if device.type != "cpu":
-            # The leaves are CPU maps of the files: a tensordict that says it lives on
-            # another device would be inconsistent (tensordict itself builds one).
-            raise RestoreError(
-                f"{self.opened.prefix}: the checkpoint records device {saved!r}, but its data "
-                "is loaded as CPU memory maps. Pass device='cpu' (or the device to move the "
-                "data to) to tdckpt.load_memmap, or restore into a tensordict on that device.",
-                device=saved,
-            )
-        return device
-
-    def build(
-        self, node: Node, batch: tuple[int, ...] = (), parent_device: torch.device | None = None
-    ) -> Any:
-        """Build ``node``; a non-tensor without a saved device takes ``parent_device``.
-
-        NonTensorData (and NonTensorStack from 0.15.3) record no device of their own:
-        tensordict's loader moves them to the device of the tensordict that holds them.
-        """
-        if isinstance(node, LeafNode):
-            return self.mapper.leaf(node)
-        try:
-            return self._build(node, batch, parent_device)
-        except TdckptError:
-            raise
-        except (
-            AttributeError,
-            IndexError,
-            KeyError,
-            OverflowError,
-            RuntimeError,
-            TypeError,
-            ValueError,
-        ) as exc:
-            # The last line of defence: validation should have refused whatever makes a
-            # torch or tensordict constructor fail. Name the key, never a raw traceback.
-            where = self.opened.storage.display(node.path)
-            raise RestoreError(
-                f"{where}: the saved {type(node).__name__.removesuffix('Node')} at key "
-                f"{'.'.join(node.key) or '<root>'!r} passed validation but cannot be rebuilt "
-                f"({type(exc).__name__}: {exc}); nothing was changed. The checkpoint is damaged "
-                "or was edited; please report it as a tdckpt bug, with `tdckpt validate` output.",
-                path=where,
-                key=node.key,
-            ) from exc
-
-    def _build(self, node: Node, batch: tuple[int, ...], parent_device: torch.device | None) -> Any:
-        if isinstance(node, LeafNode):
-            return self.mapper.leaf(node)
-        if isinstance(node, TensorDictNode):
-            return self.tensordict(node)
-        if isinstance(node, LazyStackNode):
-            members = [self.build(m) for m in node.members]
-            if not self.td:
-                return members
-            from tensordict import LazyStackedTensorDict
-
-            if not members:
-                where = self.opened.storage.display(node.path)
-                raise RestoreError(f"{where}: a lazy stack with no members cannot be rebuilt.")
-            result = LazyStackedTensorDict(*members, stack_dim=node.stack_dim)
-            if node.stack_dim_name is not None:
-                result._td_dim_name = node.stack_dim_name
-            return result
-        if isinstance(node, NonTensorNode):
-            value, fields = non_tensor_value(node, self.opened.storage, self.unpickle)
-            if not self.td:
-                return value
-            return self._non_tensor(node, value, fields, parent_device)
-        if isinstance(node, NonTensorStackNode):
-            data = nt_stack_value(node, self.opened.storage, self.unpickle)
-            if not self.td:
-                return data
-            from tensordict import NonTensorStack
-
-            device = self._device(node.device)
-            return NonTensorStack._from_list(
-                data, device=parent_device if device is None else device
-            )
-        if isinstance(node, TensorClassNode):
-            inner = self.tensordict(node.inner)
-            fields = tensorclass_fields(node, self.opened.storage, self.unpickle)
-            if not self.td:
-                return {**inner, **fields}
-            where = self.opened.storage.display(node.path)
-            cls = resolve_tensorclass(node.type_str, where)
-            check_tensorclass_fields(cls, fields, inner.keys(), where)
-            return cls._from_tensordict(inner, fields)  # type: ignore[attr-defined]
-        if isinstance(node, (SubTensorDictNode, LazyViewNode)):
-            return self._view(node)
-        raise AssertionError(type(node))  # pragma: no cover
-
-    def _view(self, node: SubTensorDictNode | LazyViewNode) -> Any:
-        """A sub-tensordict or lazy view over its built source, as tensordict 0.15.3 loads it.
-
-        Without tensordict, the view's values are materialized (the index or the operation
-        applied to every tensor), as nested dicts; refused where that would not be what
-        tensordict shows (non-tensor data, stacks or nested tensors in the source, a
-        ``squeeze()`` without dim, negative dims).
-        """
-        where = self.opened.storage.display(node.path)
-        if not self.td:
-            _check_plain_view(node, where)
-        source = self.build(node.source)
-        if isinstance(node, SubTensorDictNode):
-            if self.td:
-                from tensordict._td import _SubTensorDict
-
-                return _SubTensorDict(source, node.index)
-            index = _expand_ellipsis(node.index, len(node_batch(node.source) or ()))
-            return _plain_apply(source, lambda t: t[index])
-        if self.td:
-            import tensordict._lazy as lazy
-
-            cls = getattr(lazy, node.class_id.rpartition(":")[2])
-            return cls(
-                source,
-                custom_op=node.op,
-                inv_op=node.inv_op,
-                custom_op_kwargs=dict(node.kwargs),
-                inv_op_kwargs=dict(node.inv_kwargs),
-            )
-        return _plain_apply(
-            source, _leaf_op(node.op, node.kwargs, len(node_batch(node.source) or ()))
-        )
-
-    def _non_tensor(
-        self,
-        node: NonTensorNode,
-        value: Any,
-        fields: dict[str, Any],
-        parent_device: torch.device | None,
-    ) -> Any:
-        from tensordict import TensorDict
-        from tensordict.tensorclass import MetaData, NonTensorData
-
-        cls = MetaData if node.class_name == "MetaData" else NonTensorData
-        device = self._device(node.device)
-        td = TensorDict(
-            batch_size=node.batch_size, device=parent_device if device is None else device
-        )
-        non_td = {"data": value, **fields}
-        non_td.setdefault("_is_non_tensor", True)
-        return cls._from_tensordict(td, non_td)
-
-    def tensordict(self, node: TensorDictNode) -> Any:
-        if not self.td:
-            return {k: self.build(v, node.batch_size) for k, v in node.entries.items()}
-        from tensordict import TensorDict
-
-        device = self._device(node.device)
-        leaf_keys: list[str] = []
-        leaves: list[LeafNode] = []  # mapped together, below
-        levels: dict[str, Any] = {}
-        for k, v in node.entries.items():
-            if type(v) is LeafNode:
-                leaf_keys.append(k)
-                leaves.append(v)
-            else:
-                levels[k] = self.build(v, node.batch_size, device)
-        tensors = dict(zip(leaf_keys, self.mapper.leaves(leaves), strict=True))
-        entries = tensordict_order({}, tensors, levels)
-        td = TensorDict(batch_size=node.batch_size, device=device)
-        if node.names is not None:
-            # Any: tensordict 0.14 and 0.15 annotate these private members differently
-            cast(Any, td)._set_names(node.names)
-        td._tensordict.update(entries)
-        cast(Any, td)._memmap_prefix = self.mapper.dir_path(node.path)
-        return td
-
-
-class _StructureBuilder(_Builder):
-    """Builds stand-ins with a restore's keys, for the strict key check of a view's keys.
-
-    Leaves are ``device="meta"`` tensors (the mapper's structure-only mode), non-tensor data
-    a meta tensor of its level's batch size (a leaf, indexed as a view indexes it), a
-    tensorclass its tensordict (the keys it shows): nothing is read, unpickled or run.
-    """
-
-    def build(
-        self, node: Node, batch: tuple[int, ...] = (), parent_device: torch.device | None = None
-    ) -> Any:
-        if isinstance(node, (NonTensorNode, NonTensorStackNode)):
-            return torch.empty(batch, device="meta")
-        if isinstance(node, TensorClassNode):
-            return self.tensordict(node.inner)
-        return super().build(node, batch, parent_device)
-
-
-def _check_plain_view(node: SubTensorDictNode | LazyViewNode, where: str) -> None:
-    if isinstance(node, LazyViewNode):
-        values = [v for v in node.kwargs.values()]
-        flat = [d for v in values for d in (v if isinstance(v, list) else [v])]
-        if (node.op == "squeeze" and not node.kwargs) or any(
-            d < 0 for d in flat if node.op != "view"
-        ):
-            raise RestoreError(
-                f"{where}: without tensordict, a lazy {node.op}({node.kwargs}) cannot be "
-                "materialized faithfully (tensordict applies it to each tensor as is). Install "
-                "tensordict to load it."
-            )
-    stack: list[Node] = [node.source]
-    while stack:
-        cur = stack.pop()
-        if isinstance(cur, TensorDictNode):
-            stack.extend(cur.entries.values())
-        elif isinstance(cur, (SubTensorDictNode, LazyViewNode)):
-            stack.append(cur.source)
-        elif not (isinstance(cur, LeafNode) and not cur.is_nested):
-            raise RestoreError(
-                f"{where}: without tensordict, a saved {type(node).__name__.removesuffix('Node')} "
-                f"is materialized as nested dicts of tensors, but its source holds a "
-                f"{type(cur).__name__.removesuffix('Node')} at {'.'.join(cur.key)!r} that cannot "
-                "be viewed that way. Install tensordict to load it.",
-                key=cur.key,
-            )
-
-
-def _expand_ellipsis(index: Any, batch_dims: int) -> tuple[Any, ...]:
-    """The index as _SubTensorDict holds it: a tuple, Ellipsis spanning the batch only."""
-    items = tuple(index) if isinstance(index, (tuple, list)) else (index,)
-    if not any(i is Ellipsis for i in items):
-        return items
-    used = sum(
-        (i.ndim if isinstance(i, torch.Tensor) and i.dtype == torch.bool else 1)
-        for i in items
-        if i is not None and i is not Ellipsis
-    )
-    out: list[Any] = []
-    for i in items:
-        out.extend([slice(None)] * (batch_dims - used) if i is Ellipsis else [i])
-    return tuple(out)
-
-
-def _leaf_op(op: str, kwargs: dict[str, Any], batch_dims: int) -> Any:
-    """The operation tensordict's lazy view applies to one tensor of its source."""
-    if op == "view":
-        return lambda t: t.view(*kwargs["size"], *t.shape[batch_dims:])
-    if op == "permute":
-        dims = list(kwargs["dims"])
-        return lambda t: t.permute(*dims, *range(len(dims), t.ndim))
-    if op == "squeeze" and isinstance(kwargs["dim"], list):
-        squeezed = tuple(kwargs["dim"])
-        return lambda t: t.squeeze(squeezed)
-    return lambda t: getattr(t, op)(**kwargs)
-
-
-def _plain_apply(value: Any, fn: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain_apply(v, fn) for k, v in value.items()}
-    return fn(value)
-
-
-# -- public API ----------------------------------------------------------------------------
-
-
 def load_memmap(
     prefix: str | os.PathLike[str],
     *,
@@ -536,30 +256,46 @@ def load_memmap(
     check_transforms(rename, dtype)
     check_device(device, str(prefix))
     selection = Selection.of_report(keys, exclude, report)
+    source: str | os.PathLike[str] | Storage = prefix
     if is_url(prefix):
-        from tdckpt._remote.prefix import local_prefix, relabel_warnings
+        from tdckpt._read.object_storage import open_url_storage
 
-        with (
-            local_prefix(prefix, storage_options, data=True) as local,  # type: ignore[arg-type]
-            relabel_warnings(local, str(prefix)),
-        ):
-            return load_memmap(
-                local,
-                robust_key=robust_key,
-                allow_pickle=allow_pickle,
-                mode=_url_mode(mode),
-                device=device,
-                keys=keys,
-                exclude=exclude,
-                strict=strict,
-                report=report,
-                rename=rename,
-                dtype=dtype,
-            )
-    require_local_options(prefix, storage_options)
+        mode = _url_mode(mode)
+        source = open_url_storage(str(prefix), storage_options)
+    else:
+        require_local_options(prefix, storage_options)
+    return load_source(
+        source,
+        robust_key=robust_key,
+        allow_pickle=allow_pickle,
+        mode=mode,
+        device=device,
+        selection=selection,
+        strict=strict,
+        report=report,
+        rename=rename,
+        dtype=dtype,
+    )
+
+
+def load_source(
+    source: str | os.PathLike[str] | Storage,
+    *,
+    robust_key: bool | None,
+    allow_pickle: bool | None,
+    mode: str | None,
+    device: torch.device | str | None = None,
+    selection: Selection | None = None,
+    strict: bool = True,
+    report: bool = False,
+    rename: Any = None,
+    dtype: Any = None,
+) -> Any:
+    """:func:`load_memmap` of a local prefix or an opened storage (arguments checked, the
+    selection made): load, then rename and cast; ``(object, report)`` with ``report``."""
     done = RestoreReport()
     obj = load_local(
-        prefix,
+        source,
         robust_key=robust_key,
         allow_pickle=allow_pickle,
         mode=mode,
@@ -568,12 +304,13 @@ def load_memmap(
         strict=strict,
         report=done,
     )
-    obj = apply_transforms(obj, rename=rename, dtype=dtype, where=os.fspath(prefix))
+    where = source.location if isinstance(source, Storage) else os.fspath(source)
+    obj = apply_transforms(obj, rename=rename, dtype=dtype, where=where)
     return (obj, done) if report else obj
 
 
 def load_local(
-    prefix: str | os.PathLike[str],
+    prefix: str | os.PathLike[str] | Storage,
     *,
     robust_key: bool | None,
     allow_pickle: bool | None,
@@ -601,7 +338,9 @@ def load_local(
                 try:
                     assert opened.root is not None
                     check_map_budget(opened, dev)
-                    builder = _Builder(opened, Mapper(opened.storage, mode, dev), unpickle)  # type: ignore[arg-type]
+                    if dev is None or dev.type != "meta":
+                        _read_ahead(opened)
+                    builder = Builder(opened, Mapper(opened.storage, mode, dev), unpickle)  # type: ignore[arg-type]
                     try:
                         return builder.build(opened.root)
                     except (TdckptError, MemoryError) as exc:
@@ -634,7 +373,7 @@ class _Reading:
 
     def __init__(
         self,
-        prefix: str | os.PathLike[str],
+        prefix: str | os.PathLike[str] | Storage,
         robust_key: bool | None,
         allow_pickle: bool | None,
         manifest_checked: bool,
@@ -648,7 +387,8 @@ class _Reading:
         self.selection = selection
         self.strict = strict
         self.report = RestoreReport()
-        self.lane = robust_key is True
+        # the lane reads a local directory; an opened storage is read as it is
+        self.lane = robust_key is True and not isinstance(prefix, Storage)
         self.defer = True
         self.swaps = 0
         self.identity: tuple[int, int] | None = None
@@ -661,6 +401,7 @@ class _Reading:
         self.opened = None
         self.from_lane = False
         if self.lane:
+            assert not isinstance(self.prefix, Storage)
             opened = open_current(
                 self.prefix, robust_key=self.robust_key, manifest_checked=self.manifest_checked
             )
@@ -695,6 +436,13 @@ class _Reading:
             self.swaps += 1
             return True
         return False
+
+
+def _read_ahead(opened: OpenedCheckpoint) -> None:
+    """Ask a storage with ranged reads for every leaf the restore maps, all at once (after
+    ``keys=`` / ``exclude=`` pruned the tree: only those leaves' bytes are fetched)."""
+    if opened.storage.ranged_reads and opened.root is not None:
+        opened.storage.prefetch(leaf_sources(opened.root))
 
 
 def _short_leaf(opened: OpenedCheckpoint) -> bool:
@@ -752,35 +500,24 @@ def load_memmap_(
     _check_args(robust_key, allow_pickle, mode)
     selection = Selection.of_report(keys, exclude, report, in_place=True)
     done = RestoreReport()
-    if is_url(prefix):  # an fsspec URL: a verified private local copy, then the same engine
-        from tdckpt._remote.prefix import local_prefix, relabel_warnings
+    source: str | os.PathLike[str] | Storage = prefix
+    if is_url(prefix):  # an fsspec URL: read in place by ranges (object_storage.py)
+        from tdckpt._read.object_storage import open_url_storage
 
-        with (
-            local_prefix(prefix, storage_options, data=True) as local,  # type: ignore[arg-type]
-            relabel_warnings(local, str(prefix)),
-        ):
-            out = restore_in_place(
-                target,
-                local,
-                robust_key,
-                allow_pickle=allow_pickle,
-                mode=_url_mode(mode),
-                selection=selection,
-                strict=strict,
-                report=done if report else None,  # a report only when asked for
-            )
+        mode = _url_mode(mode)
+        source = open_url_storage(str(prefix), storage_options)
     else:
         require_local_options(prefix, storage_options)
-        out = restore_in_place(
-            target,
-            prefix,
-            robust_key,
-            allow_pickle=allow_pickle,
-            mode=mode,
-            selection=selection,
-            strict=strict,
-            report=done if report else None,  # a report only when asked for
-        )
+    out = restore_in_place(
+        target,
+        source,
+        robust_key,
+        allow_pickle=allow_pickle,
+        mode=mode,
+        selection=selection,
+        strict=strict,
+        report=done if report else None,  # a report only when asked for
+    )
     return (out, done) if report else out
 
 
@@ -788,14 +525,14 @@ def _url_mode(mode: str | None) -> str:
     if mode == "r+":
         raise ValueError(
             "mode='r+' makes writes reach the checkpoint's files; a checkpoint at a URL is read "
-            "into a private copy, so they never could. Use mode='r' or None."
+            "into memory, so they never could. Use mode='r' or None."
         )
     return "r"
 
 
 def restore_in_place(
     target: Any,
-    prefix: str | os.PathLike[str],
+    prefix: str | os.PathLike[str] | Storage,
     robust_key: bool | None,
     *,
     allow_pickle: bool | None,
@@ -828,12 +565,13 @@ def restore_in_place(
                         from tdckpt._restore.keys import report_difference
 
                         report_difference(opened, target, report, selection)
+                    _read_ahead(opened)
                     restore_into_target(
                         target,
                         opened,
                         mode=cast("MapMode", mode),  # _check_args allowed only these
                         unpickle=unpickle,
-                        builder_factory=_Builder,
+                        builder_factory=Builder,
                     )
                 finally:
                     opened.close()

@@ -222,7 +222,7 @@ def saved_structure(opened: OpenedCheckpoint) -> SavedStructure:
     """Every nested key of the validated checkpoint, as a restore of it holds them.
 
     Reads no leaf and unpickles nothing (a view is built over structure-only leaves, see
-    ``engine._StructureBuilder``).
+    ``build.StructureBuilder``).
     """
     root = opened.root
     assert root is not None
@@ -234,10 +234,10 @@ def saved_structure(opened: OpenedCheckpoint) -> SavedStructure:
 
     def view_keys(node: Node, prefix: Key) -> None:
         if not builder:
-            from tdckpt._restore.engine import _StructureBuilder
+            from tdckpt._restore.build import StructureBuilder
 
             meta = Mapper(opened.storage, "r", torch.device("meta"))
-            builder.append(_StructureBuilder(opened, meta, False))
+            builder.append(StructureBuilder(opened, meta, False))
         built = builder[0].build(node)
         keys.update(target_structure(built, prefix=prefix) - {prefix})
 

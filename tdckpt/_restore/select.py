@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,9 +133,9 @@ class Selection:
 
     def selects(self, key: Key) -> bool:
         """Whether ``key`` (and everything below it) is restored."""
-        if any(_covers(p, key) for p in self.exclude):
+        if self.exclude and self._excluded.cover(key):
             return False
-        return self.keys is None or any(_covers(p, key) for p in self.keys)
+        return self.keys is None or self._selected.cover(key)
 
     def touches(self, key: Key) -> bool:
         """Whether a restore of this selection concerns ``key`` (selects it or below it)."""
@@ -142,16 +143,64 @@ class Selection:
 
     def reaches_below(self, key: Key) -> bool:
         """Whether a pattern of ``keys`` names something below ``key`` (not excluded itself)."""
-        if self.keys is None or any(_covers(p, key) for p in self.exclude):
+        if self.keys is None or (self.exclude and self._excluded.cover(key)):
             return False
-        return any(len(p) > len(key) and _covers(p[: len(key)], key) for p in self.keys)
+        return self._selected.below(key)
+
+    @functools.cached_property
+    def _selected(self) -> _Patterns:
+        return _Patterns(tuple(self.keys or ()))
+
+    @functools.cached_property
+    def _excluded(self) -> _Patterns:
+        return _Patterns(tuple(self.exclude))
+
+
+class _Patterns:
+    """Patterns, the literal ones (no wildcard) in sets: a key of a 10,000-leaf checkpoint
+    is then checked with one set lookup per level, not one fnmatch per pattern and name."""
+
+    __slots__ = ("literal", "prefixes", "wild")
+
+    def __init__(self, patterns: tuple[Key, ...]) -> None:
+        self.literal = frozenset(p for p in patterns if _literal(p))
+        #: the keys strictly above a literal pattern
+        self.prefixes = frozenset(p[:i] for p in self.literal for i in range(1, len(p)))
+        self.wild = [p for p in patterns if p not in self.literal]
+
+    @classmethod
+    def of(cls, patterns: list[Key]) -> _Patterns:
+        return cls(tuple(patterns))
+
+    def cover(self, key: Key) -> bool:
+        """Whether a pattern names ``key`` or a key above it."""
+        literal = self.literal
+        if literal and any(key[:i] in literal for i in range(1, len(key) + 1)):
+            return True
+        return any(_covers(p, key) for p in self.wild)
+
+    def below(self, key: Key) -> bool:
+        """Whether a pattern names something strictly below ``key``."""
+        if key in self.prefixes:
+            return True
+        size = len(key)
+        return any(len(p) > size and _covers(p[:size], key) for p in self.wild)
 
 
 def _covers(pattern: Key, key: Key) -> bool:
     """Whether ``pattern`` names ``key`` or a key above it."""
-    return len(pattern) <= len(key) and all(
-        fnmatch.fnmatchcase(name, part) for name, part in zip(key, pattern, strict=False)
-    )
+    size = len(pattern)
+    if size > len(key):
+        return False
+    if _literal(pattern):  # most patterns: a tuple compare, not one fnmatch per name
+        return key[:size] == pattern
+    return all(fnmatch.fnmatchcase(name, part) for name, part in zip(key, pattern, strict=False))
+
+
+@functools.lru_cache(maxsize=1024)
+def _literal(pattern: Key) -> bool:
+    """Whether no name of ``pattern`` holds a wildcard (``*``, ``?``, ``[``)."""
+    return not any(ch in part for part in pattern for ch in "*?[")
 
 
 def prune(

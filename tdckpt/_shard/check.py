@@ -3,7 +3,7 @@
 The step manifest says which global rows each shard holds; the shards are plain tensordict
 prefixes with metadata of their own. Nothing a restore returns may rest on the manifest
 alone: :func:`check_shards` reads every shard's validated metadata (no leaf is mapped, no
-value unpickled; ``engine._StructureBuilder`` builds ``device="meta"`` stand-ins) and
+value unpickled; ``build.StructureBuilder`` builds ``device="meta"`` stand-ins) and
 refuses, naming the shard's file and the key, a shard whose real row count is not the rows
 the manifest gives it, whose dims after dim 0 are not the manifest's, or whose keys, dtypes
 or shapes differ from shard 0's; and a replicated entry that the replicated prefix does not
@@ -58,7 +58,8 @@ def shard_structure(prefix: Path) -> ShardStructure:
 
     from tdckpt._read.pipeline import open_checkpoint
     from tdckpt._report import ValidationReport
-    from tdckpt._restore.engine import _format_errors, _StructureBuilder
+    from tdckpt._restore.build import StructureBuilder
+    from tdckpt._restore.engine import _format_errors
     from tdckpt._restore.keys import saved_structure
     from tdckpt._restore.plan import Mapper
     from tdckpt.errors import ValidationError
@@ -75,7 +76,7 @@ def shard_structure(prefix: Path) -> ShardStructure:
             raise ValidationError(_format_errors(opened), report=report, prefix=opened.prefix)
         saved = saved_structure(opened)
         meta = Mapper(opened.storage, "r", torch.device("meta"))
-        built = _StructureBuilder(opened, meta, False).build(opened.root)
+        built = StructureBuilder(opened, meta, False).build(opened.root)
         root = _root_kind(opened.root)
     finally:
         opened.close()

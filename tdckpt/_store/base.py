@@ -18,12 +18,15 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyReport
 from tdckpt.errors import CheckpointExistsError
 from tdckpt.schema import Manifest, StateRecord
+
+if TYPE_CHECKING:
+    from tdckpt._read.storage import Storage
 
 __all__ = ["Attempt", "Capabilities", "StepRecord", "StepStore"]
 
@@ -163,8 +166,9 @@ class StepStore(Protocol):
         ...
 
     # -- reading ---------------------------------------------------------------------------
-    def open(self, record: StepRecord) -> contextlib.AbstractContextManager[Path]:
-        """The step as a local folder or archive a restore reads, while the block runs."""
+    def open(self, record: StepRecord) -> contextlib.AbstractContextManager[Path | Storage]:
+        """What a restore reads the step from, while the block runs: a local folder or
+        archive, or a :class:`~tdckpt._read.storage.Storage` reading the store in place."""
         ...
 
     def verify(self, record: StepRecord, progress: Progress | None) -> VerifyReport:

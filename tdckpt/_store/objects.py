@@ -27,14 +27,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tdckpt._manage import background as _background
 from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
 from tdckpt._remote import layout
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
-from tdckpt._remote.store import Store, memory_tmp, mtime, open_store, shorten
+from tdckpt._remote.store import Store, mtime, open_store, shorten
 from tdckpt._store.base import Attempt, Capabilities, StepRecord
 from tdckpt.errors import (
     CheckpointExistsError,
@@ -46,6 +46,9 @@ from tdckpt.errors import (
 )
 from tdckpt.schema import FileRecord, StateRecord
 from tdckpt.warnings import TdckptWarning
+
+if TYPE_CHECKING:
+    from tdckpt._read.storage import Storage
 
 __all__ = ["DEFAULT_GRACE_S", "ObjectStepStore"]
 
@@ -441,65 +444,60 @@ class ObjectStepStore:
 
     # -- reading ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def open(self, record: StepRecord) -> Iterator[Path]:
-        """The step downloaded and verified into a private local folder, while the block
-        runs; warnings and errors raised in the block name the step's URL, not that folder.
-        (The one read path of a committed step: a ranged-read Storage replaces it.)"""
-        from tdckpt._remote.prefix import relabel_warnings
-
-        with self._download(record) as local, relabel_warnings(local, str(record.where)):
-            yield local
-
-    @contextlib.contextmanager
-    def _download(self, record: StepRecord) -> Iterator[Path]:
-        from tdckpt._manage.verify import verify_files
-        from tdckpt._remote.transfer import download_step
+    def open(self, record: StepRecord) -> Iterator[Path | Storage]:
+        """What a restore reads the step from, while the block runs: the step in the store
+        (:func:`~tdckpt._read.object_storage.open_step_storage`: ranged reads of only the
+        leaves restored, every file checked as it arrives, messages naming the URL), or,
+        with ``cache_dir``, its verified copy there (file-backed leaves)."""
+        from tdckpt._read.object_storage import open_step_storage
 
         prefix, commit = _prefix(record)
         if self.cache_dir is not None:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            cached = self.cache_dir / prefix
-            if cached.is_dir():
-                if verify_files(record.step, cached, record.manifest).ok:
-                    yield cached
-                    return
-                shutil.rmtree(cached, ignore_errors=True)
-            part = Path(tempfile.mkdtemp(prefix=f".{prefix}.part-", dir=self.cache_dir))
-            try:
-                download_step(self.store, prefix, commit, part / "step", step=record.step)
-                try:
-                    (part / "step").rename(cached)
-                except OSError:  # another restore cached it first
-                    if not cached.is_dir():
-                        raise
-            finally:
-                shutil.rmtree(part, ignore_errors=True)
-            yield cached
+            yield self._cached(record, prefix, commit)
             return
-        tmp = Path(tempfile.mkdtemp(prefix="tdckpt-restore-", dir=memory_tmp()))
+        objects = [f"{prefix}/{obj.name}" for obj in commit.objects]
+        yield open_step_storage(self.store, str(record.where), commit, objects, record.step)
+
+    def _cached(self, record: StepRecord, prefix: str, commit: layout.CommitRecord) -> Path:
+        """The step downloaded once into ``cache_dir`` (re-verified when reused)."""
+        from tdckpt._manage.verify import verify_files
+        from tdckpt._remote.transfer import download_step
+
+        assert self.cache_dir is not None
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        cached = self.cache_dir / prefix
+        if cached.is_dir():
+            if verify_files(record.step, cached, record.manifest).ok:
+                return cached
+            shutil.rmtree(cached, ignore_errors=True)
+        part = Path(tempfile.mkdtemp(prefix=f".{prefix}.part-", dir=self.cache_dir))
         try:
-            download_step(self.store, prefix, commit, tmp / "step", step=record.step)
-            yield tmp / "step"
+            download_step(self.store, prefix, commit, part / "step", step=record.step)
+            try:
+                (part / "step").rename(cached)
+            except OSError:  # another restore cached it first
+                if not cached.is_dir():
+                    raise
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(part, ignore_errors=True)
+        return cached
 
     def verify(self, record: StepRecord, progress: Progress | None) -> VerifyReport:
         """Read every object of the step and compare each file with the manifest (sizes
-        and checksums); nothing is written anywhere but a temporary folder."""
+        and checksums), as it is read; nothing is written anywhere."""
         from tdckpt._remote.transfer import download_step
 
         prefix, commit = _prefix(record)
         report = VerifyReport(step=record.step, path=str(record.where))
-        with tempfile.TemporaryDirectory(prefix="tdckpt-verify-", dir=memory_tmp()) as tmp:
-            report.bytes_checked = download_step(
-                self.store,
-                prefix,
-                commit,
-                Path(tmp) / "step",
-                step=record.step,
-                progress=progress,
-                report=report,
-            )
+        report.bytes_checked = download_step(
+            self.store,
+            prefix,
+            commit,
+            None,  # checked as read, written nowhere
+            step=record.step,
+            progress=progress,
+            report=report,
+        )
         return report
 
 

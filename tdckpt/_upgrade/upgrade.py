@@ -57,6 +57,7 @@ from tdckpt._version import __version__
 from tdckpt.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
+    MetadataError,
     TdckptError,
     UnsafePathError,
     ValidationError,
@@ -109,16 +110,9 @@ def upgrade(
         >>> print(report)  # doctest: +SKIP
     """
     if is_url(prefix):
-        from tdckpt._remote.prefix import local_prefix, refuse_write, relabel
-
-        if not dry_run:
-            raise refuse_write(str(prefix), "an upgrade")
-        with local_prefix(str(prefix), storage_options, data=True) as local:
-            return relabel(
-                upgrade(local, dry_run=True, backup=backup, convert_pickles=convert_pickles),
-                local,
-                str(prefix),
-            )
+        return _plan_url(
+            str(prefix), storage_options, dry_run=dry_run, backup=backup, convert=convert_pickles
+        )
     require_local_options(prefix, storage_options)
     path = _prefix_path(prefix)
     if path.is_symlink():
@@ -203,11 +197,40 @@ def _upgrade_locked(
 # -- planning ----------------------------------------------------------------------------------
 
 
-def _plan(path: Path, *, convert_pickles: bool, keep_backup: bool) -> UpgradePlan:
+def _plan_url(
+    url: str, storage_options: dict[str, Any] | None, *, dry_run: bool, backup: bool, convert: bool
+) -> UpgradeReport:
+    """``upgrade(url, dry_run=True)``: the plan, read from object storage in place (its
+    metadata only; see ``object_storage.py``). An upgrade that would write is refused."""
+    if not dry_run:
+        raise MetadataError(
+            f"{url}: an upgrade of a checkpoint in object storage is not supported (it would "
+            "rewrite objects in place). Download it, run it locally, and upload the result; or "
+            "use --dry-run to see the plan.",
+            path=url,
+        )
+    from tdckpt._read.object_storage import open_url_storage
+
+    storage = open_url_storage(url, storage_options)
+    plan = _plan(Path(url), convert_pickles=convert, keep_backup=backup, storage=storage)
+    plan.storage.close()
+    plan.report.dry_run = True
+    return plan.report
+
+
+def _plan(
+    path: Path, *, convert_pickles: bool, keep_backup: bool, storage: Storage | None = None
+) -> UpgradePlan:
+    """The upgrade of ``path`` (or of ``storage``, an opened one: messages then name its
+    location, a URL, not ``path``)."""
     from tdckpt._read.names import normalize_names
     from tdckpt._read.validate import build_nodes
 
-    storage = open_storage(path)
+    if storage is None:
+        storage = open_storage(path)
+        shown = str(path)
+    else:
+        shown = storage.location
     try:
         tree = read_tree(storage)
         old_manifest = _read_old_manifest(storage, tree)
@@ -217,7 +240,7 @@ def _plan(path: Path, *, convert_pickles: bool, keep_backup: bool) -> UpgradePla
         problems = [*migrated.problems, *names.problems]
         tree.files.pop(schema.MANIFEST_NAME, None)
         report = UpgradeReport(
-            prefix=str(path),
+            prefix=shown,
             from_generation=migrated.from_generation,
             to_generation="G8",
             steps=list(migrated.applied),
@@ -233,12 +256,12 @@ def _plan(path: Path, *, convert_pickles: bool, keep_backup: bool) -> UpgradePla
         if errors:
             listing = "\n  ".join(str(p) for p in errors)
             raise ValidationError(
-                f"{path}: cannot upgrade, nothing was written: {len(errors)} problem"
+                f"{shown}: cannot upgrade, nothing was written: {len(errors)} problem"
                 f"{'s' if len(errors) != 1 else ''} an upgrade cannot fix:\n  {listing}\n"
                 "Fix or restore the files named above (`tdckpt validate` lists everything).",
-                path=str(path),
+                path=shown,
                 report=ValidationReport(
-                    prefix=str(path),
+                    prefix=shown,
                     problems=problems,
                     generation=migrated.from_generation,
                     key_encoding=names.encoding,
@@ -422,7 +445,7 @@ def _layout(
     )
     plan.manifest = manifest  # leaf checksums are filled in as the staging reads the leaves
     ops.append(FileOp("write", schema.MANIFEST_NAME, "tdckpt manifest"))
-    prefix = str(plan.prefix)
+    prefix = plan.report.prefix  # as the user named it (a URL stays a URL)
     if archive:
         ops.append(FileOp("write", prefix, "pack the upgraded tree into a new archive (stored)"))
         ops.append(FileOp("backup", prefix, f"hard link the old archive to {BACKUP_MARK}<time>"))

@@ -1,0 +1,585 @@
+"""Object storage (any fsspec URL) as a read-only :class:`~tdckpt._read.storage.Storage`.
+
+A step in object storage is read where it lies: no local copy, no temporary folder. The
+storage knows every file of the prefix up front - from one listing of a plain prefix, or
+from a managed step's commit record (object, offset, size, checksum of each file) - and
+reads bytes by ranged, concurrent reads (fsspec ``cat_ranges``: concurrent on s3fs):
+
+* opening reads every small file the read path needs whole (``meta.json``, size tables,
+  JSON types, pickles; never a ``*.memmap`` leaf) in one batch of ranges, each capped as
+  the local reader caps it (a file over its cap is refused from its listed size, unread);
+* :meth:`ObjectStorage.prefetch` reads exactly the leaves a restore kept (after ``keys=`` /
+  ``exclude=`` pruned the tree): ranges of one object that lie close together are merged,
+  long ones split, batches bounded in flight;
+* every file whose size and checksum a manifest records is checked as it arrives (read once
+  more on a mismatch: a glitch in transit is not damage at rest), before it is parsed,
+  unpickled or used; a mismatch is an :class:`~tdckpt.errors.IntegrityError`.
+
+Leaves live in memory: each is one private, writable buffer (``mode="r"`` semantics, as an
+archive's copy-on-write mapping), owned by its tensor. A manager with ``cache_dir`` keeps
+file-backed copies instead (see :mod:`tdckpt._remote.manager`). Every message names the URL
+and the file, never a local path: there is none.
+
+Capabilities, not types: ``file_backed = False`` (no file to map, nothing shared),
+``ranged_reads = True``, ``writable_in_place = False``.
+
+:func:`open_url_storage` opens a plain prefix (``tdckpt.load_memmap("s3://...")``);
+:func:`open_step_storage` is the one call the object-storage step store makes to open a
+committed step for reading.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tdckpt._keys import NESTED_SHAPE_SUFFIX
+from tdckpt._read import storage as _storage
+from tdckpt._read.expected import check_read
+from tdckpt._read.storage import MAX_JSON_BYTES, Listing, MapMode, Storage, check_component
+from tdckpt._report import ProblemKind, VerifyProblem
+from tdckpt._write.checksum import new_hasher
+from tdckpt.errors import (
+    CheckpointNotFoundError,
+    IntegrityError,
+    MetadataError,
+    TdckptError,
+    UnsafePathError,
+)
+from tdckpt.schema import MANIFEST_NAME, FileRecord, Manifest
+
+if TYPE_CHECKING:
+    from tdckpt._remote.layout import CommitRecord
+    from tdckpt._remote.store import Store
+
+__all__ = ["ObjectStorage", "Span", "open_step_storage", "open_url_storage"]
+
+#: Bytes per ranged read, and bytes in flight per batch of ranged reads.
+RANGE_BYTES = 16 << 20
+BATCH_BYTES = 128 << 20
+#: Ranges in one batch at most (a prefix of 100,000 tiny files is read in many batches).
+BATCH_RANGES = 1024
+#: Two wanted ranges of one object at most this far apart are read as one range (a pack of
+#: small files costs one request, not one per file); the bytes between are dropped.
+MERGE_GAP = 64 << 10
+#: Largest manifest read at a plain prefix (a commit record's own cap).
+MAX_MANIFEST_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one file of the prefix lies: ``size`` bytes at ``offset`` of the object
+    ``obj`` (a path relative to the store's root), and what its bytes must hash to."""
+
+    obj: str
+    offset: int
+    size: int
+    checksum: str | None = None
+    key: tuple[str, ...] | None = None
+
+
+def _is_leaf(rel: str) -> bool:
+    """Whether ``rel`` holds a tensor's bytes (read only when restored, never ahead)."""
+    return rel.endswith(".memmap") and not rel.endswith(NESTED_SHAPE_SUFFIX)
+
+
+def _cap(rel: str) -> float:
+    """The largest ``rel`` opening reads ahead (a leaf: never; a metadata file: up to the
+    read path's cap for it, a larger one is refused from its size, unread; any other small
+    file: a pickle, say, read ahead below MAX_JSON_BYTES, on demand above)."""
+    from tdckpt._read.tree import MAX_PT_BYTES
+
+    if rel == MANIFEST_NAME:
+        return MAX_MANIFEST_BYTES
+    if rel.endswith(".json"):
+        return _storage.MAX_JSON_BYTES  # looked up now: tests lower it
+    if rel.endswith(".pt"):
+        return MAX_PT_BYTES
+    if rel.endswith(NESTED_SHAPE_SUFFIX):  # a nested tensor's size table: validation reads it
+        return MAX_JSON_BYTES
+    if rel.endswith(".memmap"):
+        return float("inf")
+    return MAX_JSON_BYTES
+
+
+class ObjectStorage(Storage):
+    """The files of one prefix in object storage, read by ranges (see the module docstring).
+
+    ``spans``: every file, relative POSIX path -> :class:`Span`. ``inline``: files whose
+    bytes the opener already holds (a managed step's manifest, from its record).
+    ``damaged``: the message prefix of an integrity error (``"<url>: step 5 is damaged in
+    the store"``). One storage serves one restore; :meth:`close` drops buffers not yet
+    taken.
+    """
+
+    kind = "object"
+    file_backed = False
+    ranged_reads = True
+    writable_in_place = False
+
+    def __init__(
+        self,
+        store: Store,
+        location: str,
+        spans: dict[str, Span],
+        *,
+        inline: dict[str, bytes] | None = None,
+        damaged: str | None = None,
+        step: int | None = None,
+    ) -> None:
+        self.location = location
+        self._store = store
+        self._spans = spans
+        self._inline = dict(inline or {})
+        self._damaged = damaged or f"{location}: the checkpoint is damaged in the store"
+        self._step = step
+        self._lock = threading.Lock()
+        #: verified bytes read ahead, taken by read_bytes / map
+        self._ready: dict[str, bytearray] = {}
+        #: bytes and ranged reads this storage fetched (tests and the benchmark count them)
+        self.bytes_fetched = 0
+        self.ranges_fetched = 0
+        self._levels: dict[str, Listing] = {"": Listing()}
+        for rel in sorted(set(spans) | set(self._inline)):
+            parts = rel.split("/")
+            for part in parts:
+                check_component(part, where=self.display(rel))
+            for depth in range(len(parts) - 1):
+                parent = "/".join(parts[:depth])
+                self._levels.setdefault(parent, Listing()).dirs.add(parts[depth])
+                self._levels.setdefault("/".join(parts[: depth + 1]), Listing())
+            parent = "/".join(parts[:-1])
+            size = spans[rel].size if rel in spans else len(self._inline[rel])
+            self._levels.setdefault(parent, Listing()).files[parts[-1]] = size
+        clash = sorted(
+            (f"{parent}/{name}" if parent else name)
+            for parent, level in self._levels.items()
+            for name in level.files.keys() & level.dirs
+        )
+        if clash:
+            raise UnsafePathError(
+                f"{self.display(clash[0])}: an object that is also the prefix of other objects "
+                f"({len(clash)} such name(s)); a tensordict prefix cannot hold it (a file and a "
+                "folder of one name). Nothing was read; remove the stray object.",
+                path=self.display(clash[0]),
+            )
+
+    # -- Storage interface -----------------------------------------------------------
+    def display(self, rel: str) -> str:
+        return f"{self.location}/{rel}" if rel else self.location
+
+    def listdir(self, rel: str) -> Listing:
+        level = self._levels.get(rel)
+        if level is None:
+            raise CheckpointNotFoundError(
+                f"{self.display(rel)}: no such folder in the checkpoint.", path=self.display(rel)
+            )
+        return Listing(files=dict(level.files), dirs=set(level.dirs))
+
+    def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+        if rel in self._inline:
+            return self._inline[rel]
+        span = self._span(rel)
+        # the caller's cap; a JSON file's is the module's now (tests lower it), as opening
+        # read ahead only the JSON files under it
+        cap = min(max_bytes, _storage.MAX_JSON_BYTES) if rel.endswith(".json") else max_bytes
+        if span.size > cap:
+            raise MetadataError(
+                f"{self.display(rel)}: {span.size} bytes, more than the {int(cap)} bytes tdckpt "
+                "reads for a metadata file; it was not fetched. The object is damaged or hostile.",
+                path=self.display(rel),
+            )
+        data = bytes(self._take(rel))
+        check_read(self, rel, data)
+        return data
+
+    def map(self, rel: str, dtype: torch.dtype, numel: int, *, mode: MapMode) -> torch.Tensor:
+        """The first ``numel`` elements of ``rel`` as a 1-D tensor over a private buffer
+        (read ahead by :meth:`prefetch`, else read now); writes stay in memory."""
+        if mode == "r+":
+            raise PermissionError(
+                f"{self.display(rel)}: mode='r+' makes writes reach the checkpoint's files; a "
+                "checkpoint in object storage is read into memory, so they never could. Use "
+                "mode='r' or None."
+            )
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        span = self._span(rel)
+        need = numel * dtype.itemsize
+        if span.size < need:
+            raise MetadataError(
+                f"{self.display(rel)}: {span.size} bytes, but {numel} elements of {dtype} need "
+                f"{need}. The object is truncated; restore another step or re-save it.",
+                path=self.display(rel),
+            )
+        buffer = self._take(rel)
+        return torch.frombuffer(buffer, dtype=dtype, count=numel)
+
+    def close(self) -> None:
+        with self._lock:
+            self._ready.clear()
+
+    # -- reading ---------------------------------------------------------------------
+    def _span(self, rel: str) -> Span:
+        span = self._spans.get(rel)
+        if span is None:
+            raise CheckpointNotFoundError(
+                f"{self.display(rel)}: no such file in the checkpoint.", path=self.display(rel)
+            )
+        return span
+
+    def _take(self, rel: str) -> bytearray:
+        with self._lock:
+            ready = self._ready.pop(rel, None)
+        if ready is not None:
+            return ready
+        return self._fetch([rel])[rel]
+
+    def prefetch(self, rels: Iterable[str]) -> None:
+        """Read ``rels`` ahead (concurrent ranged reads, checked): what a restore maps next."""
+        with self._lock:
+            wanted = sorted({r for r in rels if r in self._spans and r not in self._ready})
+        if wanted:
+            fetched = self._fetch(wanted)
+            with self._lock:
+                self._ready.update(fetched)
+
+    def _fetch(self, rels: Sequence[str]) -> dict[str, bytearray]:
+        """Read every file of ``rels`` by ranges, batch by batch; check each one."""
+        out: dict[str, bytearray] = {}
+        for batch in _batches(self._runs(rels)):
+            chunks = self._read_ranges([(obj, start, end) for obj, start, end, _ in batch])
+            for (_, start, _end, files), pieces in zip(batch, chunks, strict=True):
+                for rel in files:
+                    span = self._spans[rel]
+                    data = _assemble(pieces, span.offset - start, span.size)
+                    out[rel] = self._checked(rel, span, data)
+        return out
+
+    def _runs(self, rels: Sequence[str]) -> list[tuple[str, int, int, list[str]]]:
+        """Ranges to read: (object, start, end, files wholly inside), merged and split."""
+        by_obj: dict[str, list[str]] = {}
+        for rel in rels:
+            by_obj.setdefault(self._spans[rel].obj, []).append(rel)
+        runs: list[tuple[str, int, int, list[str]]] = []
+        for obj, files in sorted(by_obj.items()):
+            files.sort(key=lambda r: self._spans[r].offset)
+            current: tuple[str, int, int, list[str]] | None = None
+            for rel in files:
+                span = self._spans[rel]
+                end = span.offset + span.size
+                if (
+                    current is not None
+                    and span.offset - current[2] <= MERGE_GAP
+                    and end - current[1] <= RANGE_BYTES
+                ):
+                    current = (obj, current[1], max(current[2], end), [*current[3], rel])
+                    continue
+                if current is not None:
+                    runs.append(current)
+                current = (obj, span.offset, end, [rel])
+            if current is not None:
+                runs.append(current)
+        return runs
+
+    def _read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[list[bytes]]:
+        """``cat_ranges`` of ``ranges``, a large range as RANGE_BYTES pieces issued together:
+        the pieces of each range, in order (joined by :func:`_assemble`, one copy per file)."""
+        pieces: list[tuple[str, int, int]] = []
+        counts: list[int] = []
+        for obj, start, end in ranges:
+            split = [(obj, s, min(s + RANGE_BYTES, end)) for s in range(start, end, RANGE_BYTES)]
+            pieces += split or [(obj, start, end)]
+            counts.append(len(split) or 1)
+        try:
+            got = self._store.cat_ranges(
+                [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]
+            )
+        except FileNotFoundError as exc:
+            raise IntegrityError(
+                f"{self._damaged}: an object it names is gone ({exc}); nothing was restored and "
+                "the target is unchanged. Restore another step, or re-save this one.",
+                path=self.location,
+                step=self._step,
+            ) from exc
+        self.ranges_fetched += len(pieces)
+        self.bytes_fetched += sum(len(g) for g in got)
+        out, i = [], 0
+        for n in counts:
+            out.append(got[i : i + n])
+            i += n
+        return out
+
+    def _checked(self, rel: str, span: Span, data: bytearray) -> bytearray:
+        """``data`` if it is ``rel``'s recorded size and checksum (read again once if not)."""
+        problem = _problem(rel, span, data)
+        if problem is not None and problem.kind == "changed":
+            # a checksum mismatch: read once more (a glitch in transit is not damage at rest)
+            (again,) = self._read_ranges([(span.obj, span.offset, span.offset + span.size)])
+            data = _assemble(again, 0, span.size)
+            problem = _problem(rel, span, data)
+        if problem is None:
+            return data
+        raise IntegrityError(
+            f"{self._damaged}: {problem}; nothing was restored and the target is unchanged. "
+            "Restore another step (see steps()), or re-save this one.",
+            path=self.display(rel),
+            step=self._step,
+            problems=[problem],
+        )
+
+    def _peek(self, rel: str) -> bytearray | None:
+        """The bytes of ``rel`` read ahead, left for the reader (None if not read ahead)."""
+        with self._lock:
+            return self._ready.get(rel)
+
+    def _check_ready(self) -> None:
+        """Check what was read ahead against the spans as they are now (a plain prefix's
+        checksums are known only once its manifest, read in the same batch, is parsed)."""
+        with self._lock:
+            ready = list(self._ready.items())
+        checked = {rel: self._checked(rel, self._spans[rel], data) for rel, data in ready}
+        with self._lock:
+            self._ready.update(checked)
+
+    def _read_small_files(self) -> None:
+        """Read ahead every file the read path reads whole (metadata, not leaves), in one
+        batch of ranges; a file over its cap is left for :meth:`read_bytes` to refuse."""
+        from tdckpt._read.tree import MAX_METADATA_BYTES
+
+        # Smallest first, up to the read path's budget for all metadata together: what is
+        # left over is read on demand, where the read path refuses it (nothing here holds
+        # more in memory than the local reader would parse).
+        small, total = [], 0
+        for rel, span in sorted(self._spans.items(), key=lambda item: item[1].size):
+            if _is_leaf(rel) or span.size > _cap(rel):
+                continue
+            if total + span.size > MAX_METADATA_BYTES:
+                break
+            small.append(rel)
+            total += span.size
+        self.prefetch(small)
+
+
+def _assemble(pieces: list[bytes], lo: int, size: int) -> bytearray:
+    """Bytes ``lo`` to ``lo + size`` of the concatenated ``pieces``, copied once into a new
+    buffer (shorter where the pieces end first: the object was short)."""
+    total = sum(len(p) for p in pieces)
+    out = bytearray(max(0, min(lo + size, total) - lo))
+    pos = 0
+    for piece in pieces:
+        a, b = max(lo, pos), min(lo + size, pos + len(piece))
+        if a < b:
+            out[a - lo : b - lo] = memoryview(piece)[a - pos : b - pos]
+        pos += len(piece)
+    return out
+
+
+def _problem(rel: str, span: Span, data: bytearray) -> VerifyProblem | None:
+    """What is wrong with ``data``, read as ``rel``, or None if it is what ``span`` records."""
+    kind: ProblemKind
+    if len(data) != span.size:
+        kind = "short" if len(data) < span.size else "long"
+        return VerifyProblem(rel, span.key, kind, f"{span.size} bytes", f"{len(data)} bytes")
+    if span.checksum is None:
+        return None
+    algorithm, _, digest = span.checksum.partition(":")
+    hasher = new_hasher(algorithm)
+    hasher.update(data)
+    found = hasher.hexdigest()
+    if found == digest:
+        return None
+    return VerifyProblem(rel, span.key, "changed", span.checksum, f"{algorithm}:{found}")
+
+
+def _batches(
+    runs: list[tuple[str, int, int, list[str]]],
+) -> list[list[tuple[str, int, int, list[str]]]]:
+    """``runs`` in batches of at most BATCH_BYTES and BATCH_RANGES (one run alone may be
+    larger)."""
+    batches: list[list[tuple[str, int, int, list[str]]]] = []
+    size = BATCH_BYTES
+    for run in runs:
+        nbytes = run[2] - run[1]
+        full = size + nbytes > BATCH_BYTES or (batches and len(batches[-1]) >= BATCH_RANGES)
+        if full and (not batches or batches[-1]):
+            batches.append([])
+            size = 0
+        batches[-1].append(run)
+        size += nbytes
+    return batches
+
+
+def _safe(rel: str, url: str) -> None:
+    parts = rel.split("/")
+    if "\x00" in rel or any(p in ("", ".", "..") for p in parts):
+        raise UnsafePathError(
+            f"{url}: the object {rel!r} has a name that would leave the prefix ('..', an "
+            "empty or '.' component); refusing to read it.",
+            path=f"{url}/{rel}",
+        )
+
+
+def _key(record: FileRecord) -> tuple[str, ...] | None:
+    """The nested key a manifest records for a file, as a tuple."""
+    return tuple(record.key) if record.key is not None else None
+
+
+def _size(info: dict[str, Any]) -> int:
+    size = info.get("size")
+    return size if type(size) is int and size >= 0 else 0
+
+
+def _is_object(store: Store) -> bool:
+    """Whether the store's root is itself an object (not a prefix of objects)."""
+    try:
+        return bool(store._call("stat", "", lambda: store.fs.isfile(store.root)))
+    except (OSError, TdckptError):
+        return False
+
+
+def open_url_storage(url: str, storage_options: dict[str, Any] | None) -> ObjectStorage:
+    """The plain prefix at ``url`` (a folder of objects a tensordict save wrote), from one
+    listing; checked against its ``tdckpt.manifest.json`` where it has a valid one.
+
+    Raises:
+        CheckpointNotFoundError: no object under the prefix.
+        UnsafePathError: an object name that leaves the prefix, or is a file and a folder.
+    """
+    from tdckpt._remote.store import open_store
+
+    store = open_store(url, storage_options)
+    found = store.find("")
+    if not found and _is_object(store):
+        raise MetadataError(
+            f"{store.url}: a single object (a .tdz archive or a consolidated file); tdckpt reads "
+            "a folder of objects in place, not one archive. Download it (fsspec's get) and "
+            "open the local file, or upload the folder tensordict's memmap() wrote.",
+            path=store.url,
+        )
+    if not found:
+        raise CheckpointNotFoundError(
+            f"{store.url}: no objects under this prefix; pass the URL of a saved tensordict "
+            "(the folder holding meta.json).",
+            path=store.url,
+        )
+    for rel in found:
+        _safe(rel, store.url)
+    spans = {rel: Span(rel, 0, _size(info)) for rel, info in found.items()}
+    storage = ObjectStorage(store, store.url, spans)
+    storage._read_small_files()  # the manifest with the rest: one batch of reads
+    raw = storage._peek(MANIFEST_NAME)
+    if raw is not None:
+        try:
+            model = Manifest.model_validate_json(raw)
+        except ValueError:  # pydantic's ValidationError: the read path reports it
+            model = None
+        if model is not None:
+            for record in model.files:
+                known = spans.get(record.path)
+                if known is not None:
+                    spans[record.path] = Span(
+                        record.path, 0, known.size, record.checksum, _key(record)
+                    )
+            storage._check_ready()  # what was read ahead, against the manifest now known
+    return storage
+
+
+def open_step_storage(
+    store: Store, url: str, record: CommitRecord, objects: Sequence[str], step: int
+) -> ObjectStorage:
+    """A committed step of an object-storage root, for reading: the one call the step store
+    makes. ``url`` names the step in every message; ``objects[i]`` is where the record's
+    ``objects[i]`` lies (a path relative to the store's root: the caller resolves it, so a
+    record may name objects of earlier steps); each file lies in its object at the offset
+    the record gives and must match the record's manifest. One listing of each folder
+    holding the step's objects first: an object gone or shorter than the record says is
+    refused from its listed size, unread (a record is not trusted to size the reads).
+
+    Raises:
+        IntegrityError: an object the step needs is gone or short ("step N is damaged").
+    """
+    damaged = f"{url}: step {step} is damaged in the store"
+    if len(objects) != len(record.objects):
+        raise ValueError(f"{url}: {len(objects)} object paths for {len(record.objects)} objects")
+    files = {f.path: f for f in record.manifest.files}
+    spans = {
+        path: Span(
+            objects[loc.object],
+            loc.offset,
+            files[path].size,
+            files[path].checksum,
+            _key(files[path]),
+        )
+        for path, loc in record.locations.items()
+    }
+    manifest = (record.manifest.model_dump_json(indent=1) + "\n").encode()
+    storage = ObjectStorage(
+        store, url, spans, inline={MANIFEST_NAME: manifest}, damaged=damaged, step=step
+    )
+    # The listing and the metadata reads go out together (one round trip less per restore):
+    # metadata reads are capped, so no record can make them large; no leaf is read before
+    # the listing has vouched for every object's size.
+    read_error: TdckptError | None = None
+    with ThreadPoolExecutor(1, "tdckpt-list") as pool:
+        listing = pool.submit(_list_objects, store, objects)
+        try:
+            storage._read_small_files()
+        except TdckptError as exc:
+            read_error = exc
+        listed = listing.result()
+    _check_listed(record, objects, listed, files, damaged, url, step)
+    if read_error is not None:
+        raise read_error
+    return storage
+
+
+def _list_objects(store: Store, objects: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Every object in the folders that hold ``objects``: path -> info (one listing each)."""
+    listed: dict[str, dict[str, Any]] = {}
+    for folder in sorted({o.rpartition("/")[0] for o in objects}):
+        listed.update({f"{folder}/{k}": v for k, v in store.find(folder).items()})
+    return listed
+
+
+def _check_listed(
+    record: CommitRecord,
+    objects: Sequence[str],
+    listed: dict[str, dict[str, Any]],
+    files: dict[str, FileRecord],
+    damaged: str,
+    url: str,
+    step: int,
+) -> None:
+    """Refuse the step if an object it needs is gone or shorter than the record says."""
+    for index, obj in enumerate(record.objects):
+        info = listed.get(objects[index])
+        held = None if info is None else info.get("size")
+        if info is not None and (type(held) is not int or held >= obj.size):
+            continue
+        for path, loc in sorted(record.locations.items()):
+            if loc.object != index:
+                continue
+            kind: ProblemKind
+            if info is None:
+                kind, found = "missing", f"no object {obj.name}"
+            elif loc.offset + files[path].size > held:  # type: ignore[operator]
+                kind = "short"
+                found = f"object {obj.name} holds {held} bytes, the record says {obj.size}"
+            else:
+                continue
+            problem = VerifyProblem(
+                path, _key(files[path]), kind, f"{files[path].size} bytes", found
+            )
+            raise IntegrityError(
+                f"{damaged}: {problem}; nothing was restored and the target is unchanged. "
+                "Restore another step (see steps()), or re-save this one.",
+                path=f"{url}/{path}",
+                step=step,
+                problems=[problem],
+            )
