@@ -539,22 +539,96 @@ def test_an_oversized_metadata_file_at_a_url_is_refused_unfetched(
 # -- tdckpt.save of a URL -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("url", ["memory://bucket/x", "s3://bucket/x", "file:///tmp/x"])
-def test_save_to_a_url_is_refused_before_anything_is_written(
-    url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+def _nested_td() -> TensorDict:
+    return TensorDict(
+        a=torch.arange(6.0).reshape(2, 3),
+        nested=TensorDict(b=torch.ones(2, 4, dtype=torch.int16), batch_size=[2]),
+        batch_size=[2],
+    )
+
+
+def test_save_to_a_url_round_trips_and_writes_nothing_local(
+    remote: Remote, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """It used to write a local folder literally named ``memory:`` (``s3:``, ``file:``) in
-    the working directory."""
+    """``tdckpt.save(td, url)`` then ``tdckpt.load_memmap(url)``: the same tensors, a plain
+    prefix of objects (one per file, as tensordict's memmap writes them, with tdckpt's
+    manifest), and no local folder named after the scheme (it used to write ``memory:``)."""
     import tdckpt
-    from tdckpt.errors import UnsafePathError
+    from tdckpt.schema import MANIFEST_NAME
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UnsafePathError) as info:
-        tdckpt.save(_td(1), url)
-    assert str(info.value).startswith(f"{url}: tdckpt.save writes a local path; ")
-    assert f"CheckpointManager({url!r}).save(step, obj)" in str(info.value)
-    assert info.value.path == url  # type: ignore[attr-defined]
-    assert list(tmp_path.iterdir()) == []
+    td = _nested_td()
+    url = f"{remote.url}/ckpt"
+    manifest = tdckpt.save(td, url, metadata={"epoch": 3}, storage_options=remote.storage_options)
+    assert manifest.user_metadata == {"epoch": 3}
+    got = tdckpt.load_memmap(url, storage_options=remote.storage_options)
+    assert torch.equal(got["a"], td["a"]) and torch.equal(got["nested", "b"], td["nested", "b"])
+    assert got.batch_size == td.batch_size
+    fs = remote.fs()
+    names = sorted(p.removeprefix(remote.path("ckpt") + "/") for p in fs.find(remote.path("ckpt")))
+    assert names == sorted(
+        ["a.memmap", "meta.json", MANIFEST_NAME, "nested/b.memmap", "nested/meta.json"]
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing local: no "memory:" / "s3:" folder
+    # a plain tensordict reads it after a download (the objects are its files)
+    fs.get(remote.path("ckpt"), str(tmp_path / "down"), recursive=True)
+    from tensordict import TensorDict as TD
+
+    assert torch.equal(TD.load_memmap(tmp_path / "down")["nested", "b"], td["nested", "b"])
+
+
+def test_save_to_a_url_refuses_what_it_cannot_do_all_or_nothing(remote: Remote) -> None:
+    """An existing prefix is never replaced (no atomic rename in object storage), nor is
+    ``overwrite=True`` accepted; an archive or consolidated file (one object) is refused;
+    each before anything is written."""
+    import tdckpt
+    from tdckpt.errors import CheckpointExistsError
+
+    opts = remote.storage_options
+    url = f"{remote.url}/ckpt"
+    tdckpt.save(_nested_td(), url, storage_options=opts)
+    before = sorted(remote.fs().find(remote.path("ckpt")))
+    with pytest.raises(CheckpointExistsError) as info:
+        tdckpt.save(_td(1), url, storage_options=opts)
+    assert str(info.value).startswith(f"{url}: 5 object(s) already lie under this prefix")
+    assert "nothing was written" in str(info.value) and "recursive=True" in str(info.value)
+    for kwargs, words in (
+        ({"overwrite": True}, "overwrite=True replaces a checkpoint all or nothing"),
+        ({"layout": "consolidated"}, "a URL holds the memmap layout"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            tdckpt.save(_td(1), f"{remote.url}/other", storage_options=opts, **kwargs)
+    with pytest.raises(ValueError, match="a URL holds the memmap layout"):
+        tdckpt.save(_td(1), f"{remote.url}/other.tdz", storage_options=opts)
+    assert sorted(remote.fs().find(remote.path("ckpt"))) == before
+    assert remote.fs().find(remote.path("other")) == []
+    with pytest.raises(ValueError, match="storage_options are for fsspec URLs"):
+        tdckpt.save(_td(1), "local-folder", storage_options={"anon": True})
+
+
+def test_save_to_a_url_uploads_the_root_metadata_last(s3_remote: Remote) -> None:
+    """A failed upload leaves no readable checkpoint: the root ``meta.json`` is the last
+    object written, so a load finds none, and the error says what was left and the fix."""
+    import tdckpt
+    from tdckpt.errors import CheckpointNotFoundError, RemoteError, TdckptError
+
+    s3 = s3_remote.s3
+    assert s3 is not None
+    url = f"{s3_remote.url}/ckpt"
+    s3.failing = lambda method, path: method == "PUT" and path.endswith("/ckpt/meta.json")
+    try:
+        with pytest.raises(RemoteError) as info:
+            tdckpt.save(_nested_td(), url, storage_options=s3_remote.storage_options)
+    finally:
+        s3.failing = None
+    text = str(info.value)
+    assert text.startswith(f"{url}: tdckpt.save could not upload meta.json (")
+    assert "4 object(s) were uploaded without the root meta.json" in text
+    assert info.value.key == "meta.json"  # type: ignore[attr-defined]
+    with pytest.raises(TdckptError) as read:
+        tdckpt.load_memmap(url, storage_options=s3_remote.storage_options)
+    assert not isinstance(read.value, CheckpointNotFoundError) or "meta.json" in str(read.value)
+    assert "meta.json" in str(read.value)
 
 
 # -- reads are sized by the store's listing, not by the record -----------------------------

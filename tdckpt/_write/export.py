@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from tdckpt._progress import ProgressArg, progress_bar
-from tdckpt._remote.urls import is_url
+from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.lock import same_file, try_flock
 from tdckpt._write.save import write_checkpoint
@@ -375,6 +375,7 @@ def save(
     fsync: bool = True,
     progress: ProgressArg = None,
     layout: str = "memmap",
+    storage_options: dict[str, Any] | None = None,
 ) -> Manifest:
     """Save a TensorDict (or tensorclass, lazy stack) to ``prefix``, all or nothing.
 
@@ -402,6 +403,13 @@ def save(
             ``"consolidated"``: ``prefix`` is a folder holding one data file,
             ``tensordict.consolidated``, that ``TensorDict.from_consolidated`` loads, and the
             manifest, with every leaf's offset, size and checksum (no progress is reported).
+        storage_options: for an fsspec URL ``prefix`` (``s3://bucket/ckpt``,
+            ``memory://x``), the filesystem's options. A URL gets a plain prefix of objects
+            that :func:`tdckpt.load_memmap` reads in place: written locally first, then
+            uploaded with the root ``meta.json`` last (no reader sees a partial
+            checkpoint). Object storage cannot replace a prefix all or nothing, so a URL
+            that already holds objects is refused and ``overwrite=True`` too; steps that
+            are replaced or retried belong in a :class:`~tdckpt.CheckpointManager`.
 
     Returns:
         The manifest written (sizes and checksums of every file).
@@ -411,19 +419,21 @@ def save(
         tdckpt.errors.LockError: another save of ``prefix`` is running.
         tdckpt.errors.UnsafePathError: ``prefix`` has no name of its own (``"."``) or one
             too long for the temporary names, or a file that is not tdckpt's sits where
-            the save journal belongs; or it is a URL (``s3://...``, ``memory://...``):
-            save to object storage with ``CheckpointManager(url).save``.
+            the save journal belongs.
+        tdckpt.errors.RemoteError: an upload to a URL kept failing (the message says
+            what was left there).
     """
-    if is_url(prefix):
-        # Path("memory://b/x") would be a local folder named "memory:": refuse, unwritten.
-        raise UnsafePathError(
-            f"{prefix}: tdckpt.save writes a local path; this is an object-storage URL, and "
-            "a plain prefix cannot be written there all or nothing (no atomic rename). "
-            f"Nothing was written. Use CheckpointManager({str(prefix)!r}).save(step, obj) "
-            "(committed atomically; read back with mgr.restore), or save to a local folder "
-            "and upload it.",
-            path=str(prefix),
+    if is_url(prefix):  # never Path("memory://b/x"): a local folder named "memory:"
+        return _save_url(
+            obj,
+            str(prefix),
+            metadata=metadata,
+            overwrite=overwrite,
+            progress=progress,
+            layout=layout,
+            storage_options=storage_options,
         )
+    require_local_options(prefix, storage_options)
     from tdckpt._write.consolidated_write import check_layout
 
     consolidated = check_layout(layout) == "consolidated"
@@ -505,3 +515,39 @@ def save(
             _end(names, fd, fsync=fsync)
         else:
             os.close(fd)
+
+
+def _save_url(
+    obj: Any,
+    url: str,
+    *,
+    metadata: dict[str, Any] | None,
+    overwrite: bool,
+    progress: ProgressArg,
+    layout: str,
+    storage_options: dict[str, Any] | None,
+) -> Manifest:
+    """:func:`save` to object storage (see :mod:`tdckpt._remote.upload`)."""
+    import tempfile
+
+    from tdckpt._remote.upload import empty_prefix, upload_prefix
+    from tdckpt._write.consolidated_write import check_layout
+
+    if overwrite:
+        raise ValueError(
+            f"{url}: overwrite=True replaces a checkpoint all or nothing, which object storage "
+            "cannot do for a plain prefix (no atomic rename); nothing was written. Delete the "
+            "prefix first, or use CheckpointManager(url) for steps committed atomically."
+        )
+    if check_layout(layout) != "memmap" or url.rstrip("/").endswith(".tdz"):
+        raise ValueError(
+            f"{url}: a URL holds the memmap layout (an object per file, read in place by "
+            "ranged reads); a .tdz archive or a consolidated file is one object tdckpt does "
+            "not read in place. Save locally and upload it, or drop layout= / the .tdz suffix."
+        )
+    store = empty_prefix(url, storage_options)
+    with tempfile.TemporaryDirectory(prefix="tdckpt-upload-") as tmp:
+        local = Path(tmp) / "checkpoint"
+        manifest = save(obj, local, metadata=metadata, fsync=False, progress=progress)
+        upload_prefix(store, local)
+    return manifest
