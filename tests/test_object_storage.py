@@ -364,6 +364,7 @@ def test_a_nested_tensor_at_a_url_round_trips(remote: Remote, tmp_path: Path) ->
     remote.fs().put(str(tmp_path / "p"), remote.path("p"), recursive=True)
     url = f"{remote.url}/p"
     storage = open_url_storage(url, remote.storage_options)
+    assert isinstance(storage, ObjectStorage)
     assert storage.ranges_fetched >= 1
     before = storage.bytes_fetched
     assert before < 4096  # metadata only: no leaf read ahead
@@ -422,11 +423,13 @@ def test_metadata_read_ahead_is_bounded(
     url = f"{remote.url}/p"
     monkeypatch.setattr(object_storage, "BATCH_RANGES", 2)
     storage = open_url_storage(url, remote.storage_options)
+    assert isinstance(storage, ObjectStorage)
     assert storage.ranges_fetched == 7  # the 7 meta.json files (in batches of at most 2)
     out = tdckpt.load_memmap(url, storage_options=remote.storage_options)
     assert out["l5", "x"].tolist() == [1.0, 1.0, 1.0]
     monkeypatch.setattr(tree, "MAX_METADATA_BYTES", 300)
     storage = open_url_storage(url, remote.storage_options)
+    assert isinstance(storage, ObjectStorage)
     assert storage.bytes_fetched <= 300
     assert 0 < storage.ranges_fetched < 7
     # what was not read ahead is read when the read path asks for it
