@@ -447,3 +447,22 @@ def test_a_consolidated_file_at_a_url_is_read_in_memory(remote: Remote, tmp_path
     assert out["a"].tolist() == list(range(6)) and out["sub", "b"].tolist() == [1.0, 1.0]
     info = tdckpt.inspect(url, storage_options=remote.storage_options)
     assert (info.prefix, info.storage) == (url, "consolidated")
+
+
+def test_a_damaged_archive_object_at_a_url_reports_its_problems(
+    remote: Remote, tmp_path: Path
+) -> None:
+    """Regression: a restore read an opened storage a second time after closing it (to list
+    every problem), which an archive cannot be: the ValidationError must come out."""
+    from tdckpt._write.archive_write import write_archive
+    from tdckpt.errors import ValidationError
+
+    TensorDict(a=torch.arange(4.0), batch_size=[]).memmap(tmp_path / "p")
+    meta = tmp_path / "p" / "meta.json"
+    meta.write_bytes(meta.read_bytes().replace(b"torch.float32", b"torch.float99"))
+    write_archive(tmp_path / "p", tmp_path / "p.tdz")
+    remote.fs().put_file(str(tmp_path / "p.tdz"), remote.path("p.tdz"))
+    url = f"{remote.url}/p.tdz"
+    with pytest.raises(ValidationError) as info:
+        tdckpt.load_memmap(url, storage_options=remote.storage_options)
+    assert str(info.value).startswith(url) and "float99" in str(info.value)
