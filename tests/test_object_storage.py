@@ -259,21 +259,33 @@ def test_upgrade_dry_run_of_a_legacy_url_plans_in_place(
         tdckpt.upgrade(url, storage_options=so)
 
 
-def test_a_single_archive_object_at_a_url_is_refused_clearly(
-    remote: Remote, tmp_path: Path
+def test_a_single_archive_object_at_a_url_is_read_in_memory(
+    remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    TensorDict(a=torch.arange(4.0)).memmap(tmp_path / "p")
+    """A .tdz at a URL: read whole into an anonymous in-memory file (no temporary folder),
+    opened by the archive reader, every message naming the URL."""
     from tdckpt._write.archive_write import write_archive
 
+    td = TensorDict(a=torch.arange(4.0), sub=TensorDict(b=torch.ones(2, 3)), batch_size=[])
+    td.memmap(tmp_path / "p")
     archive = tmp_path / "p.tdz"
     write_archive(tmp_path / "p", archive)
-    remote.fs().put_file(str(archive), remote.path("p.tdz"))
+    fs = remote.fs()
+    fs.put_file(str(archive), remote.path("p.tdz"))
     url = f"{remote.url}/p.tdz"
-    with pytest.raises(tdckpt.errors.MetadataError, match="a single object") as info:
-        tdckpt.load_memmap(url, storage_options=remote.storage_options)
-    assert str(info.value).startswith(url)
-    report = tdckpt.validate(url, storage_options=remote.storage_options)
-    assert not report.ok and "a single object" in report.problems[0].message
+    so = remote.storage_options
+    _no_tmp(monkeypatch)
+    out = tdckpt.load_memmap(url, storage_options=so)
+    assert out["a"].tolist() == [0.0, 1.0, 2.0, 3.0] and out["sub", "b"].sum() == 6
+    info = tdckpt.inspect(url, storage_options=so)
+    assert (info.prefix, info.storage, info.leaf_count) == (url, "archive", 2)
+    assert tdckpt.validate(url, storage_options=so).ok
+    fs.pipe_file(remote.path("p.tdz"), archive.read_bytes()[:-30])  # its index cut off
+    with pytest.raises(TdckptError) as error:
+        tdckpt.load_memmap(url, storage_options=so)
+    assert str(error.value).startswith(url) and "/proc/" not in str(error.value)
+    report = tdckpt.validate(url, storage_options=so)
+    assert not report.ok and report.problems[0].message.startswith(url)
 
 
 def test_restoring_only_the_model_of_a_training_state_skips_the_optimizer_bytes(
@@ -352,6 +364,7 @@ def test_a_nested_tensor_at_a_url_round_trips(remote: Remote, tmp_path: Path) ->
     remote.fs().put(str(tmp_path / "p"), remote.path("p"), recursive=True)
     url = f"{remote.url}/p"
     storage = open_url_storage(url, remote.storage_options)
+    assert isinstance(storage, ObjectStorage)
     assert storage.ranges_fetched >= 1
     before = storage.bytes_fetched
     assert before < 4096  # metadata only: no leaf read ahead
@@ -410,13 +423,46 @@ def test_metadata_read_ahead_is_bounded(
     url = f"{remote.url}/p"
     monkeypatch.setattr(object_storage, "BATCH_RANGES", 2)
     storage = open_url_storage(url, remote.storage_options)
+    assert isinstance(storage, ObjectStorage)
     assert storage.ranges_fetched == 7  # the 7 meta.json files (in batches of at most 2)
     out = tdckpt.load_memmap(url, storage_options=remote.storage_options)
     assert out["l5", "x"].tolist() == [1.0, 1.0, 1.0]
     monkeypatch.setattr(tree, "MAX_METADATA_BYTES", 300)
     storage = open_url_storage(url, remote.storage_options)
+    assert isinstance(storage, ObjectStorage)
     assert storage.bytes_fetched <= 300
     assert 0 < storage.ranges_fetched < 7
     # what was not read ahead is read when the read path asks for it
     out = tdckpt.load_memmap(url, storage_options=remote.storage_options)
     assert out["l0", "x"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_consolidated_file_at_a_url_is_read_in_memory(remote: Remote, tmp_path: Path) -> None:
+    td = TensorDict(a=torch.arange(6.0), sub=TensorDict(b=torch.ones(2)), batch_size=[])
+    path = tmp_path / "c.bin"
+    td.consolidate(filename=path)
+    remote.fs().put_file(str(path), remote.path("c.bin"))
+    url = f"{remote.url}/c.bin"
+    out = tdckpt.load_memmap(url, storage_options=remote.storage_options)
+    assert out["a"].tolist() == list(range(6)) and out["sub", "b"].tolist() == [1.0, 1.0]
+    info = tdckpt.inspect(url, storage_options=remote.storage_options)
+    assert (info.prefix, info.storage) == (url, "consolidated")
+
+
+def test_a_damaged_archive_object_at_a_url_reports_its_problems(
+    remote: Remote, tmp_path: Path
+) -> None:
+    """Regression: a restore read an opened storage a second time after closing it (to list
+    every problem), which an archive cannot be: the ValidationError must come out."""
+    from tdckpt._write.archive_write import write_archive
+    from tdckpt.errors import ValidationError
+
+    TensorDict(a=torch.arange(4.0), batch_size=[]).memmap(tmp_path / "p")
+    meta = tmp_path / "p" / "meta.json"
+    meta.write_bytes(meta.read_bytes().replace(b"torch.float32", b"torch.float99"))
+    write_archive(tmp_path / "p", tmp_path / "p.tdz")
+    remote.fs().put_file(str(tmp_path / "p.tdz"), remote.path("p.tdz"))
+    url = f"{remote.url}/p.tdz"
+    with pytest.raises(ValidationError) as info:
+        tdckpt.load_memmap(url, storage_options=remote.storage_options)
+    assert str(info.value).startswith(url) and "float99" in str(info.value)

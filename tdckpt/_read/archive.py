@@ -65,8 +65,11 @@ class ArchiveStorage(Storage):
 
     kind = "archive"
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.location = os.fspath(path)
+    def __init__(self, path: str | os.PathLike[str], *, location: str | None = None) -> None:
+        #: ``location``: the name messages use, when it is not ``path`` (an archive read
+        #: from object storage into an anonymous in-memory file is named by its URL).
+        self.location = os.fspath(path) if location is None else location
+        opened = os.fspath(path)
         self._lock = threading.Lock()
         self._private: torch.Tensor | None = None
         self._shared: torch.Tensor | None = None
@@ -74,7 +77,7 @@ class ArchiveStorage(Storage):
             # Opened once: the index is read, every entry read and every mapping made from
             # this one descriptor, never from the path again. O_NONBLOCK: a FIFO put where
             # the archive was opens at once (and fstat refuses it) instead of hanging.
-            fd = os.open(self.location, os.O_RDONLY | _OPEN_FLAGS)
+            fd = os.open(opened, os.O_RDONLY | _OPEN_FLAGS)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"{self.location}: no such archive. Check the path.", path=self.location

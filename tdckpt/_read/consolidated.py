@@ -97,16 +97,22 @@ _SIZE = operator.itemgetter(1)
 
 
 def open_consolidated(
-    path: str | os.PathLike[str], *, follow: bool = True, manifest_dir: str | None = None
+    path: str | os.PathLike[str],
+    *,
+    follow: bool = True,
+    manifest_dir: str | None = None,
+    location: str | None = None,
 ) -> ConsolidatedStorage | None:
     """The consolidated file at ``path``, checked; None if it is a zip (a ``.tdz``), not a
     regular file, or does not end as a consolidated file does (then the archive reader
     says what it is). ``follow=False``: a symlink at ``path`` is not followed (a step's
     data file inside its directory); ``manifest_dir``: that directory, whose manifest the
-    storage then lists at its top."""
-    location = os.fspath(path)
+    storage then lists at its top; ``location``: the name messages use, when it is not
+    ``path`` (a file read from object storage into an anonymous in-memory file)."""
+    opened = os.fspath(path)
+    location = opened if location is None else location
     try:
-        fd = os.open(location, _OPEN_FLAGS | (0 if follow else _O_NOFOLLOW))
+        fd = os.open(opened, _OPEN_FLAGS | (0 if follow else _O_NOFOLLOW))
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(
             f"{location}: no such file. Check the path.", path=location

@@ -30,6 +30,7 @@ committed step for reading.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -435,6 +436,40 @@ def _size(info: dict[str, Any]) -> int:
     return size if type(size) is int and size >= 0 else 0
 
 
+def _open_single(store: Store) -> Storage:
+    """The single object at the store's root - a ``.tdz`` archive or a consolidated file -
+    read whole into an anonymous in-memory file (``memfd_create``: no path anywhere) and
+    opened by the archive or consolidated reader, every message naming the URL. An archive
+    is one zip whose index lies at its end, so it is not read by ranges."""
+    from tdckpt._read.archive import ArchiveStorage
+    from tdckpt._read.consolidated import open_consolidated
+
+    memfd_create = getattr(os, "memfd_create", None)
+    proc = "/proc/self/fd"
+    if memfd_create is None or not os.path.isdir(proc):  # pragma: no cover - not Linux
+        raise MetadataError(
+            f"{store.url}: a single object (a .tdz archive or a consolidated file) is read "
+            "in memory only on Linux. Download it (fsspec's get) and open the local file.",
+            path=store.url,
+        )
+    data = store.cat("")
+    fd = memfd_create("tdckpt-url", getattr(os, "MFD_CLOEXEC", 0))
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        del view, data
+        # The readers open the file again (their own descriptor keeps it alive) and check
+        # it as they check a local one.
+        path = f"{proc}/{fd}"
+        consolidated = open_consolidated(path, location=store.url)
+        if consolidated is not None:
+            return consolidated
+        return ArchiveStorage(path, location=store.url)
+    finally:
+        os.close(fd)
+
+
 def _is_object(store: Store) -> bool:
     """Whether the store's root is itself an object (not a prefix of objects)."""
     try:
@@ -443,9 +478,11 @@ def _is_object(store: Store) -> bool:
         return False
 
 
-def open_url_storage(url: str, storage_options: dict[str, Any] | None) -> ObjectStorage:
+def open_url_storage(url: str, storage_options: dict[str, Any] | None) -> Storage:
     """The plain prefix at ``url`` (a folder of objects a tensordict save wrote), from one
-    listing; checked against its ``tdckpt.manifest.json`` where it has a valid one.
+    listing; checked against its ``tdckpt.manifest.json`` where it has a valid one. A single
+    object there (a ``.tdz`` archive, a consolidated file) is read whole into memory and
+    opened as the local file would be (see :func:`_open_single`).
 
     Raises:
         CheckpointNotFoundError: no object under the prefix.
@@ -456,12 +493,7 @@ def open_url_storage(url: str, storage_options: dict[str, Any] | None) -> Object
     store = open_store(url, storage_options)
     found = store.find("")
     if not found and _is_object(store):
-        raise MetadataError(
-            f"{store.url}: a single object (a .tdz archive or a consolidated file); tdckpt reads "
-            "a folder of objects in place, not one archive. Download it (fsspec's get) and "
-            "open the local file, or upload the folder tensordict's memmap() wrote.",
-            path=store.url,
-        )
+        return _open_single(store)
     if not found:
         raise CheckpointNotFoundError(
             f"{store.url}: no objects under this prefix; pass the URL of a saved tensordict "

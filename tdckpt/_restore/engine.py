@@ -389,7 +389,9 @@ class _Reading:
         self.report = RestoreReport()
         # the lane reads a local directory; an opened storage is read as it is
         self.lane = robust_key is True and not isinstance(prefix, Storage)
-        self.defer = True
+        # listing leaves without a stat is a directory's shortcut; an opened storage is read
+        # once, as it is (reading it again after closing it could not work)
+        self.defer = not isinstance(prefix, Storage)
         self.swaps = 0
         self.identity: tuple[int, int] | None = None
         self.opened: OpenedCheckpoint | None = None
