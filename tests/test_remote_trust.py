@@ -578,9 +578,9 @@ def test_save_to_a_url_round_trips_and_writes_nothing_local(
 
 
 def test_save_to_a_url_refuses_what_it_cannot_do_all_or_nothing(remote: Remote) -> None:
-    """An existing prefix is never replaced (no atomic rename in object storage), nor is
-    ``overwrite=True`` accepted; an archive or consolidated file (one object) is refused;
-    each before anything is written."""
+    """An existing prefix or object is never replaced (no atomic rename in object storage),
+    nor is ``overwrite=True`` accepted, nor the consolidated layout; each before anything is
+    written. A ``.tdz`` URL gets one archive object."""
     import tdckpt
     from tdckpt.errors import CheckpointExistsError
 
@@ -598,10 +598,17 @@ def test_save_to_a_url_refuses_what_it_cannot_do_all_or_nothing(remote: Remote) 
     ):
         with pytest.raises(ValueError, match=words):
             tdckpt.save(_td(1), f"{remote.url}/other", storage_options=opts, **kwargs)
-    with pytest.raises(ValueError, match="a URL holds the memmap layout"):
-        tdckpt.save(_td(1), f"{remote.url}/other.tdz", storage_options=opts)
     assert sorted(remote.fs().find(remote.path("ckpt"))) == before
     assert remote.fs().find(remote.path("other")) == []
+    # a .tdz URL is one archive object (one PUT: all or nothing), never replaced either
+    tdckpt.save(_td(2), f"{remote.url}/one.tdz", storage_options=opts)
+    got = tdckpt.load_memmap(f"{remote.url}/one.tdz", storage_options=opts)
+    assert torch.equal(got["w"], _td(2)["w"])
+    with pytest.raises(CheckpointExistsError, match="an object already lies at this URL"):
+        tdckpt.save(_td(3), f"{remote.url}/one.tdz", storage_options=opts)
+    assert torch.equal(
+        tdckpt.load_memmap(f"{remote.url}/one.tdz", storage_options=opts)["w"], _td(2)["w"]
+    )
     with pytest.raises(ValueError, match="storage_options are for fsspec URLs"):
         tdckpt.save(_td(1), "local-folder", storage_options={"anon": True})
 

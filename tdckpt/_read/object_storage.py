@@ -17,7 +17,7 @@ reads bytes by ranged, concurrent reads (fsspec ``cat_ranges``: concurrent on s3
 
 Leaves live in memory: each is one private, writable buffer (``mode="r"`` semantics, as an
 archive's copy-on-write mapping), owned by its tensor. A manager with ``cache_dir`` keeps
-file-backed copies instead (see :mod:`tdckpt._remote.manager`). Every message names the URL
+file-backed copies instead (see :mod:`tdckpt._store.objects`). Every message names the URL
 and the file, never a local path: there is none.
 
 Capabilities, not types: ``file_backed = False`` (no file to map, nothing shared),

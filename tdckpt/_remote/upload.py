@@ -7,6 +7,8 @@ the URL - leaf files and nested ``meta.json`` first, tdckpt's manifest next, the
 checkpoint (``tdckpt.load_memmap(url)`` finds no ``meta.json``); from then on every file is
 read checked against the manifest (:mod:`tdckpt._read.object_storage`).
 
+A ``.tdz`` archive is one object, uploaded by one request (all or nothing).
+
 Object storage has no atomic rename, so an existing prefix is never replaced or cleaned: a
 save to a URL that already holds objects is refused before anything is written, and a save
 that fails part-way names the objects it left (without the root ``meta.json``) for the user
@@ -36,6 +38,13 @@ def empty_prefix(url: str, storage_options: dict[str, Any] | None) -> Store:
     """
     store = open_store(url, storage_options)
     found = store.find("")
+    if not found and store._call("stat", "", lambda: store.fs.isfile(store.root)):
+        raise CheckpointExistsError(
+            f"{store.url}: an object already lies at this URL; object storage cannot replace "
+            "it all or nothing with a checkpoint, so nothing was written. Delete it first "
+            "(fsspec: fs.rm(url)) or save to a new URL.",
+            path=store.url,
+        )
     if found:
         first = sorted(found)[:3]
         raise CheckpointExistsError(
@@ -50,11 +59,18 @@ def empty_prefix(url: str, storage_options: dict[str, Any] | None) -> Store:
 
 
 def upload_prefix(store: Store, local: Path) -> None:
-    """Upload the checkpoint folder ``local`` under ``store``'s URL, root ``meta.json`` last.
+    """Upload the checkpoint folder ``local`` under ``store``'s URL, root ``meta.json`` last
+    (a ``.tdz`` archive file: as the one object at the URL).
 
     Raises:
         RemoteError: an upload kept failing; the message names what was left behind.
     """
+    if local.is_file():  # one object: a PUT is all or nothing
+        try:
+            store.put_file(str(local), "")
+        finally:
+            store.invalidate()
+        return
     files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
     last = [name for name in (MANIFEST_NAME, _ROOT_META) if name in files]
     order = [name for name in files if name not in last] + last

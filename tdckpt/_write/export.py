@@ -407,9 +407,10 @@ def save(
             ``memory://x``), the filesystem's options. A URL gets a plain prefix of objects
             that :func:`tdckpt.load_memmap` reads in place: written locally first, then
             uploaded with the root ``meta.json`` last (no reader sees a partial
-            checkpoint). Object storage cannot replace a prefix all or nothing, so a URL
-            that already holds objects is refused and ``overwrite=True`` too; steps that
-            are replaced or retried belong in a :class:`~tdckpt.CheckpointManager`.
+            checkpoint); a URL ending in ``.tdz`` gets one archive object. Object storage
+            cannot replace a prefix all or nothing, so a URL that already holds objects is
+            refused and ``overwrite=True`` too; steps that are replaced or retried belong in
+            a :class:`~tdckpt.CheckpointManager`.
 
     Returns:
         The manifest written (sizes and checksums of every file).
@@ -539,15 +540,16 @@ def _save_url(
             "cannot do for a plain prefix (no atomic rename); nothing was written. Delete the "
             "prefix first, or use CheckpointManager(url) for steps committed atomically."
         )
-    if check_layout(layout) != "memmap" or url.rstrip("/").endswith(".tdz"):
+    if check_layout(layout) != "memmap":
         raise ValueError(
             f"{url}: a URL holds the memmap layout (an object per file, read in place by "
-            "ranged reads); a .tdz archive or a consolidated file is one object tdckpt does "
-            "not read in place. Save locally and upload it, or drop layout= / the .tdz suffix."
+            "ranged reads) or a .tdz archive (one object); save the consolidated layout "
+            "locally and upload it, or drop layout=."
         )
+    archive = url.rstrip("/").endswith(".tdz")
     store = empty_prefix(url, storage_options)
     with tempfile.TemporaryDirectory(prefix="tdckpt-upload-") as tmp:
-        local = Path(tmp) / "checkpoint"
+        local = Path(tmp) / ("checkpoint.tdz" if archive else "checkpoint")
         manifest = save(obj, local, metadata=metadata, fsync=False, progress=progress)
         upload_prefix(store, local)
     return manifest
