@@ -19,7 +19,7 @@ from _tdversion import WRITES_FORMAT_VERSION
 from conftest import tree_digest
 
 import tdckpt
-from tdckpt._restore import engine
+from tdckpt._restore import build
 from tdckpt.errors import RestoreError, TdckptError
 
 tensordict = pytest.importorskip("tensordict")
@@ -170,7 +170,7 @@ def test_plain_dict_backend_materializes_the_values(
 ) -> None:
     prefix = _write(tmp_path, name)
     theirs = TensorDict.load_memmap(prefix)
-    monkeypatch.setattr(engine, "has_tensordict", lambda: False)
+    monkeypatch.setattr(build, "has_tensordict", lambda: False)
     ours = tdckpt.load_memmap(prefix)
     assert isinstance(ours, dict)
     keys = _leaf_keys(theirs)
@@ -187,7 +187,7 @@ def test_plain_dict_backend_refuses_an_unfaithful_view(
     meta["custom_op_kwargs"] = {}
     (prefix / "meta.json").write_text(json.dumps(meta))
     assert tdckpt.validate(prefix).ok  # tensordict loads a squeeze() without dim
-    monkeypatch.setattr(engine, "has_tensordict", lambda: False)
+    monkeypatch.setattr(build, "has_tensordict", lambda: False)
     with pytest.raises(RestoreError, match="squeeze"):
         tdckpt.load_memmap(prefix)
 
