@@ -60,6 +60,13 @@ from tdckpt._state import holds_live_objects, is_state_mapping, restore_state, t
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.archive_write import commit_archive
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
+from tdckpt._write.incremental import (
+    IncrementalBase,
+    IncrementalSave,
+    check_incremental,
+    unshare_for_write,
+    writes_reach_files,
+)
 from tdckpt._write.lock import RootLock
 from tdckpt._write.save import check_json_data, prepare_checkpoint, write_checkpoint
 from tdckpt._write.snapshot import StagingBuffers
@@ -134,6 +141,13 @@ class CheckpointManager:
             600); refused for a local root (a file lock guards it).
         cache_dir: for a URL root, where restores download a step (default: a private
             temporary folder); refused for a local root (read in place).
+        incremental: default of every save's ``incremental``: a leaf whose bytes the
+            latest committed step holds (same dtype, shape, size and checksum) is not
+            written again; the new step shares that step's file (a reflink where the file
+            system has it, else a hard link), and the leaf files of incremental saves are
+            read-only on disk. Off by default (see docs/incremental.rst: it changes file
+            modes, and equality rests on the checksum). Not with ``archive=True``,
+            ``layout="consolidated"`` or a collective manager.
 
     Example:
         >>> import tempfile, torch
@@ -175,6 +189,7 @@ class CheckpointManager:
         lease_ttl: float | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         layout: str = "memmap",
+        incremental: bool = False,
     ) -> None:
         require_local_options(root, storage_options)
         for name, value in (("lease_ttl", lease_ttl), ("cache_dir", cache_dir)):
@@ -226,6 +241,14 @@ class CheckpointManager:
                 "layout='consolidated' saves each step as a folder of one data file and the "
                 "manifest: not with archive=True, nor in a collective (sharded) manager"
             )
+        # -- incremental hook (tdckpt._write.incremental) --
+        self.incremental = check_incremental(
+            incremental,
+            where=str(self.root),
+            archive=self.archive,
+            layout=self.layout,
+            collective=self._shard is not None,
+        )
         # save_async: one save in flight on one background thread, staged into buffers
         # reused across saves (tdckpt._manage.background, tdckpt._write.snapshot).
         self._background = BackgroundSaver(self.root)
@@ -434,6 +457,7 @@ class CheckpointManager:
         overwrite: bool = False,
         progress: ProgressArg = None,
         replicated: Any = (),
+        incremental: bool | None = None,
     ) -> Path:
         """Save ``obj`` as ``step``: all or nothing on disk, then apply the retention policy.
 
@@ -460,6 +484,8 @@ class CheckpointManager:
             replicated: in a collective manager, the keys of entries that are equal on
                 every rank and carry no batch dimension (non-tensor data): written once,
                 by rank 0. Ignored outside a group (everything is saved).
+            incremental: share the unchanged leaves' files with the latest committed step
+                instead of writing them (None: the manager's ``incremental``).
 
         A background save of :meth:`save_async` still in flight is waited for first.
 
@@ -501,6 +527,7 @@ class CheckpointManager:
             self._schedule.saved(step, answered)
             return path
         step = _atomic.check_step(step)
+        incremental = self._wants_incremental(incremental)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
         obj, state = self._saveable(obj)
@@ -509,7 +536,13 @@ class CheckpointManager:
         with self._writing:
             self._ensure_lock()
             path = self._save_locked(
-                step, obj, metadata, overwrite=overwrite, progress=progress, state=state
+                step,
+                obj,
+                metadata,
+                overwrite=overwrite,
+                progress=progress,
+                state=state,
+                incremental=incremental,
             )
         self._schedule.saved(step, answered)
         return path
@@ -521,6 +554,7 @@ class CheckpointManager:
         *,
         metadata: dict[str, Any] | None = None,
         replicated: Any = (),
+        incremental: bool | None = None,
     ) -> SaveFuture:
         """Snapshot ``state`` now, write and commit it on a background thread.
 
@@ -547,6 +581,7 @@ class CheckpointManager:
             state: what to save (what :meth:`save` accepts).
             metadata: plain JSON data stored in the manifest (copied now).
             replicated: in a collective manager, as for :meth:`save`.
+            incremental: as for :meth:`save`.
 
         In a collective manager every rank calls it with its shard, as :meth:`save`; the
         shard is copied now (tensors cloned, non-tensor values deep-copied), and the
@@ -582,6 +617,7 @@ class CheckpointManager:
         if self._shard is not None:
             return self._save_async_collective(step, state, metadata, replicated)
         step = _atomic.check_step(step)
+        incremental = self._wants_incremental(incremental)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
             metadata = copy.deepcopy(metadata)  # plain JSON: later edits must not reach it
@@ -600,7 +636,8 @@ class CheckpointManager:
             prepared = prepare_checkpoint(obj, self.root / _atomic.step_name(step))
             snapshot = self._staging.stage(prepared)
             future = self._background.submit(
-                step, lambda: self._save_in_background(step, snapshot, metadata, record)
+                step,
+                lambda: self._save_in_background(step, snapshot, metadata, record, incremental),
             )
         self._schedule.saved(step, answered)
         return future
@@ -723,9 +760,12 @@ class CheckpointManager:
         snapshot: Any,
         metadata: dict[str, Any] | None,
         state: StateRecord | None,
+        incremental: bool = False,
     ) -> Path:
         with self._writing:
-            return self._save_locked(step, snapshot, metadata, overwrite=False, state=state)
+            return self._save_locked(
+                step, snapshot, metadata, overwrite=False, state=state, incremental=incremental
+            )
 
     @staticmethod
     def _saveable(obj: Any) -> tuple[Any, StateRecord | None]:
@@ -780,6 +820,7 @@ class CheckpointManager:
         overwrite: bool,
         progress: ProgressArg = None,
         state: StateRecord | None = None,
+        incremental: bool = False,
     ) -> Path:
         """The body of a save, under ``_writing``: write, commit, then retention.
 
@@ -791,7 +832,13 @@ class CheckpointManager:
         try:
             with progress_bar(progress, "save") as report:
                 path = self._commit(
-                    step, obj, metadata, overwrite=overwrite, progress=report, state=state
+                    step,
+                    obj,
+                    metadata,
+                    overwrite=overwrite,
+                    progress=report,
+                    state=state,
+                    incremental=incremental,
                 )
             # An overwrite in the other form (folder vs archive) leaves the old one.
             other = "dir" if self.archive else "archive"
@@ -816,7 +863,10 @@ class CheckpointManager:
         overwrite: bool,
         progress: Progress | None = None,
         state: StateRecord | None = None,
+        incremental: bool = False,
     ) -> Path:
+        shared = self._incremental_save() if incremental else None  # incremental hook
+
         def write(staging: Path) -> Manifest:
             if self.layout == "consolidated":
                 from tdckpt._write.consolidated_write import write_consolidated
@@ -840,6 +890,7 @@ class CheckpointManager:
                 progress=progress,
                 state=state,
                 direct=not self.archive,  # an archive's staging folder is read back at once
+                incremental=shared,
             )
 
         if self.archive:
@@ -856,6 +907,27 @@ class CheckpointManager:
                 self.root, step, write, overwrite=overwrite, fsync=self.fsync
             )
         return path
+
+    # -- incremental hooks (tdckpt._write.incremental) -------------------------------------
+    def _wants_incremental(self, incremental: bool | None) -> bool:
+        if incremental is None:
+            return self.incremental
+        return check_incremental(
+            incremental,
+            where=str(self.root),
+            archive=self.archive,
+            layout=self.layout,
+            collective=getattr(self, "_shard", None) is not None,
+        )
+
+    def _incremental_save(self) -> IncrementalSave:
+        """An incremental save against the latest committed step (under ``_writing``)."""
+        committed = self._index.committed()
+        if not committed:
+            return IncrementalSave(base=None)
+        latest = max(committed)
+        path, manifest = self._preferred(committed[latest])
+        return IncrementalSave(base=IncrementalBase.of_step(latest, path, manifest, self.checksum))
 
     def _retire(self, doomed: list[tuple[int, Path]]) -> list[tuple[Path, Path]]:
         """Rename steps away (under ``_state``, so ``_using`` cannot pick them meanwhile).
@@ -1093,6 +1165,8 @@ class CheckpointManager:
             with self._using(step) as (resolved, path, manifest):
                 if verify:
                     self._verified(resolved, path, manifest)
+                if writes_reach_files(mode):  # incremental hook: writes reach this step only
+                    unshare_for_write(path, manifest, fsync=self.fsync)
                 with _metadata_checked(path, manifest, resolved):
                     loaded = load_local(
                         path,
@@ -1126,6 +1200,8 @@ class CheckpointManager:
                 self._verified(resolved, path, manifest)
 
             same_keys = _same_keys(td, str(path), resolved, selection)
+            if writes_reach_files(mode):  # incremental hook: writes reach this step only
+                unshare_for_write(path, manifest, fsync=self.fsync)
             done = RestoreReport()
             with _metadata_checked(path, manifest, resolved):
                 restore_in_place(
@@ -1197,6 +1273,8 @@ class CheckpointManager:
         with self._using(step) as (resolved, path, manifest):
             if verify:
                 self._verified(resolved, path, manifest)
+            if writes_reach_files(mode):  # incremental hook: writes reach this step only
+                unshare_for_write(path, manifest, fsync=self.fsync)
             # _using validated the manifest (cached by file identity): not read again
             with _metadata_checked(path, manifest, resolved):
                 obj = load_local(

@@ -136,6 +136,7 @@ class RemoteCheckpointManager(CheckpointManager):
         clock: Callable[[], float] | None = None,
         group: Any = None,
         timeout: float | None = None,
+        incremental: bool = False,
     ) -> None:
         if group not in (None, False) or timeout is not None:
             raise ValueError(
@@ -177,6 +178,13 @@ class RemoteCheckpointManager(CheckpointManager):
         self._staging_lock = threading.Lock()
         self._schedule = SaveSchedule(save_policy, clock)  # should_save (as the base class)
         self._schedule.install(self.root)
+        # -- incremental hook --
+        self.incremental = self._wants_incremental(incremental)
+        if self.incremental:
+            raise NotImplementedError(
+                f"{self.root}: incremental saves are for local roots so far; drop "
+                "incremental=True for an object-storage root."
+            )
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, retention={self.retention!r})"
@@ -398,6 +406,7 @@ class RemoteCheckpointManager(CheckpointManager):
         overwrite: bool = False,
         progress: ProgressArg = None,
         replicated: Any = (),
+        incremental: bool | None = None,
     ) -> str:
         """Save ``obj`` as ``step``: committed by a conditional create, or not at all.
 
@@ -770,6 +779,7 @@ class RemoteCheckpointManager(CheckpointManager):
         *,
         metadata: dict[str, Any] | None = None,
         replicated: Any = (),
+        incremental: bool | None = None,
     ) -> SaveFuture:
         """As :meth:`CheckpointManager.save_async`: ``state`` is copied now (tensors cloned,
         non-tensor values deep-copied); the upload and the conditional commit run on the

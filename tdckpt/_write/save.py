@@ -49,6 +49,7 @@ from tdckpt._write.checksum import (
     Hasher,
     new_hasher,
 )
+from tdckpt._write.incremental import LEAF_MODE, IncrementalSave, share_file
 from tdckpt._write.save_plan import Op, Plan, class_id, plan_checkpoint
 from tdckpt.errors import CheckpointExistsError, MetadataError, UnsupportedContentError
 from tdckpt.schema import (
@@ -306,8 +307,12 @@ class _Writer:
         progress: Callable[[int, int], None] | None = None,
         total: int = 0,
         direct: bool = True,
+        incremental: IncrementalSave | None = None,
     ) -> None:
         self.root = root
+        #: an incremental save: leaves created read-only, unchanged ones shared with the base
+        self.incremental = incremental
+        self.leaf_mode = 0o666 if incremental is None else LEAF_MODE
         self.algorithm = algorithm
         self.fsync = fsync
         self.progress = progress
@@ -419,6 +424,8 @@ class _Writer:
         self._advance(len(data))
 
     def write_tensor(self, rel: str, tensor: torch.Tensor, key: tuple[str, ...] | None) -> None:
+        if self.incremental is not None and self._share(rel, tensor, key):
+            return
         hasher = new_hasher(self.algorithm)
         if self.direct and _nbytes(tensor) >= _DIRECT_MIN:
             fd = self._open_direct(rel)
@@ -426,7 +433,7 @@ class _Writer:
                 self._write_direct(fd, rel, tensor, hasher, key)
                 return
         size = 0
-        fd = os.open(self._path(rel), _OPEN_FLAGS, 0o666)
+        fd = os.open(self._path(rel), _OPEN_FLAGS, self.leaf_mode)
         try:
             for piece in _pieces(tensor):
                 buf = _as_bytes(piece)
@@ -451,11 +458,43 @@ class _Writer:
         self._finish(fd)
         self._record(rel, size, hasher.hexdigest(), key)
 
+    def _share(self, rel: str, tensor: torch.Tensor, key: tuple[str, ...] | None) -> bool:
+        """Incremental: link the base's file when it holds exactly ``tensor``'s bytes.
+
+        The candidate (same path, size, dtype, shape; a read-only file) is checked from
+        metadata; then ``tensor`` is hashed at memory speed and compared with the base's
+        checksum. False: write the leaf as usual.
+        """
+        assert self.incremental is not None
+        base = self.incremental.base
+        if base is None or tensor.is_nested:
+            return False
+        size = _nbytes(tensor)
+        record = self.incremental.candidate(rel, size, key)
+        if record is None:
+            return False
+        hasher = new_hasher(self.algorithm)
+        for piece in _pieces(tensor):
+            hasher.update(_as_bytes(piece))
+        checksum = f"{self.algorithm}:{hasher.hexdigest()}"
+        if checksum != record.checksum:
+            return False
+        how = share_file(base, rel, self._path(rel), fsync=self.fsync)
+        self.incremental.shared[rel] = how
+        self.incremental.shared_bytes += size
+        self.records.append(
+            FileRecord(
+                path=rel, size=size, checksum=checksum, key=list(key) if key is not None else None
+            )
+        )
+        self._advance(size)
+        return True
+
     # -- O_DIRECT ---------------------------------------------------------------------------
     def _open_direct(self, rel: str) -> int | None:
         """Create ``rel`` for O_DIRECT writes; None (and no more tries) if refused."""
         try:
-            return os.open(self._path(rel), _OPEN_FLAGS | _O_DIRECT, 0o666)
+            return os.open(self._path(rel), _OPEN_FLAGS | _O_DIRECT, self.leaf_mode)
         except OSError as exc:
             if exc.errno != errno.EINVAL:  # EINVAL: this file system has no O_DIRECT
                 raise
@@ -667,6 +706,7 @@ def write_checkpoint(
     progress: Callable[[int, int], None] | None = None,
     state: StateRecord | None = None,
     direct: bool = True,
+    incremental: IncrementalSave | None = None,
 ) -> Manifest:
     """Write ``obj`` into ``dest_dir`` in tensordict 0.15.3's format, then the manifest.
 
@@ -733,8 +773,16 @@ def write_checkpoint(
         )
     total = sum(map(_op_bytes, plan.ops)) if progress is not None else 0
     writer = _Writer(
-        dest, algorithm=checksum, fsync=fsync, progress=progress, total=total, direct=direct
+        dest,
+        algorithm=checksum,
+        fsync=fsync,
+        progress=progress,
+        total=total,
+        direct=direct,
+        incremental=incremental,
     )
+    if incremental is not None:
+        incremental.plan_meta(plan.ops)
     try:
         for op in plan.ops:
             if op.kind == "dir":
