@@ -293,3 +293,26 @@ def test_incremental_is_refused_where_steps_cannot_share_files(tmp_path: Path) -
             mgr.save(1, _state(), incremental=True)
         assert mgr.steps() == []
         assert not list(tmp_path.glob("1*"))
+
+
+def test_load_memmap_never_maps_a_shared_leaf_writable(tmp_path: Path) -> None:
+    """Outside the manager nothing breaks the sharing: r+ is refused naming the file, and
+    tensordict's default mode (None) maps a shared file copy-on-write, even for root."""
+    import tdckpt
+    from tdckpt.errors import RestoreError
+
+    td = _state()
+    with CheckpointManager(tmp_path, incremental=True, fsync=False) as mgr:
+        one = mgr.save(1, td)
+        mgr.save(2, td)
+    with pytest.raises(
+        RestoreError, match=r"\.memmap: mode='r\+' would map shared a file that 2 names"
+    ):
+        tdckpt.load_memmap(one, mode="r+")
+    loaded = tdckpt.load_memmap(one, mode=None)
+    loaded["w0"][:] = -1.0
+    loaded["nested", "ids"][:] = -1
+    del loaded
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.verify(1).ok and mgr.verify(2).ok
+        assert (mgr.restore(2) == td).all()
