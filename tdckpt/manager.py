@@ -47,6 +47,7 @@ from tdckpt._manage.schedule import SaveSchedule
 from tdckpt._manage.steps import StepIndex, StepStatus, preferred
 from tdckpt._manage.verify import (
     Progress,
+    SharedDigests,
     VerifyProblem,
     VerifyReport,
     manifest_problem,
@@ -1044,10 +1045,25 @@ class CheckpointManager:
         with progress_bar(progress, "verify") as report:
             return self._verify(step, report)
 
-    def _verify(self, step: int | None, progress: Progress | None) -> VerifyReport:
+    def verify_steps(
+        self, steps: list[int] | None = None, *, progress: ProgressArg = None
+    ) -> list[VerifyReport]:
+        """:meth:`verify` each of ``steps`` (default: every committed step), one report per
+        step; a file several steps share (an incremental save's hard link) is read once and
+        its checksum compared with each step's manifest (``VerifyReport.shared_checked``)."""
+        shared: SharedDigests = {}  # incremental hook: shared files read once
+        with progress_bar(progress, "verify") as report:
+            return [
+                self._verify(step, report, shared)
+                for step in (self.steps() if steps is None else steps)
+            ]
+
+    def _verify(
+        self, step: int | None, progress: Progress | None, shared: SharedDigests | None = None
+    ) -> VerifyReport:
         if step is None:
             with self._using(None) as (resolved, path, manifest):
-                return _verify_step(resolved, path, manifest, progress)
+                return _verify_step(resolved, path, manifest, progress, shared)
         step = _atomic.check_step(step)
         with self._state:
             while step in self._overwriting:
@@ -1063,7 +1079,7 @@ class CheckpointManager:
                 manifest = self._index.manifest(path, kind)
             except MetadataError as exc:
                 return manifest_problem(step, path, exc.message)
-            return _verify_step(step, path, manifest, progress)
+            return _verify_step(step, path, manifest, progress, shared)
         finally:
             with self._state:
                 self._in_use[step] -= 1
@@ -1305,10 +1321,14 @@ class CheckpointManager:
 
 
 def _verify_step(
-    step: int, path: Path, manifest: Manifest, progress: Progress | None
+    step: int,
+    path: Path,
+    manifest: Manifest,
+    progress: Progress | None,
+    shared: SharedDigests | None = None,
 ) -> VerifyReport:
     """:func:`verify_files`, and for a sharded step its manifest against its shards."""
-    report = verify_files(step, path, manifest, progress)
+    report = verify_files(step, path, manifest, progress, shared=shared)
     if isinstance(manifest, ShardedManifest):
         from tdckpt._shard.check import shard_problems
 

@@ -382,3 +382,64 @@ def test_sigkill_at_every_stage_of_an_incremental_save_keeps_every_step_exact(
         child.wait(timeout=30)
         child.stdout.close()
         stderr.close()
+
+
+def test_verify_steps_reads_a_shared_file_once_and_reports_per_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from tdckpt import cli
+
+    td = _state()
+    with CheckpointManager(tmp_path, incremental=True, fsync=False) as mgr:
+        for step in (1, 2, 3):
+            td["w3"] += 1
+            mgr.save(step, td)
+        reports = mgr.verify_steps()
+        assert [r.step for r in reports] == [1, 2, 3] and all(r.ok for r in reports)
+        # w0, w1, w2 and nested/ids are read for step 1 only; w3 differs in every step
+        assert [r.shared_checked for r in reports] == [0, 4, 4]
+        assert reports[0].bytes_checked > reports[1].bytes_checked
+        assert reports[1].files_checked == reports[0].files_checked
+        assert "4 shared files checked once" in reports[2].summary()
+        # damage the one copy of w0: every step naming it says so
+        os.chmod(mgr.path(2) / "w0.memmap", 0o644)
+        with open(mgr.path(2) / "w0.memmap", "r+b") as fh:
+            fh.write(b"\xff\xff\xff\xff")
+        damaged = mgr.verify_steps()
+        assert [[p.path for p in r.problems] for r in damaged] == [["w0.memmap"]] * 3
+    capsys.readouterr()
+    assert cli.main(["verify", str(tmp_path), "--all", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["ok"]) for r in out] == [(1, False), (2, False), (3, False)]
+    with pytest.raises(SystemExit) as usage:
+        cli.main(["verify", str(tmp_path), "--all", "--step", "1"])
+    assert usage.value.code == 2
+    assert "not allowed with argument --all" in capsys.readouterr().err
+
+
+def test_ls_shows_each_steps_own_bytes_and_its_total(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from tdckpt import cli
+
+    td = TensorDict(big=torch.zeros(64 * 1024), small=torch.zeros(16))
+    with CheckpointManager(tmp_path, incremental=True, fsync=False) as mgr:
+        mgr.save(1, td)
+        td["small"] += 1
+        mgr.save(2, td)
+        sizes = {s.step: s.size for s in mgr.list_steps()}
+    capsys.readouterr()
+    assert cli.main(["ls", str(tmp_path), "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    big = 64 * 1024 * 4
+    for step in (1, 2):
+        assert rows[step]["size"] == sizes[step]
+        assert rows[step]["own_size"] == sizes[step] - big  # big.memmap is shared
+    assert cli.main(["ls", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:5] == ["step", "status", "kind", "own", "size"]
+    assert lines[2].split()[:5] == ["2", "committed", "dir", str(sizes[2] - big), str(sizes[2])]

@@ -627,6 +627,15 @@ class RemoteCheckpointManager(CheckpointManager):
         with progress_bar(progress, "verify") as report:
             return self._verify_remote(step, report)
 
+    def verify_steps(
+        self, steps: list[int] | None = None, *, progress: ProgressArg = None
+    ) -> list[VerifyReport]:
+        """:meth:`verify` each of ``steps`` (default: every committed step)."""
+        return [
+            self.verify(step, progress=progress)
+            for step in (self.steps() if steps is None else steps)
+        ]
+
     def _verify_remote(self, step: int | None, progress: Progress | None) -> VerifyReport:
         if step is not None:
             step = _atomic.check_step(step)

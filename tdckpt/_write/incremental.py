@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tdckpt.schema import MANIFEST_NAME, FileRecord, Manifest
+from tdckpt.schema import FileRecord, Manifest
 
 __all__ = [
     "LEAF_MODE",
@@ -54,7 +54,7 @@ __all__ = [
     "check_incremental",
     "fault_point",
     "share_file",
-    "step_bytes",
+    "shared_bytes",
     "unshare_for_write",
     "writes_reach_files",
 ]
@@ -168,6 +168,8 @@ def _leaf_entry(
         return None
     entry = meta.get(key[-1])
     return entry if isinstance(entry, dict) and "dtype" in entry else None
+
+
 @dataclass
 class IncrementalSave:
     """One incremental save: its base (None for the first one) and what it shared."""
@@ -183,8 +185,10 @@ class IncrementalSave:
     def plan_meta(self, ops: Iterable[Any]) -> None:
         """Note the ``meta.json`` bytes the plan writes (for the leaves' dtype and shape)."""
         for op in ops:
-            if op.kind == "bytes" and op.data is not None and op.rel.rpartition("/")[2] == (
-                "meta.json"
+            if (
+                op.kind == "bytes"
+                and op.data is not None
+                and op.rel.rpartition("/")[2] == ("meta.json")
             ):
                 self.new_meta[op.rel.rpartition("/")[0]] = op.data
 
@@ -323,12 +327,12 @@ class _suppress_os:
         return isinstance(exc, OSError)
 
 
-def step_bytes(steps: Iterable[tuple[int, Path]]) -> dict[int, tuple[int, int]]:
-    """``step -> (own bytes, total bytes)`` of folder steps that may share files.
+def shared_bytes(steps: Iterable[tuple[int, Path]]) -> dict[int, int]:
+    """``step -> bytes of its files that another listed step also names`` (hard links).
 
-    A file counts as a step's own when no other listed step names the same inode (a hard
-    link); its total counts every file it names. Reflinked blocks are not visible to
-    ``stat`` and count as own. Steps that cannot be read are left out.
+    A step's own bytes are its size less these; deleting it frees about its own bytes.
+    Reflinked blocks are not visible to ``stat`` and count as own. Steps that are not
+    folders are left out.
     """
     files: dict[int, dict[tuple[int, int], int]] = {}
     for step, path in steps:
@@ -341,7 +345,7 @@ def step_bytes(steps: Iterable[tuple[int, Path]]) -> dict[int, tuple[int, int]]:
                     st = os.lstat(os.path.join(dirpath, name))
                 except OSError:
                     continue
-                if stat.S_ISREG(st.st_mode) or name == MANIFEST_NAME:
+                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
                     inodes[(st.st_dev, st.st_ino)] = st.st_size
         files[step] = inodes
     owners: dict[tuple[int, int], int] = {}
@@ -349,9 +353,6 @@ def step_bytes(steps: Iterable[tuple[int, Path]]) -> dict[int, tuple[int, int]]:
         for inode in inodes:
             owners[inode] = owners.get(inode, 0) + 1
     return {
-        step: (
-            sum(size for inode, size in inodes.items() if owners[inode] == 1),
-            sum(inodes.values()),
-        )
+        step: sum(size for inode, size in inodes.items() if owners[inode] > 1)
         for step, inodes in files.items()
     }
