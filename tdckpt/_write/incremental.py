@@ -40,7 +40,7 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,9 +182,14 @@ class IncrementalSave:
     new_meta: dict[str, bytes] = field(default_factory=dict)
     _parsed: dict[str, Any] = field(default_factory=dict)
 
-    def plan_meta(self, ops: Iterable[Any]) -> None:
-        """Note the ``meta.json`` bytes the plan writes (for the leaves' dtype and shape)."""
-        for op in ops:
+    def plan_meta(self, ops: Sequence[Any]) -> None:
+        """Note the ``meta.json`` bytes the plan writes (for the leaves' dtype and shape).
+
+        Indexes ``ops`` rather than iterating: a staged plan's iteration runs a test hook
+        per leaf, meant for the writer's one pass.
+        """
+        for i in range(len(ops)):
+            op = ops[i]
             if (
                 op.kind == "bytes"
                 and op.data is not None

@@ -31,7 +31,7 @@ import mmap
 import os
 import platform
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -313,6 +313,8 @@ class _Writer:
         #: an incremental save: leaves created read-only, unchanged ones shared with the base
         self.incremental = incremental
         self.leaf_mode = 0o666 if incremental is None else LEAF_MODE
+        self._prehash_pool: ThreadPoolExecutor | None = None
+        self._prehashed: dict[str, Future[str]] = {}
         self.algorithm = algorithm
         self.fsync = fsync
         self.progress = progress
@@ -335,6 +337,9 @@ class _Writer:
 
     def close(self) -> None:
         # Writes first (the fsync jobs wait for them), hashes, then the fsyncs (they close).
+        if self._prehash_pool is not None:
+            self._prehash_pool.shutdown(wait=True, cancel_futures=True)
+            self._prehash_pool = None
         for name in ("_io", "_pool", "_syncer"):
             pool = getattr(self, name)
             if pool is not None:
@@ -458,6 +463,26 @@ class _Writer:
         self._finish(fd)
         self._record(rel, size, hasher.hexdigest(), key)
 
+    def prehash(self, ops: Sequence[Op]) -> None:
+        """Incremental: start hashing every leaf that may be linked from the base, on one
+        thread per core, while the writer goes through the plan in order (the unchanged
+        bytes are only hashed: the save's floor is that pass, spread over the cores)."""
+        assert self.incremental is not None
+        candidates = []
+        for i in range(len(ops)):  # indexed: a staged plan's iteration runs a test hook
+            op = ops[i]
+            if op.kind != "tensor" or op.tensor is None or op.tensor.is_nested:
+                continue
+            if self.incremental.candidate(op.rel, _nbytes(op.tensor), op.key) is not None:
+                candidates.append(op)
+        if not candidates:
+            return
+        threads = max(1, min(len(candidates), os.cpu_count() or 1))
+        self._prehash_pool = ThreadPoolExecutor(threads, thread_name_prefix="tdckpt-prehash")
+        for op in candidates:
+            assert op.tensor is not None
+            self._prehashed[op.rel] = self._prehash_pool.submit(_digest, op.tensor, self.algorithm)
+
     def _share(self, rel: str, tensor: torch.Tensor, key: tuple[str, ...] | None) -> bool:
         """Incremental: link the base's file when it holds exactly ``tensor``'s bytes.
 
@@ -473,10 +498,8 @@ class _Writer:
         record = self.incremental.candidate(rel, size, key)
         if record is None:
             return False
-        hasher = new_hasher(self.algorithm)
-        for piece in _pieces(tensor):
-            hasher.update(_as_bytes(piece))
-        checksum = f"{self.algorithm}:{hasher.hexdigest()}"
+        pending = self._prehashed.pop(rel, None)
+        checksum = pending.result() if pending is not None else _digest(tensor, self.algorithm)
         if checksum != record.checksum:
             return False
         how = share_file(base, rel, self._path(rel), fsync=self.fsync)
@@ -602,6 +625,14 @@ class _Writer:
 
         for path in reversed(self.dirs):
             fsync_dir(path)
+
+
+def _digest(tensor: torch.Tensor, algorithm: str) -> str:
+    """``"<algorithm>:<hex>"`` of ``tensor``'s C-order bytes (as the writer streams them)."""
+    hasher = new_hasher(algorithm)
+    for piece in _pieces(tensor):
+        hasher.update(_as_bytes(piece))
+    return f"{algorithm}:{hasher.hexdigest()}"
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -784,6 +815,8 @@ def write_checkpoint(
     if incremental is not None:
         incremental.plan_meta(plan.ops)
     try:
+        if incremental is not None:
+            writer.prehash(plan.ops)
         for op in plan.ops:
             if op.kind == "dir":
                 writer.mkdir(op.rel)
