@@ -46,6 +46,7 @@ from tdckpt._remote import layout
 from tdckpt._remote.encode import encode_checkpoint
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
 from tdckpt._remote.prefix import relabel_warnings
+from tdckpt._remote.shared import Protected, protected, remove_attempt, share_objects
 from tdckpt._remote.store import Store, mtime, open_store, shorten
 from tdckpt._remote.transfer import check_uploaded, download_step, plan_objects, upload_encoded
 from tdckpt._state import holds_live_objects, restore_state
@@ -178,13 +179,8 @@ class RemoteCheckpointManager(CheckpointManager):
         self._staging_lock = threading.Lock()
         self._schedule = SaveSchedule(save_policy, clock)  # should_save (as the base class)
         self._schedule.install(self.root)
-        # -- incremental hook --
+        # -- incremental hook (tdckpt._remote.shared) --
         self.incremental = self._wants_incremental(incremental)
-        if self.incremental:
-            raise NotImplementedError(
-                f"{self.root}: incremental saves are for local roots so far; drop "
-                "incremental=True for an object-storage root."
-            )
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, retention={self.retention!r})"
@@ -428,13 +424,14 @@ class RemoteCheckpointManager(CheckpointManager):
                 "could see the old step vanish. Save under a new step (and let retention "
                 "delete the old one)."
             )
+        incremental = self._wants_incremental(incremental)
         if metadata is not None:
             check_json_data(metadata)
         obj, state = self._saveable(obj)  # a training state: one TensorDict of its entries
         self._background.drain(before=f"this save of step {step} started", stacklevel=2)
         answered = self._schedule.save_started()
         with progress_bar(progress, "save") as report:
-            url = self._save_prepared(step, obj, metadata, state, report)
+            url = self._save_prepared(step, obj, metadata, state, report, incremental=incremental)
         self._schedule.saved(step, answered)
         return url
 
@@ -445,6 +442,8 @@ class RemoteCheckpointManager(CheckpointManager):
         metadata: dict[str, Any] | None,
         state: StateRecord | None,
         report: Callable[..., None] | None = None,
+        *,
+        incremental: bool = False,
     ) -> str:
         with self._writing:
             self._ensure_lock()
@@ -469,16 +468,24 @@ class RemoteCheckpointManager(CheckpointManager):
             objects, locations, members = plan_objects(
                 [FileRecord(path=f.rel, size=f.size) for f in encoded.files]
             )
+            shared: dict[str, str] = {}
+            if incremental:  # incremental hook: refer to the latest step's equal objects
+                committed = self._committed()
+                base = committed[max(committed)] if committed else None
+                objects, shared = share_objects(
+                    base, encoded.files, objects, members, self.checksum
+                )
             total = sum(f.size for f in encoded.files)
             if report is not None:
                 report(0, total)
             sums = upload_encoded(
                 self._store, prefix, encoded.files, objects, members, self.checksum
             )
+            sums.update(shared)
             if report is not None:
                 report(total, total)
             record = layout.CommitRecord(
-                commit_version=layout.COMMIT_VERSION,
+                commit_version=layout.record_version(objects),
                 step=step,
                 attempt=attempt,
                 writer=self.id,
@@ -536,9 +543,15 @@ class RemoteCheckpointManager(CheckpointManager):
                 # the record first: from here on the step is not listed, whatever follows
                 self._store.rm_files([layout.commit_name(info.step)])
                 gone.append(info)
+        if gone:  # incremental hook: keep what the remaining records name
+            try:
+                committed, damaged, _ = self._scan()
+                protect: Protected = protected(self._store, committed, damaged)
+            except (OSError, RemoteError):
+                protect = ({}, None)  # cannot tell what is named: data left for gc
         for info in gone:
             with contextlib.suppress(OSError, RemoteError):  # else left for gc: no record
-                self._store.rm_tree(self._rel_of(str(info.path)))
+                remove_attempt(self._store, self._rel_of(str(info.path)), protect)
         return [info.path for info in gone]  # type: ignore[misc]
 
     def _rel_of(self, url: str) -> str:
@@ -564,6 +577,7 @@ class RemoteCheckpointManager(CheckpointManager):
             self._ensure_lock()
             committed, damaged, attempts = self._scan()
             named = {layout.attempt_name(s, r.attempt) for s, r in committed.items()}
+            keep = protected(self._store, committed, damaged)  # incremental hook
             now = time.time()
             removed = []
             kept: dict[int, list[str]] = {}
@@ -584,8 +598,8 @@ class RemoteCheckpointManager(CheckpointManager):
                     continue  # the store gives no times: its age is unknown, it may be uploading
                 if self._named_now(step, name):
                     continue
-                self._store.rm_tree(name)
-                removed.append(self._store.show(name))
+                if remove_attempt(self._store, name, keep):  # objects others name stay
+                    removed.append(self._store.show(name))
         for step, names in sorted(kept.items()):
             _background.warn(
                 f"{self._store.show(layout.commit_name(step))}: gc kept {len(names)} attempt(s) "
@@ -801,6 +815,7 @@ class RemoteCheckpointManager(CheckpointManager):
         if metadata is not None:
             check_json_data(metadata)
             metadata = copy.deepcopy(metadata)
+        incremental = self._wants_incremental(incremental)
         obj, record = self._saveable(state)
         with self._staging_lock:
             self._background.drain(before=f"this save of step {step} started", stacklevel=2)
@@ -818,7 +833,9 @@ class RemoteCheckpointManager(CheckpointManager):
             snapshot = detached_copy(obj)
             future = self._background.submit(
                 step,
-                lambda: self._save_prepared(step, snapshot, metadata, record),  # type: ignore[arg-type,return-value]
+                lambda: self._save_prepared(  # type: ignore[arg-type,return-value]
+                    step, snapshot, metadata, record, incremental=incremental
+                ),
             )
         self._schedule.saved(step, answered)
         return future

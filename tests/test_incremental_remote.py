@@ -1,0 +1,145 @@
+# ruff: noqa: F811  (pytest fixtures imported from _remote_fixtures are parameters here)
+"""Incremental steps in object storage (``memory://`` and S3 on a moto server): a record
+refers to the earlier step's object instead of uploading it again, and retention and gc
+count references across every record."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("fsspec")
+from _remote_fixtures import Remote, _timeout, moto_s3, remote  # noqa: F401
+
+from tdckpt import CheckpointManager, KeepLast
+
+tensordict = pytest.importorskip("tensordict")
+TensorDict = tensordict.TensorDict
+
+
+def _td() -> Any:
+    # three leaves of 1.28 MB (objects of their own) and small ones (packed)
+    return TensorDict(
+        a=torch.arange(320_000, dtype=torch.float32),
+        b=torch.ones(320_000),
+        c=torch.arange(160_000, dtype=torch.int64),
+        small=TensorDict(s=torch.zeros(8), t=torch.arange(4)),
+    )
+
+
+def _mgr(r: Remote, **kw: Any) -> CheckpointManager:
+    return CheckpointManager(r.url, storage_options=r.storage_options, **kw)
+
+
+def _record(r: Remote, step: int) -> dict[str, Any]:
+    data: Any = r.fs().cat_file(r.path(f"{step}.tdckpt.json"))
+    return json.loads(data)
+
+
+def _attempt(r: Remote, step: int) -> str:
+    return f"{step}.attempt-{_record(r, step)['attempt']}"
+
+
+def _objects(r: Remote, attempt: str) -> list[str]:
+    fs = r.fs()
+    return sorted(p.rsplit("/", 1)[1] for p in fs.find(r.path(attempt)))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    keys = set(a.keys(True, True))
+    return keys == set(b.keys(True, True)) and all(torch.equal(a[k], b[k]) for k in keys)
+
+
+def test_a_record_refers_to_the_earlier_objects_instead_of_uploading_them(
+    remote: Remote,
+) -> None:
+    td = _td()
+    with _mgr(remote, incremental=True) as mgr:
+        mgr.save(1, td)
+        td["b"] += 1
+        mgr.save(2, td)
+        first, second = _record(remote, 1), _record(remote, 2)
+        assert first["commit_version"] == 1
+        assert all("prefix" not in o for o in first["objects"])  # readable by every tdckpt
+        assert second["commit_version"] == 2
+        shared = {o["name"]: o["prefix"] for o in second["objects"] if "prefix" in o}
+        assert set(shared.values()) == {_attempt(remote, 1)} and len(shared) == 2  # a, c
+        # step 2's own prefix holds b and the pack of small files only
+        assert len(_objects(remote, _attempt(remote, 2))) == len(second["objects"]) - 2
+        assert mgr.verify(2).ok and mgr.verify(1).ok
+        assert _equal(mgr.restore(2), td)
+        first_td = _td()
+        assert _equal(mgr.restore(1), first_td)
+
+
+def test_retention_deleting_the_base_step_keeps_the_objects_later_steps_name(
+    remote: Remote,
+) -> None:
+    td = _td()
+    with _mgr(remote, incremental=True, retention=KeepLast(1)) as mgr:
+        mgr.save(1, td)
+        base = _attempt(remote, 1)
+        td["b"] += 1
+        mgr.save(2, td)
+        assert mgr.steps() == [2]
+        # the record of step 1 and its unshared objects are gone; a and c stay
+        assert len(_objects(remote, base)) == 2
+        td["b"] += 1
+        mgr.save(3, td)  # refers to the same objects of step 1's attempt
+        assert mgr.steps() == [3]
+        assert {o.get("prefix") for o in _record(remote, 3)["objects"]} == {None, base}
+        mgr.gc(grace_period=0)
+        assert len(_objects(remote, base)) == 2
+        assert not any(n.startswith("2.attempt-") for n in remote.fs().ls(remote.path(), False))
+        assert mgr.verify(3).ok
+        assert _equal(mgr.restore(3), td)
+
+
+def test_a_record_tdckpt_cannot_parse_protects_the_attempts_it_mentions(
+    remote: Remote,
+) -> None:
+    td = _td()
+    with _mgr(remote, incremental=True) as mgr:
+        mgr.save(1, td)
+        td["b"] += 1
+        mgr.save(2, td)
+    base = _attempt(remote, 1)
+    fs = remote.fs()
+    fs.rm(remote.path("1.tdckpt.json"))  # step 1 gone: its attempt is named by no record
+    good = fs.cat_file(remote.path("2.tdckpt.json"))
+    newer = json.loads(good)
+    newer["commit_version"] = 99  # a newer tdckpt's record: not parsed here
+    fs.pipe_file(remote.path("2.tdckpt.json"), json.dumps(newer).encode())
+    with _mgr(remote) as mgr:
+        assert mgr.steps() == []
+        with pytest.warns(Warning):  # gc says it kept step 2's own attempt
+            mgr.gc(grace_period=0)
+    assert len(_objects(remote, base)) == 4  # nothing of what record 2 may name was deleted
+    fs.pipe_file(remote.path("2.tdckpt.json"), good)
+    with _mgr(remote) as mgr:
+        assert mgr.verify(2).ok
+        assert _equal(mgr.restore(2), td)
+        mgr.gc(grace_period=0)  # record 2 readable again: only a and c of step 1 stay
+    assert len(_objects(remote, base)) == 2
+    with _mgr(remote) as mgr:
+        assert _equal(mgr.restore(2), td)
+
+
+def test_save_async_and_training_states_are_incremental_too(remote: Remote) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 2))
+    model[0].requires_grad_(False)  # a frozen 1.44 MB weight
+    with _mgr(remote, incremental=True) as mgr:
+        mgr.save_async(1, {"model": model}).result()
+        with torch.no_grad():
+            model[1].weight += 1
+        mgr.save_async(2, {"model": model}).result()
+        record = _record(remote, 2)
+        shared = [o for o in record["objects"] if "prefix" in o]
+        assert len(shared) == 1  # the frozen weight
+        fresh = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 2))
+        mgr.restore_into({"model": fresh}, 2)
+        for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+            assert torch.equal(a, b)
