@@ -443,3 +443,37 @@ def test_ls_shows_each_steps_own_bytes_and_its_total(
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:5] == ["step", "status", "kind", "own", "size"]
     assert lines[2].split()[:5] == ["2", "committed", "dir", str(sizes[2] - big), str(sizes[2])]
+
+
+def test_diff_of_two_incremental_steps_of_a_training_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tdckpt.diff`` / ``tdckpt diff --root`` on a training state: the trained parameters
+    and the optimizer's moments changed, the frozen ones (shared files) did not."""
+    import json
+
+    import tdckpt
+    from tdckpt import cli
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+    with CheckpointManager(tmp_path, incremental=True, fsync=False) as mgr:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        one = mgr.save(1, {"model": model, "optim": opt})
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        two = mgr.save(2, {"model": model, "optim": opt})
+    report = tdckpt.diff(one, two)
+    changed = {e.key for e in report.entries if e.change == "changed"}
+    assert ("model", "1.weight") in changed and ("model", "1.bias") in changed
+    assert not any(k[:2] in {("model", "0.weight"), ("model", "0.bias")} for k in changed)
+    assert any(k[0] == "optim" for k in changed)  # Adam's moments and step moved
+    capsys.readouterr()
+    assert cli.main(["diff", "1", "2", "--root", str(tmp_path), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    listed = {tuple(e["key"]) for e in doc["entries"] if e["change"] == "changed"}
+    assert listed == changed
+    assert cli.main(["diff", "2", "2", "--root", str(tmp_path)]) == 0
