@@ -147,8 +147,10 @@ class CheckpointManager:
             written again; the new step shares that step's file (a reflink where the file
             system has it, else a hard link), and the leaf files of incremental saves are
             read-only on disk. Off by default (see docs/incremental.rst: it changes file
-            modes, and equality rests on the checksum). Not with ``archive=True``,
-            ``layout="consolidated"`` or a collective manager.
+            modes, and equality rests on the checksum). In a collective manager each
+            rank's shard is compared with its shard of the latest step; on a URL root the
+            commit record refers to the earlier step's objects. Not with
+            ``archive=True`` or ``layout="consolidated"``.
 
     Example:
         >>> import tempfile, torch
@@ -244,11 +246,7 @@ class CheckpointManager:
             )
         # -- incremental hook (tdckpt._write.incremental) --
         self.incremental = check_incremental(
-            incremental,
-            where=str(self.root),
-            archive=self.archive,
-            layout=self.layout,
-            collective=self._shard is not None,
+            incremental, where=str(self.root), archive=self.archive, layout=self.layout
         )
         # save_async: one save in flight on one background thread, staged into buffers
         # reused across saves (tdckpt._manage.background, tdckpt._write.snapshot).
@@ -524,6 +522,7 @@ class CheckpointManager:
                 metadata=metadata,
                 overwrite=overwrite,
                 replicated=replicated,
+                incremental=self._wants_incremental(incremental),  # incremental hook
             )
             self._schedule.saved(step, answered)
             return path
@@ -616,7 +615,9 @@ class CheckpointManager:
             ([0.0, 0.0, 0.0], {'loss': 0.5})
         """
         if self._shard is not None:
-            return self._save_async_collective(step, state, metadata, replicated)
+            return self._save_async_collective(
+                step, state, metadata, replicated, self._wants_incremental(incremental)
+            )
         step = _atomic.check_step(step)
         incremental = self._wants_incremental(incremental)
         if metadata is not None:
@@ -644,7 +645,12 @@ class CheckpointManager:
         return future
 
     def _save_async_collective(
-        self, step: int, obj: Any, metadata: dict[str, Any] | None, replicated: Any
+        self,
+        step: int,
+        obj: Any,
+        metadata: dict[str, Any] | None,
+        replicated: Any,
+        incremental: bool = False,
     ) -> SaveFuture:
         from tdckpt._shard.save import collective_save
         from tdckpt._write.snapshot import detached_copy
@@ -669,6 +675,7 @@ class CheckpointManager:
                     metadata=metadata,
                     overwrite=False,
                     replicated=replicated,
+                    incremental=incremental,
                 )
 
             future = self._background.submit(step, job)
@@ -918,7 +925,6 @@ class CheckpointManager:
             where=str(self.root),
             archive=self.archive,
             layout=self.layout,
-            collective=getattr(self, "_shard", None) is not None,
         )
 
     def _incremental_save(self) -> IncrementalSave:

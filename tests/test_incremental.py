@@ -21,6 +21,7 @@ import torch
 from tensordict import TensorDict
 
 from tdckpt import CheckpointManager
+from tdckpt.errors import RestoreError
 from tdckpt.retention import KeepLast
 
 MiB = 1 << 20
@@ -302,7 +303,6 @@ def test_load_memmap_never_maps_a_shared_leaf_writable(tmp_path: Path) -> None:
     """Outside the manager nothing breaks the sharing: r+ is refused naming the file, and
     tensordict's default mode (None) maps a shared file copy-on-write, even for root."""
     import tdckpt
-    from tdckpt.errors import RestoreError
 
     td = _state()
     with CheckpointManager(tmp_path, incremental=True, fsync=False) as mgr:
@@ -477,3 +477,34 @@ def test_diff_of_two_incremental_steps_of_a_training_state(
     listed = {tuple(e["key"]) for e in doc["entries"] if e["change"] == "changed"}
     assert listed == changed
     assert cli.main(["diff", "2", "2", "--root", str(tmp_path)]) == 0
+
+
+def test_sharded_steps_share_each_ranks_unchanged_leaves(tmp_path: Path) -> None:
+    """Two gloo ranks save two incremental sharded steps: each rank's unchanged leaf is
+    linked from its own shard of the step before; retention of the first keeps the second."""
+    from _shard_child import incremental_shard, spawn_ranks
+
+    from tdckpt.schema import ShardedManifest
+
+    root = tmp_path / "root"
+    results = spawn_ranks("incremental", 2, {"out": str(tmp_path / "o"), "root": str(root)})
+    assert all(r is not None and r.get("ok") == [1, 2] for r in results), results
+    mgr = CheckpointManager(root, group=False)
+    manifests = [mgr._resolve(step)[2] for step in (1, 2)]
+    assert all(isinstance(m, ShardedManifest) for m in manifests)
+    for rank in (0, 1):
+        one, two = (
+            mgr.path(s) / m.shards[rank].prefix for s, m in zip((1, 2), manifests, strict=True)
+        )
+        assert _ino(one / "frozen.memmap") == _ino(two / "frozen.memmap"), rank
+        assert _ino(one / "moving.memmap") != _ino(two / "moving.memmap"), rank
+    whole = torch.cat([incremental_shard(2, rank) for rank in (0, 1)])
+    assert (mgr.restore(2) == whole).all()
+    with pytest.raises(RestoreError, match="would map shared a file"):
+        mgr.restore(1, mode="r+")  # a shard's shared file is never mapped writable
+    mgr.close()
+    with CheckpointManager(root, group=False, retention=KeepLast(1)) as mgr:
+        mgr.prune()
+        assert mgr.steps() == [2]
+        assert mgr.verify(2).ok
+        assert (mgr.restore(2) == whole).all()

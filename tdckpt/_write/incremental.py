@@ -246,26 +246,18 @@ def _reflink(src: Path, dest: Path, *, fsync: bool) -> bool:
     return True
 
 
-def check_incremental(
-    incremental: object, *, where: str, archive: bool, layout: str, collective: bool
-) -> bool:
+def check_incremental(incremental: object, *, where: str, archive: bool, layout: str) -> bool:
     """``incremental`` as a bool, refused (ValueError) where steps cannot share files."""
     if type(incremental) is not bool:
         raise TypeError(f"incremental must be True or False, got {incremental!r}")
     if not incremental:
         return False
-    if archive or layout != "memmap" or collective:
-        what = (
-            "archive=True"
-            if archive
-            else f"layout={layout!r}"
-            if layout != "memmap"
-            else "a collective (sharded) manager"
-        )
+    if archive or layout != "memmap":
+        what = "archive=True" if archive else f"layout={layout!r}"
         raise ValueError(
             f"{where}: incremental saves share leaf files between step folders of the memmap "
             f"layout; not with {what}. Drop incremental=True, or save plain folders "
-            "(archive=False, layout='memmap', one process)."
+            "(archive=False, layout='memmap')."
         )
     return True
 
