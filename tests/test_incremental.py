@@ -508,3 +508,29 @@ def test_sharded_steps_share_each_ranks_unchanged_leaves(tmp_path: Path) -> None
         assert mgr.steps() == [2]
         assert mgr.verify(2).ok
         assert (mgr.restore(2) == whole).all()
+
+
+def test_a_file_with_too_many_links_is_written_instead(tmp_path: Path) -> None:
+    """ext4 allows 65,000 names per file: a leaf shared by that many steps is written
+    afresh by the next save, never a failed save."""
+    import errno
+
+    td = _state()
+    root = tmp_path / "root"
+    with CheckpointManager(root, incremental=True, fsync=False) as mgr:
+        one = mgr.save(1, td)
+        links = tmp_path / "links"
+        links.mkdir()
+        for i in range(70_000):
+            try:
+                os.link(one / "w0.memmap", links / str(i))
+            except OSError as exc:
+                if exc.errno != errno.EMLINK:
+                    raise
+                break
+        else:
+            pytest.skip("this file system allows more than 70,000 links per file")
+        two = mgr.save(2, td)
+        assert _ino(two / "w0.memmap") != _ino(one / "w0.memmap")  # written afresh
+        assert _ino(two / "w1.memmap") == _ino(one / "w1.memmap")
+        assert mgr.verify(2).ok and (mgr.restore(2) == td).all()

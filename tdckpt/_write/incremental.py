@@ -206,8 +206,14 @@ class IncrementalSave:
         return self.base.candidate(rel, size, entry)
 
 
-def share_file(base: IncrementalBase, rel: str, dest: Path, *, fsync: bool) -> str:
-    """Give ``dest`` (new) the bytes of the base's ``rel``: ``"reflink"`` or ``"link"``.
+#: What ``link`` fails with where a hard link cannot be made: too many links to the file
+#: (ext4: 65,000), another file system, links not supported or not permitted.
+_NO_LINK = frozenset({errno.EMLINK, errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS})
+
+
+def share_file(base: IncrementalBase, rel: str, dest: Path, *, fsync: bool) -> str | None:
+    """Give ``dest`` (new) the bytes of the base's ``rel``: ``"reflink"`` or ``"link"``;
+    None when neither can be made (``dest`` not created: the caller writes the leaf).
 
     A reflink is tried once per save; where the file system refuses it, hard links follow.
     """
@@ -219,7 +225,12 @@ def share_file(base: IncrementalBase, rel: str, dest: Path, *, fsync: bool) -> s
             fault_point("shared")
             return "reflink"
         base.reflink = False
-    os.link(src, dest, follow_symlinks=False)
+    try:
+        os.link(src, dest, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in _NO_LINK:
+            return None
+        raise
     fault_point("shared")
     return "link"
 

@@ -503,6 +503,8 @@ class _Writer:
         if checksum != record.checksum:
             return False
         how = share_file(base, rel, self._path(rel), fsync=self.fsync)
+        if how is None:
+            return False  # no link possible (too many links to the file, ...): written
         self.incremental.shared[rel] = how
         self.incremental.shared_bytes += size
         self.records.append(
