@@ -30,7 +30,6 @@ import stat
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
 from tdckpt._progress import Bar, isatty
@@ -625,8 +624,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                 f"{_clean(','.join(e.components))} {_clean(meta)}".rstrip()
             )
         return EXIT_OK
-    rows = _manager(args.root, args).list_steps()
-    shared = _shared_bytes(rows)  # incremental steps: bytes other steps name too
+    mgr = _manager(args.root, args)
+    rows = mgr.list_steps()
+    shared = mgr.shared_bytes()  # incremental steps: bytes other steps name too
     if args.json:
         out = [row.to_json() for row in rows]
         for row, entry in zip(rows, out, strict=True):
@@ -641,7 +641,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         _out(f"{'step':>10}  {'status':<10} {'kind':<7} {'own':>12} {'size':>12}  metadata")
         for row in rows:
             step = "-" if row.step is None else str(row.step)
-            own = row.size - shared.get(row.step or -1, 0) if row.status == "committed" else 0
+            committed = row.status == "committed" and row.step is not None
+            own = row.size - shared.get(row.step, 0) if committed else 0
             meta = json.dumps(_jsonable(row.metadata), sort_keys=True, default=str)
             _out(
                 f"{step:>10}  {row.status:<10} {row.kind:<7} {own:>12} {row.size:>12}  "
@@ -679,18 +680,6 @@ def _verify_all(args: argparse.Namespace) -> int:
         "another step, or save these again."
     )
     return EXIT_PROBLEM
-
-
-def _shared_bytes(rows: list[Any]) -> dict[int, int]:
-    """For a local root: each committed folder step's bytes that other steps name too."""
-    from tdckpt._write.incremental import shared_bytes
-
-    steps = [
-        (row.step, Path(row.path))
-        for row in rows
-        if row.status == "committed" and row.kind == "dir" and not isinstance(row.path, str)
-    ]
-    return shared_bytes(steps)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

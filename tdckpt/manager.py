@@ -429,6 +429,18 @@ class CheckpointManager:
         """
         return self._index.statuses()
 
+    def shared_bytes(self) -> dict[int, int]:
+        """``step -> bytes of its files that another committed step names too`` (incremental
+        steps share files): a step's own bytes, about what deleting it frees, are its size
+        less these. Steps that share nothing map to 0."""
+        from tdckpt._write.incremental import shared_bytes  # incremental hook
+
+        steps = []
+        for step, forms in self._index.committed().items():
+            path, _ = self._preferred(forms)
+            steps.append((step, path))
+        return shared_bytes(steps)
+
     @contextlib.contextmanager
     def _using(self, step: int | None) -> Iterator[tuple[int, Path, Manifest]]:
         """Pick a committed step and protect it from retention until the block ends."""

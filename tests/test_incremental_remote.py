@@ -143,3 +143,25 @@ def test_save_async_and_training_states_are_incremental_too(remote: Remote) -> N
         mgr.restore_into({"model": fresh}, 2)
         for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
             assert torch.equal(a, b)
+
+
+def test_ls_shows_each_remote_steps_own_bytes(
+    remote: Remote, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tdckpt import cli
+
+    td = _td()
+    with _mgr(remote, incremental=True) as mgr:
+        mgr.save(0, td)  # step 0: its shared bytes must count too
+        td["b"] += 1
+        mgr.save(1, td)
+        sizes = {s.step: s.size for s in mgr.list_steps()}
+        assert mgr.shared_bytes() == {0: 320_000 * 4 + 160_000 * 8, 1: 320_000 * 4 + 160_000 * 8}
+    if remote.storage_options:
+        return  # the CLI's S3 options are covered by test_remote_cli; memory:// below
+    capsys.readouterr()
+    assert cli.main(["ls", remote.url, "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    shared = 320_000 * 4 + 160_000 * 8
+    assert rows[0]["own_size"] == sizes[0] - shared
+    assert rows[1]["own_size"] == sizes[1] - shared

@@ -641,6 +641,13 @@ class RemoteCheckpointManager(CheckpointManager):
         with progress_bar(progress, "verify") as report:
             return self._verify_remote(step, report)
 
+    def shared_bytes(self) -> dict[int, int]:  # incremental hook
+        """As :meth:`CheckpointManager.shared_bytes`: bytes of each step's files that lie
+        in objects another committed record names too."""
+        from tdckpt._remote.shared import shared_file_bytes
+
+        return shared_file_bytes(self._committed())
+
     def verify_steps(
         self, steps: list[int] | None = None, *, progress: ProgressArg = None
     ) -> list[VerifyReport]:

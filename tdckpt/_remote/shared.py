@@ -41,6 +41,7 @@ __all__ = [
     "referenced_objects",
     "remove_attempt",
     "share_objects",
+    "shared_file_bytes",
 ]
 
 #: An attempt prefix's name inside a record's raw bytes (parseable or not).
@@ -157,3 +158,19 @@ def remove_attempt(store: Store, name: str, keep: Protected) -> bool:
     if doomed:
         store.rm_files(doomed)
     return False
+
+
+def shared_file_bytes(committed: dict[int, CommitRecord]) -> dict[int, int]:
+    """``step -> bytes of its files lying in objects another record names too``."""
+    owners: dict[str, int] = {}
+    for record in committed.values():
+        for where in {record.object_path(i) for i in range(len(record.objects))}:
+            owners[where] = owners.get(where, 0) + 1
+    return {
+        step: sum(
+            f.size
+            for f in record.manifest.files
+            if owners[record.object_path(record.locations[f.path].object)] > 1
+        )
+        for step, record in committed.items()
+    }
