@@ -12,7 +12,14 @@ import pytest
 import torch
 
 pytest.importorskip("fsspec")
-from _remote_fixtures import Remote, _timeout, moto_s3, remote  # noqa: F401
+from _remote_fixtures import (  # noqa: F401
+    Remote,
+    _timeout,
+    moto_s3,
+    remote,
+    remote_timeout,
+    s3_remote,
+)
 
 from tdckpt import CheckpointManager, KeepLast
 
@@ -165,3 +172,58 @@ def test_ls_shows_each_remote_steps_own_bytes(
     shared = 320_000 * 4 + 160_000 * 8
     assert rows[0]["own_size"] == sizes[0] - shared
     assert rows[1]["own_size"] == sizes[1] - shared
+
+
+@remote_timeout(lambda trials: 240)
+def test_sigkill_at_every_stage_of_an_incremental_save_in_s3(s3_remote: Remote) -> None:
+    """SIGKILL before the upload, before the commit, before retention deletes the base
+    step's record and before it deletes the base's data: every listed step restores
+    bit-exactly, before and after gc, and the objects a later record names survive."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from _remote_incremental_child import make
+
+    from tdckpt.errors import LockError
+
+    repo = Path(__file__).resolve().parents[1]
+    expected = {"upload": [1], "commit": [1], "record": [1, 2], "data": [2]}
+    for stage, steps in expected.items():
+        url = f"{s3_remote.url}/{stage}"
+        child = subprocess.run(
+            [
+                sys.executable,
+                str(repo / "tests" / "_remote_incremental_child.py"),
+                url,
+                json.dumps(s3_remote.storage_options),
+                stage,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=repo,
+            env={**os.environ, "PYTHONPATH": f"{repo}:{repo / 'tests'}"},
+            check=False,
+        )
+        assert "saved 1" in child.stdout, child.stderr
+        assert child.returncode == -signal.SIGKILL, (stage, child.stdout, child.stderr)
+        with CheckpointManager(url, storage_options=s3_remote.storage_options) as mgr:
+            assert mgr.steps() == steps, stage
+            for step in steps:
+                assert _equal(mgr.restore(step), make(step)), (stage, step)
+            deadline = time.monotonic() + 30
+            while True:  # the dead child's lease expires after its 2 s ttl
+                try:
+                    mgr.gc(grace_period=0)
+                    break
+                except LockError:
+                    assert time.monotonic() < deadline, "the dead writer's lease never expired"
+                    time.sleep(0.25)
+            assert mgr.steps() == steps, stage
+            for step in steps:
+                assert mgr.verify(step).ok, (stage, step)
+                assert _equal(mgr.restore(step), make(step)), (stage, step)
