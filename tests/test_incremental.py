@@ -534,3 +534,24 @@ def test_a_file_with_too_many_links_is_written_instead(tmp_path: Path) -> None:
         assert _ino(two / "w0.memmap") != _ino(one / "w0.memmap")  # written afresh
         assert _ino(two / "w1.memmap") == _ino(one / "w1.memmap")
         assert mgr.verify(2).ok and (mgr.restore(2) == td).all()
+
+
+def test_a_leaf_written_after_its_commit_is_never_linked(tmp_path: Path) -> None:
+    """A committed leaf written into afterwards (by root, whom the read-only mode does not
+    stop, or after a chmod) no longer holds its manifest's bytes: the next incremental save
+    writes its own copy instead of linking the damaged file."""
+    td = _state()
+    with CheckpointManager(tmp_path, incremental=True, fsync=False) as mgr:
+        one = mgr.save(1, td)
+        leaf = one / "w0.memmap"
+        os.chmod(leaf, 0o644)
+        with open(leaf, "r+b") as fh:
+            fh.write(b"\x00\x00\x80\x7f")  # one element of w0 becomes +inf
+        os.chmod(leaf, 0o444)
+        future = os.stat(mgr.path(1) / "tdckpt.manifest.json").st_mtime_ns + 10**9
+        os.utime(leaf, ns=(future, future))  # whatever the clock's resolution
+        two = mgr.save(2, td)
+        assert _ino(two / "w0.memmap") != _ino(leaf)
+        assert _ino(two / "w1.memmap") == _ino(one / "w1.memmap")
+        assert mgr.verify(2).ok and not mgr.verify(1).ok
+        assert (mgr.restore(2) == td).all()

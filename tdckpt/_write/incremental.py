@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tdckpt.schema import FileRecord, Manifest
+from tdckpt.schema import MANIFEST_NAME, FileRecord, Manifest
 
 __all__ = [
     "LEAF_MODE",
@@ -102,6 +102,9 @@ class IncrementalBase:
     step: int
     path: Path
     records: dict[str, FileRecord]
+    #: when the step's manifest was written (its last file): a leaf modified since - by
+    #: ``root``, whom the read-only mode does not stop - is never linked
+    committed_ns: int = 0
     _meta: dict[str, Any] = field(default_factory=dict)
     #: None: not tried yet; False: this file system refused a reflink (hard links then).
     reflink: bool | None = None
@@ -121,7 +124,13 @@ class IncrementalBase:
             for r in manifest.files
             if r.key is not None and r.checksum is not None and r.checksum.startswith(prefix)
         }
-        return cls(step=step, path=path, records=records) if records else None
+        try:
+            committed_ns = os.lstat(path / MANIFEST_NAME).st_mtime_ns
+        except OSError:
+            return None
+        if not records:
+            return None
+        return cls(step=step, path=path, records=records, committed_ns=committed_ns)
 
     def candidate(self, rel: str, size: int, entry: dict[str, Any] | None) -> FileRecord | None:
         """The base's record of ``rel`` when it may hold the new leaf's bytes: the same size,
@@ -140,8 +149,8 @@ class IncrementalBase:
             st = os.lstat(self.path / rel)
         except OSError:
             return None
-        if not _read_only(st) or st.st_size != size:
-            return None
+        if not _read_only(st) or st.st_size != size or st.st_mtime_ns > self.committed_ns:
+            return None  # writable, or written after the step was committed: not shared
         return record
 
 
