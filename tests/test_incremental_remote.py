@@ -227,3 +227,16 @@ def test_sigkill_at_every_stage_of_an_incremental_save_in_s3(s3_remote: Remote) 
             for step in steps:
                 assert mgr.verify(step).ok, (stage, step)
                 assert _equal(mgr.restore(step), make(step)), (stage, step)
+
+
+def test_verify_steps_reads_an_object_several_records_name_once(remote: Remote) -> None:
+    td = _td()
+    with _mgr(remote, incremental=True) as mgr:
+        for step in (1, 2, 3):
+            td["b"] += 1
+            mgr.save(step, td)
+        reports = mgr.verify_steps()
+        assert [r.step for r in reports] == [1, 2, 3] and all(r.ok for r in reports)
+        assert [r.shared_checked for r in reports] == [0, 2, 2]  # a and c: read for step 1
+        assert reports[1].files_checked == reports[0].files_checked
+        assert reports[1].bytes_checked < reports[0].bytes_checked

@@ -651,13 +651,18 @@ class RemoteCheckpointManager(CheckpointManager):
     def verify_steps(
         self, steps: list[int] | None = None, *, progress: ProgressArg = None
     ) -> list[VerifyReport]:
-        """:meth:`verify` each of ``steps`` (default: every committed step)."""
-        return [
-            self.verify(step, progress=progress)
-            for step in (self.steps() if steps is None else steps)
-        ]
+        """:meth:`verify` each of ``steps`` (default: every committed step); an object
+        several records name (incremental steps) is read once."""
+        seen: dict[str, str] = {}  # objects several records name: read once
+        with progress_bar(progress, "verify") as report:
+            return [
+                self._verify_remote(step, report, seen)
+                for step in (self.steps() if steps is None else steps)
+            ]
 
-    def _verify_remote(self, step: int | None, progress: Progress | None) -> VerifyReport:
+    def _verify_remote(
+        self, step: int | None, progress: Progress | None, seen: dict[str, str] | None = None
+    ) -> VerifyReport:
         if step is not None:
             step = _atomic.check_step(step)
             committed, damaged, _ = self._scan()
@@ -688,6 +693,7 @@ class RemoteCheckpointManager(CheckpointManager):
                     step=resolved,
                     progress=progress,
                     report=report,
+                    seen=seen,
                 )
             return report
 

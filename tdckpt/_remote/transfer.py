@@ -151,6 +151,7 @@ def download_step(
     step: int,
     progress: Callable[[int, int], None] | None = None,
     report: VerifyReport | None = None,
+    seen: dict[str, str] | None = None,
 ) -> int:
     """Read every file of the step into ``dest`` (a new folder), verifying checksums.
 
@@ -160,6 +161,11 @@ def download_step(
     written. With ``report`` given, problems are appended to it instead of raised
     (``verify``); otherwise the first bad file raises :class:`IntegrityError`. Returns
     the bytes read.
+
+    ``seen`` (with ``report``: verifying several steps): object path -> the checksum read
+    for the one file it holds. An object another step of the same verification read (an
+    incremental step's reference) is not read again: its file is compared with that
+    checksum (``report.shared_checked``).
     """
     manifest: Manifest = record.manifest
     by_object: dict[int, list[FileRecord]] = {}
@@ -167,6 +173,18 @@ def download_step(
         by_object.setdefault(record.locations[f.path].object, []).append(f)
     for files in by_object.values():
         files.sort(key=lambda f: record.locations[f.path].offset)
+    if seen is not None and report is not None:
+        for index in list(by_object):
+            known = seen.get(record.object_path(index))
+            files = by_object[index]
+            if known is None or len(files) != 1:
+                continue
+            del by_object[index]  # read once already, for another step
+            report.files_checked += 1
+            report.shared_checked += 1
+            f = files[0]
+            if known != f.checksum:
+                report.problems.append(VerifyProblem(f.path, _key(f), "changed", f.checksum, known))
     total = sum(f.size for f in manifest.files)
     done = 0
     dest.mkdir(parents=True, exist_ok=False)
@@ -307,6 +325,8 @@ def download_step(
                             if found != f.checksum:
                                 problem(f, "changed", f.checksum, found)
                                 continue
+                        if seen is not None and len(by_object[index]) == 1:
+                            seen[record.object_path(index)] = found
                     _write_new(dest / f.path, parts)
                     done += f.size
                     if report is not None:
