@@ -665,7 +665,12 @@ def _verify_all(args: argparse.Namespace) -> int:
     with _progress("verify", unit="B") as bar:
         reports = _manager(args.root, args).verify_steps(progress=bar)
     if args.json:
-        _print_json([report.to_json() for report in reports])
+        _print_json(
+            {
+                "ok": all(report.ok for report in reports),
+                "steps": [report.to_json() for report in reports],
+            }
+        )
     else:
         for report in reports:
             _out(report.summary())

@@ -412,7 +412,8 @@ def test_verify_steps_reads_a_shared_file_once_and_reports_per_step(
     capsys.readouterr()
     assert cli.main(["verify", str(tmp_path), "--all", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert [(r["step"], r["ok"]) for r in out] == [(1, False), (2, False), (3, False)]
+    assert out["ok"] is False
+    assert [(r["step"], r["ok"]) for r in out["steps"]] == [(1, False), (2, False), (3, False)]
     with pytest.raises(SystemExit) as usage:
         cli.main(["verify", str(tmp_path), "--all", "--step", "1"])
     assert usage.value.code == 2
