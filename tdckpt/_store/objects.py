@@ -34,6 +34,7 @@ from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
 from tdckpt._remote import layout
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
+from tdckpt._remote.shared import Protected, protected, remove_attempt
 from tdckpt._remote.store import Store, memory_tmp, mtime, open_store, shorten
 from tdckpt._store.base import Attempt, Capabilities, StepRecord
 from tdckpt.errors import (
@@ -305,9 +306,14 @@ class ObjectStepStore:
         metadata: dict[str, Any] | None,
         state: StateRecord | None,
         progress: Progress | None,
+        incremental: bool = False,
     ) -> None:
-        """Encode ``obj`` in memory, upload it under the attempt prefix, keep its record."""
+        """Encode ``obj`` in memory, upload it under the attempt prefix, keep its record.
+
+        ``incremental``: an object equal to a whole object of the latest committed step is
+        not uploaded; the record refers to it (:mod:`tdckpt._remote.shared`)."""
         from tdckpt._remote.encode import encode_checkpoint
+        from tdckpt._remote.shared import share_objects
         from tdckpt._remote.transfer import plan_objects, upload_encoded
 
         step, prefix = attempt.step, str(attempt.where)
@@ -322,14 +328,20 @@ class ObjectStepStore:
         objects, locations, members = plan_objects(
             [FileRecord(path=f.rel, size=f.size) for f in encoded.files]
         )
+        shared: dict[str, str] = {}
+        if incremental:  # refer to the latest step's equal objects instead of uploading them
+            committed = self._scan()[0]
+            base = committed[max(committed)] if committed else None
+            objects, shared = share_objects(base, encoded.files, objects, members, self.checksum)
         total = sum(f.size for f in encoded.files)
         if progress is not None:
             progress(0, total)
         sums = upload_encoded(self.store, prefix, encoded.files, objects, members, self.checksum)
+        sums.update(shared)
         if progress is not None:
             progress(total, total)
         attempt.pending = layout.CommitRecord(
-            commit_version=layout.COMMIT_VERSION,
+            commit_version=layout.record_version(objects),
             step=step,
             attempt=str(attempt.pending),
             writer=self._id,
@@ -374,9 +386,18 @@ class ObjectStepStore:
         return [str(record.where) for record in records]
 
     def remove(self, retired: list[Any], *, stacklevel: int) -> list[Path | str]:
+        """Delete the retired attempts' objects that no remaining record names (an
+        incremental step refers to an earlier step's objects); the rest is left for gc."""
+        if not retired:
+            return []
+        try:
+            committed, damaged, _ = self._scan()
+            keep: Protected = protected(self.store, committed, damaged)
+        except (OSError, RemoteError):
+            keep = ({}, None)  # cannot tell what is named: the data is left for gc
         for url in retired:
             with contextlib.suppress(OSError, RemoteError):  # else left for gc: no record
-                self.store.rm_tree(url[len(self.store.url) + 1 :])
+                remove_attempt(self.store, url[len(self.store.url) + 1 :], keep)
         return list(retired)
 
     def gc(self, grace_period: float | None, *, stacklevel: int) -> list[Path | str]:
@@ -389,6 +410,7 @@ class ObjectStepStore:
             grace_period = DEFAULT_GRACE_S
         committed, damaged, attempts = self._scan()
         named = {layout.attempt_name(s, r.attempt) for s, r in committed.items()}
+        keep = protected(self.store, committed, damaged)  # objects other records name
         now = time.time()
         removed: list[Path | str] = []
         kept: dict[int, list[str]] = {}
@@ -409,8 +431,8 @@ class ObjectStepStore:
                 continue  # the store gives no times: its age is unknown, it may be uploading
             if self._named_now(step, name):
                 continue
-            self.store.rm_tree(name)
-            removed.append(self.store.show(name))
+            if remove_attempt(self.store, name, keep):  # objects others name stay
+                removed.append(self.store.show(name))
         for step, names in sorted(kept.items()):
             _background.warn(
                 f"{self.store.show(layout.commit_name(step))}: gc kept {len(names)} attempt(s) "
@@ -439,12 +461,19 @@ class ObjectStepStore:
             return True
         return layout.attempt_name(step, record.attempt) == name
 
+    def shared_bytes(self) -> dict[int, int]:
+        """Bytes of each step's files that lie in objects another committed record names."""
+        from tdckpt._remote.shared import shared_file_bytes
+
+        return shared_file_bytes(self._scan()[0])
+
     # -- reading ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def open(self, record: StepRecord) -> Iterator[Path]:
+    def open(self, record: StepRecord, *, writes: bool = False) -> Iterator[Path]:
         """The step downloaded and verified into a private local folder, while the block
         runs; warnings and errors raised in the block name the step's URL, not that folder.
-        (The one read path of a committed step: a ranged-read Storage replaces it.)"""
+        (The one read path of a committed step: a ranged-read Storage replaces it.) The
+        folder is a private copy: ``writes`` needs nothing more."""
         from tdckpt._remote.prefix import relabel_warnings
 
         with self._download(record) as local, relabel_warnings(local, str(record.where)):
@@ -483,9 +512,12 @@ class ObjectStepStore:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def verify(self, record: StepRecord, progress: Progress | None) -> VerifyReport:
+    def verify(
+        self, record: StepRecord, progress: Progress | None, *, shared: dict[Any, Any] | None = None
+    ) -> VerifyReport:
         """Read every object of the step and compare each file with the manifest (sizes
-        and checksums); nothing is written anywhere but a temporary folder."""
+        and checksums); nothing is written anywhere but a temporary folder. ``shared``: an
+        object an earlier step of the same verification read is not read again."""
         from tdckpt._remote.transfer import download_step
 
         prefix, commit = _prefix(record)
@@ -499,6 +531,7 @@ class ObjectStepStore:
                 step=record.step,
                 progress=progress,
                 report=report,
+                seen=shared,
             )
         return report
 
