@@ -492,6 +492,7 @@ def cmd_substitution(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> A
         call("gc_negative", lambda: m.gc(grace_period=-1))
         call("save_existing", lambda: m.save(3, _sub_td(2, rows)))
         out["steps_after"] = m.steps()
+    return out
 
 
 def cmd_select(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:

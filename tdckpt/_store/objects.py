@@ -8,8 +8,10 @@ step exactly one create succeeds, the other gets a
 :class:`~tdckpt.errors.CommitConflictError`. ``overwrite`` is refused: replacing a committed
 step needs an atomic swap object stores lack. Retiring deletes the record first (the step
 is gone), then its data; gc deletes attempt prefixes no record names once older than a grace
-period, and keeps every attempt of a step whose record it cannot read. Exclusive writing:
-the root's lease (:class:`tdckpt._remote.lease.Lease`).
+period, and keeps every attempt of a step whose record it cannot read. Incremental steps
+(:mod:`tdckpt._remote.shared`): a record may name objects under an earlier step's attempt;
+retention and gc delete only the objects of an attempt that no remaining record names.
+Exclusive writing: the root's lease (:class:`tdckpt._remote.lease.Lease`).
 
 Reading a committed step for a restore is :meth:`ObjectStepStore.open`, the one place a
 step's bytes come to this machine (today: downloaded and verified into a private folder).
@@ -110,6 +112,9 @@ class ObjectStepStore:
             self.store, manager_id, ttl=DEFAULT_TTL_S if lease_ttl is None else lease_ttl
         )
         self._records: dict[str, tuple[tuple[Any, ...], layout.CommitRecord | MetadataError]] = {}
+        # the last listing's committed records and damaged steps: retention retires steps
+        # it just listed, and keeps what the remaining records name without listing again
+        self._last_scan: tuple[dict[int, layout.CommitRecord], dict[int, str]] = ({}, {})
 
     # -- listing ---------------------------------------------------------------------------
     def _scan(self) -> _Scan:
@@ -142,6 +147,8 @@ class ObjectStepStore:
         for step, reason in folders.items():
             if step not in committed:
                 damaged.setdefault(step, reason)
+        with self._state:
+            self._last_scan = (committed, damaged)
         return committed, damaged, attempts
 
     def _record(
@@ -378,27 +385,34 @@ class ObjectStepStore:
             self.store.rm_tree(str(attempt.where))
 
     # -- deleting --------------------------------------------------------------------------
-    def retire(self, records: list[StepRecord]) -> list[str]:
+    def retire(self, records: list[StepRecord]) -> list[tuple[str, Protected]]:
         """Delete each step's commit record (from then on it is not listed); the URLs of
-        their attempts, which :meth:`remove` deletes."""
-        for record in records:
-            self.store.rm_files([layout.commit_name(record.step)])
-        return [str(record.where) for record in records]
-
-    def remove(self, retired: list[Any], *, stacklevel: int) -> list[Path | str]:
-        """Delete the retired attempts' objects that no remaining record names (an
-        incremental step refers to an earlier step's objects); the rest is left for gc."""
-        if not retired:
+        their attempts, which :meth:`remove` deletes, each with what it must keep: the
+        objects the remaining records name (an incremental step refers to an earlier
+        step's objects)."""
+        if not records:
             return []
-        try:
+        with self._state:
+            committed, damaged = self._last_scan
+        if any(committed.get(r.step) is not r.handle for r in records):  # not just listed
             committed, damaged, _ = self._scan()
-            keep: Protected = protected(self.store, committed, damaged)
+        doomed = {r.step for r in records}
+        remaining = {s: r for s, r in committed.items() if s not in doomed}
+        try:
+            keep: Protected = protected(self.store, remaining, damaged)
         except (OSError, RemoteError):
             keep = ({}, None)  # cannot tell what is named: the data is left for gc
-        for url in retired:
+        for record in records:
+            self.store.rm_files([layout.commit_name(record.step)])
+        return [(str(record.where), keep) for record in records]
+
+    def remove(self, retired: list[Any], *, stacklevel: int) -> list[Path | str]:
+        """Delete the retired attempts' objects that no remaining record names; the rest
+        is left for gc."""
+        for url, keep in retired:
             with contextlib.suppress(OSError, RemoteError):  # else left for gc: no record
                 remove_attempt(self.store, url[len(self.store.url) + 1 :], keep)
-        return list(retired)
+        return [url for url, _ in retired]
 
     def gc(self, grace_period: float | None, *, stacklevel: int) -> list[Path | str]:
         """Delete attempt prefixes that no commit record names and that nothing has written
