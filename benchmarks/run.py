@@ -1,6 +1,7 @@
 """tdckpt benchmarks: one command, every ratio measured against its baseline in the same run.
 
-    python benchmarks/run.py [restore|restore_into|save|verify|upgrade|selective ...] [--quick]
+    python benchmarks/run.py [restore|restore_into|save|verify|upgrade|selective|incremental ...]
+        [--quick]
 
 * restore: ``tdckpt.load_memmap_`` vs tensordict's ``td.load_memmap_`` on the same
   checkpoints (10, 1,000 and 10,000 leaves; one 1 GiB leaf vs one 1 KiB leaf), and
@@ -21,6 +22,9 @@
 * torchrl: a 1M-transition ``LazyMemmapStorage`` buffer and a policy through
   ``torchrl.checkpoint``, TorchRL's default adapters (+ fsync) vs tdckpt's
   (benchmarks/bench_torchrl.py; needs torchrl).
+* incremental: a 1 GiB state with 1% changed saved incrementally vs in full (time), the
+  root's growth vs the changed bytes (``du``), and the restore of an incremental step vs a
+  full one (benchmarks/bench_incremental.py).
 * upgrade: ``tdckpt upgrade`` of a legacy (tensordict 0.12-layout) checkpoint with a 1 GiB
   leaf vs one with a 1 KiB leaf, without a backup (leaves hard-linked, read once for their
   checksum) and with one (leaves copied - or reflinked where the file system can - so that
@@ -551,6 +555,7 @@ BENCHES = {
     "remote": lambda work, quick: __import__("bench_remote").bench(work, quick),
     "selective": lambda work, quick: __import__("bench_selective").bench(work, quick),
     "torchrl": lambda work, quick: __import__("bench_torchrl").bench(work, quick),
+    "incremental": lambda work, quick: __import__("bench_incremental").bench(work, quick),
 }
 
 

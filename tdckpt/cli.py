@@ -624,12 +624,30 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                 f"{_clean(','.join(e.components))} {_clean(meta)}".rstrip()
             )
         return EXIT_OK
-    rows = _manager(args.root, args).list_steps()
+    mgr = _manager(args.root, args)
+    rows = mgr.list_steps()
+    shared = mgr.shared_bytes()  # incremental steps: bytes other steps name too
     if args.json:
-        _print_json([row.to_json() for row in rows])
+        out = [row.to_json() for row in rows]
+        for row, entry in zip(rows, out, strict=True):
+            if row.step in shared and row.status == "committed":
+                entry["own_size"] = row.size - shared[row.step]
+        _print_json(out)
         return EXIT_OK
     if not rows:
         _out(f"{args.root}: no steps")
+        return EXIT_OK
+    if any(shared.values()):  # each step's own bytes (what deleting it frees) and its total
+        _out(f"{'step':>10}  {'status':<10} {'kind':<7} {'own':>12} {'size':>12}  metadata")
+        for row in rows:
+            step = "-" if row.step is None else str(row.step)
+            committed = row.status == "committed" and row.step is not None
+            own = row.size - shared.get(row.step, 0) if committed else 0
+            meta = json.dumps(_jsonable(row.metadata), sort_keys=True, default=str)
+            _out(
+                f"{step:>10}  {row.status:<10} {row.kind:<7} {own:>12} {row.size:>12}  "
+                f"{_clean(meta if row.metadata else '')}".rstrip()
+            )
         return EXIT_OK
     _out(f"{'step':>10}  {'status':<10} {'kind':<7} {'size':>12}  {'format':<14} metadata")
     for row in rows:
@@ -640,6 +658,33 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         )
         _out(f"{step:>10}  {row.status:<10} {row.kind:<7} {row.size:>12}  {fmt:<14} {_clean(meta)}")
     return EXIT_OK
+
+
+def _verify_all(args: argparse.Namespace) -> int:
+    """``verify --all``: every committed step, a file several steps share read once."""
+    with _progress("verify", unit="B") as bar:
+        reports = _manager(args.root, args).verify_steps(progress=bar)
+    if args.json:
+        _print_json(
+            {
+                "ok": all(report.ok for report in reports),
+                "steps": [report.to_json() for report in reports],
+            }
+        )
+    else:
+        for report in reports:
+            _out(report.summary())
+        if not reports:
+            _out(f"{args.root}: no steps")
+    bad = [report for report in reports if not report.ok]
+    if not bad:
+        return EXIT_OK
+    _print_error(
+        f"{args.root}: {len(bad)} of {len(reports)} step(s) differ from what was saved (steps "
+        f"{', '.join(str(r.step) for r in bad)}; listed in the report on stdout); restore "
+        "another step, or save these again."
+    )
+    return EXIT_PROBLEM
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -654,6 +699,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             )
         args.prefix = os.fspath(chosen[-1].path)
         return _torchrl_report(args, inspect=False)
+    if args.all:
+        return _verify_all(args)
     with _progress("verify", unit="B") as bar:
         report = _manager(args.root, args).verify(args.step, progress=bar)
     if args.json:
@@ -912,7 +959,15 @@ def _parser() -> argparse.ArgumentParser:
         "verify", "Recompute every file's checksum of a step against its manifest.", _cmd_verify
     )
     p.add_argument("root", type=_path_arg)
-    p.add_argument("--step", type=_step_arg, default=None, help="the step (default: the latest)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--step", type=_step_arg, default=None, help="the step (default: the latest)"
+    )
+    which.add_argument(
+        "--all",
+        action="store_true",
+        help="every committed step, one report each (a file steps share is read once)",
+    )
     add_json(p)
     p = add(
         "diff",

@@ -56,6 +56,7 @@ from tdckpt._state import holds_live_objects, is_state_mapping, to_tensordict
 from tdckpt._store import StepRecord, StepStore, open_step_store
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
+from tdckpt._write.incremental import check_incremental, writes_reach_files
 from tdckpt._write.save import check_json_data, prepare_checkpoint
 from tdckpt._write.snapshot import StagingBuffers
 from tdckpt.errors import (
@@ -149,6 +150,15 @@ class CheckpointManager:
             (re-verified when reused) and map its files from; by default a restore reads
             only the leaves it restores, by ranged reads, into memory. Refused for a local
             root (read in place).
+        incremental: default of every save's ``incremental``: a leaf whose bytes the
+            latest committed step holds (same dtype, shape, size and checksum) is not
+            written again; the new step shares that step's file (a reflink where the file
+            system has it, else a hard link), and the leaf files of incremental saves are
+            read-only on disk. Off by default (see docs/incremental.rst: it changes file
+            modes, and equality rests on the checksum). In a collective manager each
+            rank's shard is compared with its shard of the latest step; on a URL root the
+            commit record refers to the earlier step's objects. Not with
+            ``archive=True`` or ``layout="consolidated"``.
 
     Example:
         >>> import tempfile, torch
@@ -182,6 +192,7 @@ class CheckpointManager:
         lease_ttl: float | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         layout: str = "memmap",
+        incremental: bool = False,
     ) -> None:
         from tdckpt._write.consolidated_write import check_layout
 
@@ -247,6 +258,9 @@ class CheckpointManager:
                 "layout='consolidated' saves each step as a folder of one data file and the "
                 "manifest: not with archive=True, nor in a collective (sharded) manager"
             )
+        self.incremental = check_incremental(
+            incremental, where=str(self.root), archive=self.archive, layout=self.layout
+        )
         # save_async: one save in flight on one background thread, staged into buffers
         # reused across saves (tdckpt._manage.background, tdckpt._write.snapshot).
         self._background = BackgroundSaver(self.root)
@@ -421,6 +435,7 @@ class CheckpointManager:
         overwrite: bool = False,
         progress: ProgressArg = None,
         replicated: Any = (),
+        incremental: bool | None = None,
     ) -> Path | str:
         """Save ``obj`` as ``step``: all or nothing on disk, then apply the retention policy.
 
@@ -447,6 +462,8 @@ class CheckpointManager:
             replicated: in a collective manager, the keys of entries that are equal on
                 every rank and carry no batch dimension (non-tensor data): written once,
                 by rank 0. Ignored outside a group (everything is saved).
+            incremental: share the unchanged leaves' files with the latest committed step
+                instead of writing them (None: the manager's ``incremental``).
 
         A background save of :meth:`save_async` still in flight is waited for first.
 
@@ -474,8 +491,11 @@ class CheckpointManager:
                     problems=["a training state given to a collective save"],
                     keys=[()],
                 )
+            incremental = self._wants_incremental(incremental)
             answered = self._schedule.save_started()
-            shared = self._save_collective(step, obj, metadata, overwrite, replicated)
+            shared = self._save_collective(
+                step, obj, metadata, overwrite, replicated, incremental=incremental
+            )
             self._schedule.saved(step, answered)
             return shared
         self._refuse_replicated(replicated)
@@ -487,6 +507,7 @@ class CheckpointManager:
                 "could see the old step vanish. Save under a new step (and let retention "
                 "delete the old one)."
             )
+        incremental = self._wants_incremental(incremental)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
         obj, state = self._saveable(obj)
@@ -495,7 +516,13 @@ class CheckpointManager:
         with self._writing:
             self._ensure_lock()
             path = self._save_locked(
-                step, obj, metadata, overwrite=overwrite, progress=progress, state=state
+                step,
+                obj,
+                metadata,
+                overwrite=overwrite,
+                progress=progress,
+                state=state,
+                incremental=incremental,
             )
         self._schedule.saved(step, answered)
         return path
@@ -514,6 +541,7 @@ class CheckpointManager:
         *,
         metadata: dict[str, Any] | None = None,
         replicated: Any = (),
+        incremental: bool | None = None,
     ) -> SaveFuture:
         """Snapshot ``state`` now, write and commit it on a background thread.
 
@@ -542,6 +570,7 @@ class CheckpointManager:
             state: what to save (what :meth:`save` accepts).
             metadata: plain JSON data stored in the manifest (copied now).
             replicated: in a collective manager, as for :meth:`save`.
+            incremental: as for :meth:`save`.
 
         In a collective manager every rank calls it with its shard, as :meth:`save`; the
         shard is copied now (tensors cloned, non-tensor values deep-copied), and the
@@ -579,6 +608,7 @@ class CheckpointManager:
             self.save(step, state)  # raises the collective refusal of a training state
         self._refuse_replicated(replicated)
         step = _atomic.check_step(step)
+        incremental = self._wants_incremental(incremental)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
             metadata = copy.deepcopy(metadata)  # plain JSON: later edits must not reach it
@@ -608,9 +638,13 @@ class CheckpointManager:
                 snapshot = self._staging.stage(prepared)
             if collective:
                 shards = tuple(replicated)
-                job = lambda: self._save_collective(step, snapshot, metadata, False, shards)  # noqa: E731
+                job = lambda: self._save_collective(  # noqa: E731
+                    step, snapshot, metadata, False, shards, incremental=incremental
+                )
             else:
-                job = lambda: self._save_in_background(step, snapshot, metadata, record)  # noqa: E731
+                job = lambda: self._save_in_background(  # noqa: E731
+                    step, snapshot, metadata, record, incremental
+                )
             future = self._background.submit(step, job)
         self._schedule.saved(step, answered)
         return future
@@ -701,10 +735,13 @@ class CheckpointManager:
         snapshot: Any,
         metadata: dict[str, Any] | None,
         state: StateRecord | None,
+        incremental: bool = False,
     ) -> Path | str:
         with self._writing:
             self._ensure_lock()
-            return self._save_locked(step, snapshot, metadata, overwrite=False, state=state)
+            return self._save_locked(
+                step, snapshot, metadata, overwrite=False, state=state, incremental=incremental
+            )
 
     @staticmethod
     def _saveable(obj: Any) -> tuple[Any, StateRecord | None]:
@@ -754,6 +791,7 @@ class CheckpointManager:
         overwrite: bool,
         progress: ProgressArg = None,
         state: StateRecord | None = None,
+        incremental: bool = False,
     ) -> Path | str:
         """The body of a save, under ``_writing`` and the writer lock: begin, write,
         commit, then retention.
@@ -765,7 +803,14 @@ class CheckpointManager:
             attempt = self._steps.begin(step, overwrite=overwrite)
             try:
                 with progress_bar(progress, "save") as report:
-                    self._steps.write(attempt, obj, metadata=metadata, state=state, progress=report)
+                    self._steps.write(
+                        attempt,
+                        obj,
+                        metadata=metadata,
+                        state=state,
+                        progress=report,
+                        incremental=incremental,
+                    )
             except BaseException:
                 self._steps.abort(attempt)
                 raise
@@ -773,6 +818,14 @@ class CheckpointManager:
             path = self._steps.commit(attempt, stacklevel=4)
         self._retain(step, stacklevel=4)  # _retain <- _save_locked <- save <- caller
         return path
+
+    def _wants_incremental(self, incremental: bool | None) -> bool:
+        """A save's ``incremental`` (None: the manager's), refused where it cannot apply."""
+        if incremental is None:
+            return self.incremental
+        return check_incremental(
+            incremental, where=str(self.root), archive=self.archive, layout=self.layout
+        )
 
     def _retain(self, step: int, *, stacklevel: int) -> None:
         """Retention after ``step`` committed: from here on nothing may make the save look
@@ -798,6 +851,8 @@ class CheckpointManager:
         metadata: dict[str, Any] | None,
         overwrite: bool,
         replicated: Any,
+        *,
+        incremental: bool = False,
     ) -> Path:
         """The sharded save protocol (every rank), then retention on rank 0."""
         from tdckpt._shard.save import collective_save
@@ -809,6 +864,7 @@ class CheckpointManager:
             metadata=metadata,
             overwrite=overwrite,
             replicated=replicated,
+            incremental=incremental,
         )
         if self._shard is not None and self._shard.rank == 0:
             with self._writing:
@@ -919,7 +975,29 @@ class CheckpointManager:
         with progress_bar(progress, "verify") as report:
             return self._verify(step, report)
 
-    def _verify(self, step: int | None, progress: Progress | None) -> VerifyReport:
+    def verify_steps(
+        self, steps: list[int] | None = None, *, progress: ProgressArg = None
+    ) -> list[VerifyReport]:
+        """:meth:`verify` each of ``steps`` (default: every committed step), one report per
+        step; what several steps share (an incremental save's linked file, or the earlier
+        step's object a commit record refers to) is read once and its checksum compared
+        with each step's manifest (``VerifyReport.shared_checked``)."""
+        shared: dict[Any, Any] = {}  # what several steps share, read once
+        with progress_bar(progress, "verify") as report:
+            return [
+                self._verify(step, report, shared)
+                for step in (self.steps() if steps is None else steps)
+            ]
+
+    def shared_bytes(self) -> dict[int, int]:
+        """``step -> bytes of its files that another committed step names too`` (incremental
+        steps share files, or objects in object storage): a step's own bytes, about what
+        deleting it frees, are its size less these. Steps that share nothing map to 0."""
+        return self._steps.shared_bytes()
+
+    def _verify(
+        self, step: int | None, progress: Progress | None, shared: dict[Any, Any] | None = None
+    ) -> VerifyReport:
         if step is not None:
             step = _atomic.check_step(step)
             with self._state:
@@ -929,12 +1007,14 @@ class CheckpointManager:
             if damaged is not None:
                 return damaged
         with self._pinned(step) as record:
-            return self._verify_step(record, progress)
+            return self._verify_step(record, progress, shared)
 
-    def _verify_step(self, record: StepRecord, progress: Progress | None) -> VerifyReport:
+    def _verify_step(
+        self, record: StepRecord, progress: Progress | None, shared: dict[Any, Any] | None = None
+    ) -> VerifyReport:
         """The store's re-read of every byte, and for a sharded step its manifest against
-        its shards."""
-        report = self._steps.verify(record, progress)
+        its shards. ``shared``: what earlier steps of one :meth:`verify_steps` read."""
+        report = self._steps.verify(record, progress, shared=shared)
         if isinstance(record.manifest, ShardedManifest):
             from tdckpt._shard.check import shard_problems
 
@@ -1035,7 +1115,7 @@ class CheckpointManager:
 
             check_device(device, str(self.root))
             done = RestoreReport()
-            with self._reading(step, verify) as (record, path):
+            with self._reading(step, verify, writes_reach_files(mode)) as (record, path):
 
                 def read(part: Selection | None) -> Any:
                     with _metadata_checked(path, record):
@@ -1082,7 +1162,7 @@ class CheckpointManager:
             )
             return (td, done) if report else td
         done = RestoreReport()
-        with self._reading(step, verify) as (record, path):
+        with self._reading(step, verify, writes_reach_files(mode)) as (record, path):
             same_keys = _same_keys(td, str(record.where), record.step, selection)
             with _metadata_checked(path, record):
                 restore_in_place(
@@ -1171,7 +1251,7 @@ class CheckpointManager:
         _check_args(True, allow_pickle, mode)
         mode = self._mode(mode)
         done = RestoreReport()
-        with self._reading(step, verify) as (record, path):
+        with self._reading(step, verify, writes_reach_files(mode)) as (record, path):
             if record.manifest.state is not None:  # a training state: patterns name its entries
                 from tdckpt._state.select import check_entry_patterns
 
@@ -1195,15 +1275,16 @@ class CheckpointManager:
 
     @contextlib.contextmanager
     def _reading(
-        self, step: int | None, verify: bool
+        self, step: int | None, verify: bool, writes: bool = False
     ) -> Iterator[tuple[StepRecord, Path | Storage]]:
         """A committed step, pinned against retention and opened by the store (a local
         folder or archive, or the store's own reader), verified first when asked and the
-        store's reads are not verified anyway."""
+        store's reads are not verified anyway. ``writes``: the restore maps files shared and
+        writable (the store first gives this step private copies of the files it shares)."""
         with self._pinned(step) as record:
             if verify and not self._steps.capabilities.verifies_reads:
                 self._verified(record.step, record.where, record.manifest)
-            with self._steps.open(record) as path:
+            with self._steps.open(record, writes=writes) as path:
                 yield record, path
 
     def _mode(self, mode: Literal["r", "r+"] | None) -> Literal["r", "r+"] | None:

@@ -484,6 +484,7 @@ def cmd_substitution(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> A
         target = _sub_td(0, rows)
         m.restore_into(target, step=3)
         out["restore_into"] = [bool((target["model", "w"] == 3.0).all())]
+
         def keys_only() -> Any:
             part, report = m.restore(4, keys="model", report=True)
             return [sorted(part.keys()), [list(k) for k in report.loaded]]
@@ -575,7 +576,26 @@ def cmd_select(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
     return out
 
 
+def incremental_shard(step: int, rank: int) -> Any:
+    """Rank ``rank``'s shard at ``step`` of the incremental case: ``frozen`` never changes,
+    ``moving`` changes at every step."""
+    rows = 4
+    return TensorDict(
+        frozen=torch.arange(rows * 1000, dtype=torch.float32).reshape(rows, 1000) + rank,
+        moving=torch.full((rows, 10), float(step * 10 + rank)),
+        batch_size=[rows],
+    )
+
+
+def cmd_incremental(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """Sharded incremental saves: steps 1 and 2, each rank against its own shard."""
+    for step in (1, 2):
+        mgr.save(step, incremental_shard(step, rank), incremental=True)
+    return mgr.steps()
+
+
 COMMANDS = {
+    "incremental": cmd_incremental,
     "substitution": cmd_substitution,
     "select": cmd_select,
     "close": cmd_close,

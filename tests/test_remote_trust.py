@@ -226,7 +226,7 @@ def test_retention_failing_after_an_async_commit_warns_at_result(
 RECORD_GARBAGE = {
     "version-a-string": b'{"commit_version": "2"}',
     "version-5000-digits": b'{"commit_version": ' + b"9" * 5000 + b"}",
-    "version-a-float": b'{"commit_version": 2.0}',
+    "version-a-float": b'{"commit_version": 3.0}',  # incremental records are version 2
     "nested-100000-deep": b"[" * 100_000 + b"]" * 100_000,
     "not-utf8": b"\xff\xfe{}",
     "a-list": b"[1, 2]",
@@ -249,8 +249,8 @@ def test_a_garbage_record_is_a_damaged_step_not_a_crash(garbage: str) -> None:
         assert rows == [(1, "remote", "committed"), (2, "remote", "damaged"), (2, "tmp", "damaged")]
         detail = mgr.list_steps()[1].detail
         assert detail.startswith(f"{r.url}/2.tdckpt.json: ") and len(detail) < 600
-        if garbage == "version-a-float":  # 2.0 is version 2 to pydantic: newer, not valid
-            assert "version 2.0 is newer than this tdckpt reads" in detail
+        if garbage == "version-a-float":  # 3.0 is version 3 to pydantic: newer, not valid
+            assert "version 3.0 is newer than this tdckpt reads" in detail
         with pytest.warns(TdckptWarning, match="gc kept 1 attempt"):
             assert mgr.gc(grace_period=0) == []
         assert not mgr.verify(2).ok

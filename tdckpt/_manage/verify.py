@@ -28,7 +28,14 @@ from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import CHUNK_BYTES, new_hasher
 from tdckpt.schema import MANIFEST_NAME, LeafChecksumRecord, Manifest
 
-__all__ = ["Progress", "VerifyProblem", "VerifyReport", "manifest_problem", "verify_files"]
+__all__ = [
+    "Progress",
+    "SharedDigests",
+    "VerifyProblem",
+    "VerifyReport",
+    "manifest_problem",
+    "verify_files",
+]
 
 Progress = Callable[[int, int], None]
 
@@ -46,6 +53,10 @@ class VerifyReport:
         problems: every mismatch (empty when ``ok``).
         files_checked: files compared with the manifest.
         bytes_checked: bytes read and checksummed.
+        shared_checked: files of this step that other steps share (an incremental save's
+            hard links) whose checksum was compared with the one read for another step of
+            the same verification (:meth:`~tdckpt.manager.CheckpointManager.verify_steps`)
+            instead of being read again; counted in ``files_checked`` too.
     """
 
     step: int
@@ -53,6 +64,7 @@ class VerifyReport:
     problems: list[VerifyProblem] = field(default_factory=list)
     files_checked: int = 0
     bytes_checked: int = 0
+    shared_checked: int = 0
 
     @property
     def ok(self) -> bool:
@@ -65,9 +77,14 @@ class VerifyReport:
     def summary(self, limit: int = 20) -> str:
         """A human-readable description: one line per problem (at most ``limit``)."""
         if self.ok:
+            shared = (
+                f", {self.shared_checked} shared files checked once for several steps"
+                if self.shared_checked
+                else ""
+            )
             return (
                 f"step {self.step} at {self.path}: OK ({self.files_checked} files, "
-                f"{self.bytes_checked} bytes checked)"
+                f"{self.bytes_checked} bytes checked{shared})"
             )
         lines = [f"step {self.step} at {self.path}: {len(self.problems)} problem(s)"]
         lines += [f"  - {p}" for p in self.problems[:limit]]
@@ -83,6 +100,7 @@ class VerifyReport:
             "ok": self.ok,
             "files_checked": self.files_checked,
             "bytes_checked": self.bytes_checked,
+            **({"shared_checked": self.shared_checked} if self.shared_checked else {}),
             "problems": [
                 {
                     "path": p.path,
@@ -189,11 +207,14 @@ def verify_files(
     progress: Progress | None = None,
     *,
     archive: bool | None = None,
+    shared: SharedDigests | None = None,
 ) -> VerifyReport:
     """Re-read every file of the step at ``path`` (folder or archive) against ``manifest``.
 
     ``progress`` is called as ``progress(bytes_done, bytes_total)`` while reading.
     ``archive``: whether ``path`` is an archive (None: a ``.tdz`` file is one).
+    ``shared``: digests of files with several names (incremental steps' hard links), kept
+    across the steps of one verification so that a shared file is read once.
     """
     report = VerifyReport(step=step, path=path)
     hashing = _Hashing(progress, sum(r.size for r in manifest.files))
@@ -203,7 +224,7 @@ def verify_files(
         if archive:
             _verify_archive(path, manifest, report, hashing)
         else:
-            _verify_dir(path, manifest, report, hashing)
+            _verify_dir(path, manifest, report, hashing, shared)
     finally:
         hashing.close()
     report.bytes_checked = hashing.done
@@ -215,7 +236,18 @@ def verify_files(
     return report
 
 
-def _verify_dir(path: Path, manifest: Manifest, report: VerifyReport, hashing: _Hashing) -> None:
+#: (device, inode, size, mtime_ns, ctime_ns, algorithm) -> checksum of a file with several
+#: names, computed once per verification of several steps.
+SharedDigests = dict[tuple[int, int, int, int, int, str], str]
+
+
+def _verify_dir(
+    path: Path,
+    manifest: Manifest,
+    report: VerifyReport,
+    hashing: _Hashing,
+    shared: SharedDigests | None = None,
+) -> None:
     on_disk: dict[str, os.stat_result] = {}
     for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
         base = Path(dirpath)
@@ -244,6 +276,24 @@ def _verify_dir(path: Path, manifest: Manifest, report: VerifyReport, hashing: _
             continue
         if record.checksum is None:
             continue
+        ident = None
+        if shared is not None and st.st_nlink > 1:
+            ident = (
+                st.st_dev,
+                st.st_ino,
+                st.st_size,
+                st.st_mtime_ns,
+                st.st_ctime_ns,
+                _algorithm(record.checksum),
+            )
+            known = shared.get(ident)
+            if known is not None:  # read once already, in another step of this verification
+                report.shared_checked += 1
+                if known != record.checksum:
+                    report.problems.append(
+                        VerifyProblem(rel, key, "changed", record.checksum, known)
+                    )
+                continue
         try:
             fh = _open_regular(path, rel)
         except OSError as exc:
@@ -260,6 +310,8 @@ def _verify_dir(path: Path, manifest: Manifest, report: VerifyReport, hashing: _
         except OSError as exc:
             report.problems.append(VerifyProblem(rel, key, "unreadable", record.checksum, str(exc)))
             continue
+        if ident is not None and shared is not None:
+            shared[ident] = digest
         if digest != record.checksum:
             report.problems.append(VerifyProblem(rel, key, "changed", record.checksum, digest))
             consolidated = manifest.consolidated

@@ -41,7 +41,7 @@ from pydantic_core import from_json
 
 from tdckpt._keys import NESTED_SHAPE_SUFFIX
 from tdckpt._read.expected import check_read
-from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsafePathError
+from tdckpt.errors import CheckpointNotFoundError, MetadataError, RestoreError, UnsafePathError
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -713,7 +713,13 @@ class DirectoryStorage(Storage):
                 try:
                     st = fstat(fd)
                     need = numel * dtype.itemsize
-                    if st.st_size >= need and is_reg(st.st_mode):
+                    # a file with other names (an incremental step's shared leaf) is
+                    # never mapped shared here: _map_checked decides (and says why)
+                    if (
+                        st.st_size >= need
+                        and is_reg(st.st_mode)
+                        and not (shared and st.st_nlink > 1)
+                    ):
                         addr = do_mmap(
                             None, need, _PROT_RW, _MAP_SHARED if shared else _MAP_PRIVATE, fd, 0
                         )
@@ -762,6 +768,14 @@ class DirectoryStorage(Storage):
             fd = self._open_file(rel, os.O_RDONLY)
         try:
             st = self._checked_stat(fd, rel)
+            if shared and st.st_nlink > 1:
+                # other names (an incremental step's shared leaf): never mapped shared
+                opened, fd = fd, -1
+                os.close(opened)
+                _refuse_shared(self.display(rel), mode, st.st_nlink)
+                fd = self._open_file(rel, os.O_RDONLY)
+                st = self._checked_stat(fd, rel)
+                shared = False
             need = numel * dtype.itemsize
             if st.st_size < need:
                 known = self._regular.get(rel)
@@ -775,7 +789,8 @@ class DirectoryStorage(Storage):
                 )
             return _map_fd(fd, need, dtype, shared=shared)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     def physical_path(self, rel: str) -> Path | None:
         return Path(self._open_checked(rel)) if rel else self.root
@@ -786,6 +801,20 @@ class DirectoryStorage(Storage):
             self._open_checked(rel)
         # ``rel`` is a checked, normalised relative POSIX path: no os.path.join needed.
         return f"{self._abs_root}/{rel}" if rel else self._abs_root
+
+
+def _refuse_shared(where: str, mode: MapMode, links: int) -> None:
+    """A file with other names (hard links: the leaf of an incremental step, shared with
+    other steps) is never mapped shared, as its writes would reach every step naming it:
+    ``"r+"`` is refused; None maps it copy-on-write, as a read-only file."""
+    if mode == "r+":
+        raise RestoreError(
+            f"{where}: mode='r+' would map shared a file that {links} names share (a leaf of "
+            "an incremental step, hard-linked with other steps): writes would reach every one "
+            "of them. Restore through CheckpointManager.restore / restore_into with "
+            "mode='r+', which gives the step private copies first, or use mode='r'.",
+            path=where,
+        )
 
 
 #: errnos of an O_RDWR open refused for want of write access (not for a missing file).

@@ -38,9 +38,13 @@ __all__ = [
     "parse_attempt",
     "parse_commit",
     "parse_record",
+    "record_version",
 ]
 
-COMMIT_VERSION = 1
+#: The newest commit record version this tdckpt reads; 2 adds objects that lie under another
+#: step's attempt prefix (``ObjectRecord.prefix``: an incremental save). A record without
+#: such objects is still written as version 1, readable by every tdckpt.
+COMMIT_VERSION = 2
 COMMIT_SUFFIX = ".tdckpt.json"
 LEASE_DIR = ".tdckpt-lease"
 #: Files up to this size are packed together; larger ones are objects of their own.
@@ -73,6 +77,11 @@ def parse_attempt(name: str) -> tuple[int, str] | None:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
+def record_version(objects: list[ObjectRecord]) -> int:
+    """The commit record version for ``objects``: 2 when one lies under another attempt."""
+    return 2 if any(o.prefix is not None for o in objects) else 1
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -80,6 +89,13 @@ class _Model(BaseModel):
 class ObjectRecord(_Model):
     name: str = Field(description="data-N, under the attempt prefix")
     size: int = Field(ge=0)
+    prefix: str | None = Field(
+        default=None,
+        pattern=r"^(0|[1-9][0-9]{0,3999})\.attempt-[0-9a-f]{32}$",
+        description="the attempt prefix holding the object when an earlier step uploaded it "
+        "(an incremental save refers to it instead of uploading it again); None: this "
+        "record's own attempt",
+    )
 
 
 class Location(_Model):
@@ -103,8 +119,14 @@ class CommitRecord(_Model):
     def _consistent(self) -> CommitRecord:
         names = [o.name for o in self.objects]
         bad = [n for n in names if not _OBJECT.match(n)]
-        if bad or len(set(names)) != len(names):
+        where = [(o.prefix, o.name) for o in self.objects]
+        if bad or len(set(where)) != len(where):
             raise ValueError(f"object names must be distinct data-N names, got {names[:5]}")
+        shared = [o.prefix for o in self.objects if o.prefix is not None]
+        if shared and self.commit_version < 2:
+            raise ValueError("objects under another attempt prefix need commit_version 2")
+        if attempt_name(self.step, self.attempt) in shared:
+            raise ValueError("an object names this record's own attempt as another prefix")
         files = {f.path: f for f in self.manifest.files}
         if MANIFEST_NAME in files:
             raise ValueError(f"the manifest lists {MANIFEST_NAME} itself among the step's files")
@@ -129,7 +151,16 @@ class CommitRecord(_Model):
         return self
 
     def to_bytes(self) -> bytes:
-        return (json.dumps(self.model_dump(mode="json"), allow_nan=False) + "\n").encode()
+        raw = self.model_dump(mode="json")
+        for obj in raw["objects"]:  # version 1 records carry no "prefix": readable by all
+            if obj.get("prefix") is None:
+                obj.pop("prefix", None)
+        return (json.dumps(raw, allow_nan=False) + "\n").encode()
+
+    def object_path(self, index: int) -> str:
+        """Where object ``index`` lies, relative to the root: ``<attempt prefix>/data-N``."""
+        obj = self.objects[index]
+        return f"{obj.prefix or attempt_name(self.step, self.attempt)}/{obj.name}"
 
 
 def parse_record(data: bytes, where: str, step: int) -> CommitRecord:

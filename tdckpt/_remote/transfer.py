@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from tdckpt._manage.verify import VerifyProblem, VerifyReport
 from tdckpt._remote.encode import EncodedFile
@@ -85,6 +86,8 @@ def upload_encoded(
     sums: dict[str, str] = {}
 
     def one(index: int) -> None:
+        if objects[index].prefix is not None:
+            return  # an earlier step's object (an incremental save): nothing to upload
         parts: list[memoryview] = []
         for rel in members[index]:
             h = new_hasher(algorithm)
@@ -115,18 +118,23 @@ def _run_all(fn: Callable[[int], None], n: int) -> None:
 
 
 def check_uploaded(store: Store, prefix: str, objects: list[ObjectRecord]) -> None:
-    """One listing: every object is there with its size (a store that acknowledged a
-    short write is caught here, before the commit)."""
-    found = store.find(prefix)
+    """One listing per prefix: every object is there with its size (a store that
+    acknowledged a short write, or an earlier step's object that is gone, is caught here,
+    before the commit)."""
+    listings: dict[str, dict[str, dict[str, Any]]] = {}
     for obj in objects:
-        info = found.get(obj.name)
+        where = obj.prefix or prefix
+        if where not in listings:
+            listings[where] = store.find(where)
+        info = listings[where].get(obj.name)
         size = None if info is None else info.get("size")
         if size != obj.size:
+            what = "uploaded" if obj.prefix is None else "an earlier step's object of"
             raise IntegrityError(
-                f"{store.show(prefix + '/' + obj.name)}: uploaded {obj.size} bytes but the store "
+                f"{store.show(where + '/' + obj.name)}: {what} {obj.size} bytes but the store "
                 f"holds {'nothing' if info is None else f'{size} bytes'}; the step was not "
                 "committed. Retry the save.",
-                path=store.show(prefix + "/" + obj.name),
+                path=store.show(where + "/" + obj.name),
             )
 
 
@@ -143,6 +151,7 @@ def download_step(
     step: int,
     progress: Callable[[int, int], None] | None = None,
     report: VerifyReport | None = None,
+    seen: dict[str, str] | None = None,
 ) -> int:
     """Read every file of the step into ``dest`` (a new folder; None: only check them,
     as ``verify`` does, writing nothing), verifying checksums.
@@ -153,6 +162,11 @@ def download_step(
     written. With ``report`` given, problems are appended to it instead of raised
     (``verify``); otherwise the first bad file raises :class:`IntegrityError`. Returns
     the bytes read.
+
+    ``seen`` (with ``report``: verifying several steps): object path -> the checksum read
+    for the one file it holds. An object another step of the same verification read (an
+    incremental step's reference) is not read again: its file is compared with that
+    checksum (``report.shared_checked``).
     """
     manifest: Manifest = record.manifest
     by_object: dict[int, list[FileRecord]] = {}
@@ -160,6 +174,18 @@ def download_step(
         by_object.setdefault(record.locations[f.path].object, []).append(f)
     for files in by_object.values():
         files.sort(key=lambda f: record.locations[f.path].offset)
+    if seen is not None and report is not None:
+        for index in list(by_object):
+            known = seen.get(record.object_path(index))
+            files = by_object[index]
+            if known is None or len(files) != 1:
+                continue
+            del by_object[index]  # read once already, for another step
+            report.files_checked += 1
+            report.shared_checked += 1
+            f = files[0]
+            if known != f.checksum:
+                report.problems.append(VerifyProblem(f.path, _key(f), "changed", f.checksum, known))
     total = sum(f.size for f in manifest.files)
     done = 0
     if dest is not None:
@@ -169,7 +195,7 @@ def download_step(
 
     def spans(index: int) -> list[tuple[str, int, int]]:
         files = by_object[index]
-        rel = f"{prefix}/{record.objects[index].name}"
+        rel = record.object_path(index)
         start = record.locations[files[0].path].offset
         end = max(record.locations[f.path].offset + f.size for f in files)
         return [(rel, s, min(s + RANGE_BYTES, end)) for s in range(start, end, RANGE_BYTES)]
@@ -191,10 +217,13 @@ def download_step(
     # One listing first: an object that is gone or shorter than the record says is reported
     # from its listed size, unread. A record is not trusted to size the reads: one claiming
     # a petabyte object would otherwise plan millions of ranged reads.
-    listed = store.find(prefix)
+    listings: dict[str, dict[str, dict[str, Any]]] = {}  # one per prefix (incremental steps)
     for index in sorted(by_object):
         obj = record.objects[index]
-        info = listed.get(obj.name)
+        where = record.object_path(index).rpartition("/")[0]
+        if where not in listings:
+            listings[where] = store.find(where)
+        info = listings[where].get(obj.name)
         held = None if info is None else info.get("size")
         if info is not None and (type(held) is not int or held >= obj.size):
             continue  # there, and long enough (or its size unknown): the checksums decide
@@ -289,7 +318,7 @@ def download_step(
                             # read once more: a glitch in transit is not damage at rest
                             loc = record.locations[f.path]
                             again = store.cat_ranges(
-                                [f"{prefix}/{record.objects[loc.object].name}"],
+                                [record.object_path(loc.object)],
                                 [loc.offset],
                                 [loc.offset + f.size],
                             )
@@ -298,6 +327,8 @@ def download_step(
                             if found != f.checksum:
                                 problem(f, "changed", f.checksum, found)
                                 continue
+                        if seen is not None and len(by_object[index]) == 1:
+                            seen[record.object_path(index)] = found
                     if dest is not None:
                         _write_new(dest / f.path, parts)
                     done += f.size

@@ -40,13 +40,14 @@ from tdckpt._shard.group import ShardGroup, rank0_refusal
 from tdckpt._shard.manifest import ShardResult, build_manifest
 from tdckpt._shard.steps import ShardSteps
 from tdckpt._write import atomic as _atomic
+from tdckpt._write.incremental import IncrementalBase, IncrementalSave
 from tdckpt._write.save import _writer_versions, check_json_data, write_checkpoint
 from tdckpt.errors import (
     CollectiveError,
     TdckptError,
     UnsupportedContentError,
 )
-from tdckpt.schema import MANIFEST_NAME, ShardedManifest
+from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest
 
 __all__ = ["collective_save", "fault_point", "split_shard"]
 
@@ -169,11 +170,17 @@ def _file_record(path: Path, rel: str, algorithm: str) -> dict[str, Any]:
 
 
 def _write_prefix(
-    obj: Any, staging: Path, rel: str, *, fsync: bool, checksum: str
+    obj: Any,
+    staging: Path,
+    rel: str,
+    *,
+    fsync: bool,
+    checksum: str,
+    incremental: IncrementalSave | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Write ``obj`` at ``staging/rel``; its file and pickle records relative to staging."""
     dest = staging / rel
-    manifest = write_checkpoint(obj, dest, fsync=fsync, checksum=checksum)
+    manifest = write_checkpoint(obj, dest, fsync=fsync, checksum=checksum, incremental=incremental)
     if fsync:
         _atomic.fsync_dir(dest.parent)
     files = [{**f.model_dump(mode="json"), "path": f"{rel}/{f.path}"} for f in manifest.files]
@@ -190,6 +197,7 @@ def _write_shard(
     *,
     fsync: bool,
     checksum: str,
+    incremental: dict[str, Any] | None = None,
 ) -> tuple[ShardResult, BaseException | None]:
     from tdckpt._write.save_plan import class_id
 
@@ -200,7 +208,10 @@ def _write_shard(
         shard, rep, rep_keys = prepared
         _fault("before_write")
         rel = f"{attempt}/shard-{group.rank}"
-        files, pickles = _write_prefix(shard, staging, rel, fsync=fsync, checksum=checksum)
+        shared = _shard_base(staging.parent, incremental, group.rank, checksum)
+        files, pickles = _write_prefix(
+            shard, staging, rel, fsync=fsync, checksum=checksum, incremental=shared
+        )
         if group.rank == 0 and rep is not None:
             rep_rel = f"{attempt}/replicated"
             rfiles, rpickles = _write_prefix(rep, staging, rep_rel, fsync=fsync, checksum=checksum)
@@ -219,6 +230,42 @@ def _write_shard(
         return result, None
     except Exception as exc:  # reported to rank 0, so that every rank raises
         return ShardResult(rank=group.rank, error=(type(exc).__name__, str(exc))), exc
+
+
+def _shard_base(
+    root: Path, incremental: dict[str, Any] | None, rank: int, checksum: str
+) -> IncrementalSave | None:
+    """This rank's incremental save: against its shard of the latest step, when rank 0
+    announced one (``{"step": N, "bases": {rank: shard folder relative to root}}``)."""
+    if incremental is None:
+        return None
+    rel = incremental.get("bases", {}).get(str(rank))
+    if rel is None:
+        return IncrementalSave(base=None)
+    path = root / rel
+    try:
+        manifest = Manifest.model_validate_json((path / MANIFEST_NAME).read_bytes())
+    except (OSError, ValueError):
+        return IncrementalSave(base=None)  # unreadable: this shard is written in full
+    return IncrementalSave(
+        base=IncrementalBase.of_step(int(incremental["step"]), path, manifest, checksum)
+    )
+
+
+def shard_bases(steps: ShardSteps) -> dict[str, Any]:
+    """Rank 0: the latest committed step's shard folders, for the ranks' incremental saves
+    (a plain, not sharded, latest step is no base: every shard is written in full)."""
+    records = steps.store.records()
+    if not records:
+        return {"step": None, "bases": {}}
+    latest = records[max(records)]
+    if not isinstance(latest.manifest, ShardedManifest):
+        return {"step": latest.step, "bases": {}}
+    name = Path(latest.where).name
+    return {
+        "step": latest.step,
+        "bases": {str(shard.rank): f"{name}/{shard.prefix}" for shard in latest.manifest.shards},
+    }
 
 
 # -- the commit ------------------------------------------------------------------------------
@@ -260,8 +307,12 @@ def collective_save(
     metadata: dict[str, Any] | None,
     overwrite: bool,
     replicated: Iterable[Any],
+    incremental: bool = False,
 ) -> Path:
-    """Save this rank's shard ``obj`` as part of ``step`` (every rank calls it). See module."""
+    """Save this rank's shard ``obj`` as part of ``step`` (every rank calls it). See module.
+
+    ``incremental``: rank 0 announces the latest step's shard folders with the attempt;
+    each rank links its unchanged leaves from its own shard of that step."""
     group = steps.group
     assert group is not None
     # Every rank saves the same step, or none writes anything (one all_gather).
@@ -281,7 +332,7 @@ def collective_save(
         prepared = exc
     if group.rank != 0:
         return _follow(steps, group, step, prepared)
-    return _lead(steps, group, step, prepared, metadata or {}, overwrite)
+    return _lead(steps, group, step, prepared, metadata or {}, overwrite, incremental)
 
 
 def _follow(
@@ -302,7 +353,13 @@ def _follow(
         )
     staging = steps.root / plan["staging"]
     result, own = _write_shard(
-        group, prepared, staging, plan["attempt"], fsync=steps.fsync, checksum=steps.checksum
+        group,
+        prepared,
+        staging,
+        plan["attempt"],
+        fsync=steps.fsync,
+        checksum=steps.checksum,
+        incremental=plan.get("incremental"),  # rank 0 decides, for every rank
     )
     _fault("before_gather")
     group.gather(asdict(result), "gather shard records")
@@ -326,6 +383,7 @@ def _lead(
     prepared: tuple[Any, Any, list[list[str]]] | BaseException,
     metadata: dict[str, Any],
     overwrite: bool,
+    incremental: bool = False,
 ) -> Path:
     announced = False
     own: BaseException | None = None
@@ -338,12 +396,20 @@ def _lead(
                 (staging / attempt).mkdir()
                 if steps.fsync:
                     _atomic.fsync_dir(staging)
+                bases = shard_bases(steps) if incremental else None
                 group.broadcast(
-                    {"staging": staging.name, "attempt": attempt}, "announce the attempt"
+                    {"staging": staging.name, "attempt": attempt, "incremental": bases},
+                    "announce the attempt",
                 )
                 announced = True
                 result, own = _write_shard(
-                    group, prepared, staging, attempt, fsync=steps.fsync, checksum=steps.checksum
+                    group,
+                    prepared,
+                    staging,
+                    attempt,
+                    fsync=steps.fsync,
+                    checksum=steps.checksum,
+                    incremental=bases,
                 )
                 _fault("before_gather")
                 gathered = group.gather(asdict(result), "gather shard records")

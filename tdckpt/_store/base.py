@@ -140,8 +140,12 @@ class StepStore(Protocol):
         metadata: dict[str, Any] | None,
         state: StateRecord | None,
         progress: Progress | None,
+        incremental: bool = False,
     ) -> None:
-        """Write ``obj`` (an object, or a staged snapshot of one) into the attempt."""
+        """Write ``obj`` (an object, or a staged snapshot of one) into the attempt.
+
+        ``incremental``: what the latest committed step already holds is not written
+        again; the new step shares it (a linked file, a reference to an earlier object)."""
         ...
 
     def commit(self, attempt: Attempt, *, stacklevel: int) -> Path | str:
@@ -165,14 +169,29 @@ class StepStore(Protocol):
         """Remove what crashed writes and deletions left and nothing may name."""
         ...
 
-    # -- reading ---------------------------------------------------------------------------
-    def open(self, record: StepRecord) -> contextlib.AbstractContextManager[Path | Storage]:
-        """What a restore reads the step from, while the block runs: a local folder or
-        archive, or a :class:`~tdckpt._read.storage.Storage` reading the store in place."""
+    def shared_bytes(self) -> dict[int, int]:
+        """``step -> bytes of its files that another committed step names too`` (what
+        incremental saves share)."""
         ...
 
-    def verify(self, record: StepRecord, progress: Progress | None) -> VerifyReport:
-        """Re-read every byte of the step and compare it with the manifest."""
+    # -- reading ---------------------------------------------------------------------------
+    def open(
+        self, record: StepRecord, *, writes: bool = False
+    ) -> contextlib.AbstractContextManager[Path | Storage]:
+        """What a restore reads the step from, while the block runs: a local folder or
+        archive, or a :class:`~tdckpt._read.storage.Storage` reading the store in place.
+
+        ``writes``: the restore maps files shared and writable (``mode="r+"``): a file the
+        step shares with another step is first given a private copy, so writes reach this
+        step only."""
+        ...
+
+    def verify(
+        self, record: StepRecord, progress: Progress | None, *, shared: dict[Any, Any] | None = None
+    ) -> VerifyReport:
+        """Re-read every byte of the step and compare it with the manifest. ``shared``:
+        filled and consulted across the steps of one verification, so what several steps
+        share (incremental saves) is read once."""
         ...
 
 

@@ -22,6 +22,12 @@ from tdckpt._manage.steps import StepIndex, StepStatus, preferred
 from tdckpt._manage.verify import Progress, VerifyReport, manifest_problem, verify_files
 from tdckpt._store.base import Attempt, Capabilities, StepRecord, in_place
 from tdckpt._write import atomic as _atomic
+from tdckpt._write.incremental import (
+    IncrementalBase,
+    IncrementalSave,
+    shared_bytes,
+    unshare_for_write,
+)
 from tdckpt._write.lock import RootLock
 from tdckpt._write.save import write_checkpoint
 from tdckpt.errors import CheckpointExistsError, LockError, MetadataError
@@ -191,12 +197,15 @@ class LocalStepStore:
         metadata: dict[str, Any] | None,
         state: StateRecord | None,
         progress: Progress | None,
+        incremental: bool = False,
     ) -> None:
         options: dict[str, Any] = {}
         if self.layout == "consolidated":
             from tdckpt._write.consolidated_write import write_consolidated as writer
         else:  # an archive's staging folder is read back at once: no O_DIRECT for it
             writer, options = write_checkpoint, {"progress": progress, "direct": not self.archive}
+            if incremental:  # unchanged leaves linked from the latest committed step
+                options["incremental"] = self._incremental_save()
         writer(
             obj,
             Path(attempt.where),
@@ -206,6 +215,18 @@ class LocalStepStore:
             checksum=self.checksum,
             state=state,
             **options,
+        )
+
+    def _incremental_save(self) -> IncrementalSave:
+        """An incremental save against the latest committed step (under the writer lock)."""
+        records = self.records()
+        if not records:
+            return IncrementalSave(base=None)
+        latest = records[max(records)]
+        return IncrementalSave(
+            base=IncrementalBase.of_step(
+                latest.step, Path(latest.where), latest.manifest, self.checksum
+            )
         )
 
     def commit(self, attempt: Attempt, *, stacklevel: int) -> Path:
@@ -291,12 +312,24 @@ class LocalStepStore:
             _atomic.fsync_dir(self.root)
         return removed
 
+    def shared_bytes(self) -> dict[int, int]:
+        """Hard links are counted by the file system: bytes of inodes another step names."""
+        records = self.records()
+        shared = shared_bytes((step, Path(r.where)) for step, r in records.items())
+        return {step: shared.get(step, 0) for step in records}
+
     # -- reading ---------------------------------------------------------------------------
-    def open(self, record: StepRecord) -> Any:
+    def open(self, record: StepRecord, *, writes: bool = False) -> Any:
+        if writes:  # mapped shared and writable: this step's linked files get private copies
+            unshare_for_write(Path(record.where), record.manifest, fsync=self.fsync)
         return in_place(Path(record.where))
 
-    def verify(self, record: StepRecord, progress: Progress | None) -> VerifyReport:
-        return verify_files(record.step, Path(record.where), record.manifest, progress)
+    def verify(
+        self, record: StepRecord, progress: Progress | None, *, shared: dict[Any, Any] | None = None
+    ) -> VerifyReport:
+        return verify_files(
+            record.step, Path(record.where), record.manifest, progress, shared=shared
+        )
 
 
 def _older(path: Path, now: float, grace_period: float | None) -> bool:

@@ -8,8 +8,10 @@ step exactly one create succeeds, the other gets a
 :class:`~tdckpt.errors.CommitConflictError`. ``overwrite`` is refused: replacing a committed
 step needs an atomic swap object stores lack. Retiring deletes the record first (the step
 is gone), then its data; gc deletes attempt prefixes no record names once older than a grace
-period, and keeps every attempt of a step whose record it cannot read. Exclusive writing:
-the root's lease (:class:`tdckpt._remote.lease.Lease`).
+period, and keeps every attempt of a step whose record it cannot read. Incremental steps
+(:mod:`tdckpt._remote.shared`): a record may name objects under an earlier step's attempt;
+retention and gc delete only the objects of an attempt that no remaining record names.
+Exclusive writing: the root's lease (:class:`tdckpt._remote.lease.Lease`).
 
 Reading a committed step for a restore is :meth:`ObjectStepStore.open`, the one place a
 step's bytes come to this machine (today: downloaded and verified into a private folder).
@@ -34,6 +36,7 @@ from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
 from tdckpt._remote import layout
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
+from tdckpt._remote.shared import Protected, protected, remove_attempt
 from tdckpt._remote.store import Store, mtime, open_store, shorten
 from tdckpt._store.base import Attempt, Capabilities, StepRecord
 from tdckpt.errors import (
@@ -112,6 +115,9 @@ class ObjectStepStore:
             self.store, manager_id, ttl=DEFAULT_TTL_S if lease_ttl is None else lease_ttl
         )
         self._records: dict[str, tuple[tuple[Any, ...], layout.CommitRecord | MetadataError]] = {}
+        # the last listing's committed records and damaged steps: retention retires steps
+        # it just listed, and keeps what the remaining records name without listing again
+        self._last_scan: tuple[dict[int, layout.CommitRecord], dict[int, str]] = ({}, {})
 
     # -- listing ---------------------------------------------------------------------------
     def _scan(self) -> _Scan:
@@ -144,6 +150,8 @@ class ObjectStepStore:
         for step, reason in folders.items():
             if step not in committed:
                 damaged.setdefault(step, reason)
+        with self._state:
+            self._last_scan = (committed, damaged)
         return committed, damaged, attempts
 
     def _record(
@@ -308,9 +316,14 @@ class ObjectStepStore:
         metadata: dict[str, Any] | None,
         state: StateRecord | None,
         progress: Progress | None,
+        incremental: bool = False,
     ) -> None:
-        """Encode ``obj`` in memory, upload it under the attempt prefix, keep its record."""
+        """Encode ``obj`` in memory, upload it under the attempt prefix, keep its record.
+
+        ``incremental``: an object equal to a whole object of the latest committed step is
+        not uploaded; the record refers to it (:mod:`tdckpt._remote.shared`)."""
         from tdckpt._remote.encode import encode_checkpoint
+        from tdckpt._remote.shared import share_objects
         from tdckpt._remote.transfer import plan_objects, upload_encoded
 
         step, prefix = attempt.step, str(attempt.where)
@@ -325,14 +338,20 @@ class ObjectStepStore:
         objects, locations, members = plan_objects(
             [FileRecord(path=f.rel, size=f.size) for f in encoded.files]
         )
+        shared: dict[str, str] = {}
+        if incremental:  # refer to the latest step's equal objects instead of uploading them
+            committed = self._scan()[0]
+            base = committed[max(committed)] if committed else None
+            objects, shared = share_objects(base, encoded.files, objects, members, self.checksum)
         total = sum(f.size for f in encoded.files)
         if progress is not None:
             progress(0, total)
         sums = upload_encoded(self.store, prefix, encoded.files, objects, members, self.checksum)
+        sums.update(shared)
         if progress is not None:
             progress(total, total)
         attempt.pending = layout.CommitRecord(
-            commit_version=layout.COMMIT_VERSION,
+            commit_version=layout.record_version(objects),
             step=step,
             attempt=str(attempt.pending),
             writer=self._id,
@@ -369,18 +388,34 @@ class ObjectStepStore:
             self.store.rm_tree(str(attempt.where))
 
     # -- deleting --------------------------------------------------------------------------
-    def retire(self, records: list[StepRecord]) -> list[str]:
+    def retire(self, records: list[StepRecord]) -> list[tuple[str, Protected]]:
         """Delete each step's commit record (from then on it is not listed); the URLs of
-        their attempts, which :meth:`remove` deletes."""
+        their attempts, which :meth:`remove` deletes, each with what it must keep: the
+        objects the remaining records name (an incremental step refers to an earlier
+        step's objects)."""
+        if not records:
+            return []
+        with self._state:
+            committed, damaged = self._last_scan
+        if any(committed.get(r.step) is not r.handle for r in records):  # not just listed
+            committed, damaged, _ = self._scan()
+        doomed = {r.step for r in records}
+        remaining = {s: r for s, r in committed.items() if s not in doomed}
+        try:
+            keep: Protected = protected(self.store, remaining, damaged)
+        except (OSError, RemoteError):
+            keep = ({}, None)  # cannot tell what is named: the data is left for gc
         for record in records:
             self.store.rm_files([layout.commit_name(record.step)])
-        return [str(record.where) for record in records]
+        return [(str(record.where), keep) for record in records]
 
     def remove(self, retired: list[Any], *, stacklevel: int) -> list[Path | str]:
-        for url in retired:
+        """Delete the retired attempts' objects that no remaining record names; the rest
+        is left for gc."""
+        for url, keep in retired:
             with contextlib.suppress(OSError, RemoteError):  # else left for gc: no record
-                self.store.rm_tree(url[len(self.store.url) + 1 :])
-        return list(retired)
+                remove_attempt(self.store, url[len(self.store.url) + 1 :], keep)
+        return [url for url, _ in retired]
 
     def gc(self, grace_period: float | None, *, stacklevel: int) -> list[Path | str]:
         """Delete attempt prefixes that no commit record names and that nothing has written
@@ -392,6 +427,7 @@ class ObjectStepStore:
             grace_period = DEFAULT_GRACE_S
         committed, damaged, attempts = self._scan()
         named = {layout.attempt_name(s, r.attempt) for s, r in committed.items()}
+        keep = protected(self.store, committed, damaged)  # objects other records name
         now = time.time()
         removed: list[Path | str] = []
         kept: dict[int, list[str]] = {}
@@ -412,8 +448,8 @@ class ObjectStepStore:
                 continue  # the store gives no times: its age is unknown, it may be uploading
             if self._named_now(step, name):
                 continue
-            self.store.rm_tree(name)
-            removed.append(self.store.show(name))
+            if remove_attempt(self.store, name, keep):  # objects others name stay
+                removed.append(self.store.show(name))
         for step, names in sorted(kept.items()):
             _background.warn(
                 f"{self.store.show(layout.commit_name(step))}: gc kept {len(names)} attempt(s) "
@@ -442,20 +478,28 @@ class ObjectStepStore:
             return True
         return layout.attempt_name(step, record.attempt) == name
 
+    def shared_bytes(self) -> dict[int, int]:
+        """Bytes of each step's files that lie in objects another committed record names."""
+        from tdckpt._remote.shared import shared_file_bytes
+
+        return shared_file_bytes(self._scan()[0])
+
     # -- reading ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def open(self, record: StepRecord) -> Iterator[Path | Storage]:
+    def open(self, record: StepRecord, *, writes: bool = False) -> Iterator[Path | Storage]:
         """What a restore reads the step from, while the block runs: the step in the store
         (:func:`~tdckpt._read.object_storage.open_step_storage`: ranged reads of only the
         leaves restored, every file checked as it arrives, messages naming the URL), or,
-        with ``cache_dir``, its verified copy there (file-backed leaves)."""
+        with ``cache_dir``, its verified copy there (file-backed leaves). Either is private:
+        ``writes`` needs nothing more."""
         from tdckpt._read.object_storage import open_step_storage
 
         prefix, commit = _prefix(record)
         if self.cache_dir is not None:
             yield self._cached(record, prefix, commit)
             return
-        objects = [f"{prefix}/{obj.name}" for obj in commit.objects]
+        # an incremental step's record may name objects of earlier steps
+        objects = [commit.object_path(i) for i in range(len(commit.objects))]
         yield open_step_storage(self.store, str(record.where), commit, objects, record.step)
 
     def _cached(self, record: StepRecord, prefix: str, commit: layout.CommitRecord) -> Path:
@@ -482,9 +526,12 @@ class ObjectStepStore:
             shutil.rmtree(part, ignore_errors=True)
         return cached
 
-    def verify(self, record: StepRecord, progress: Progress | None) -> VerifyReport:
+    def verify(
+        self, record: StepRecord, progress: Progress | None, *, shared: dict[Any, Any] | None = None
+    ) -> VerifyReport:
         """Read every object of the step and compare each file with the manifest (sizes
-        and checksums), as it is read; nothing is written anywhere."""
+        and checksums), as it is read; nothing is written anywhere. ``shared``: an object
+        an earlier step of the same verification read is not read again."""
         from tdckpt._remote.transfer import download_step
 
         prefix, commit = _prefix(record)
@@ -497,6 +544,7 @@ class ObjectStepStore:
             step=record.step,
             progress=progress,
             report=report,
+            seen=shared,
         )
         return report
 

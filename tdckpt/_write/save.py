@@ -31,7 +31,7 @@ import mmap
 import os
 import platform
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -49,6 +49,7 @@ from tdckpt._write.checksum import (
     Hasher,
     new_hasher,
 )
+from tdckpt._write.incremental import LEAF_MODE, IncrementalSave, share_file
 from tdckpt._write.save_plan import Op, Plan, class_id, plan_checkpoint
 from tdckpt.errors import CheckpointExistsError, MetadataError, UnsupportedContentError
 from tdckpt.schema import (
@@ -306,8 +307,14 @@ class _Writer:
         progress: Callable[[int, int], None] | None = None,
         total: int = 0,
         direct: bool = True,
+        incremental: IncrementalSave | None = None,
     ) -> None:
         self.root = root
+        #: an incremental save: leaves created read-only, unchanged ones shared with the base
+        self.incremental = incremental
+        self.leaf_mode = 0o666 if incremental is None else LEAF_MODE
+        self._prehash_pool: ThreadPoolExecutor | None = None
+        self._prehashed: dict[str, Future[str]] = {}
         self.algorithm = algorithm
         self.fsync = fsync
         self.progress = progress
@@ -330,6 +337,9 @@ class _Writer:
 
     def close(self) -> None:
         # Writes first (the fsync jobs wait for them), hashes, then the fsyncs (they close).
+        if self._prehash_pool is not None:
+            self._prehash_pool.shutdown(wait=True, cancel_futures=True)
+            self._prehash_pool = None
         for name in ("_io", "_pool", "_syncer"):
             pool = getattr(self, name)
             if pool is not None:
@@ -419,6 +429,8 @@ class _Writer:
         self._advance(len(data))
 
     def write_tensor(self, rel: str, tensor: torch.Tensor, key: tuple[str, ...] | None) -> None:
+        if self.incremental is not None and self._share(rel, tensor, key):
+            return
         hasher = new_hasher(self.algorithm)
         if self.direct and _nbytes(tensor) >= _DIRECT_MIN:
             fd = self._open_direct(rel)
@@ -426,7 +438,7 @@ class _Writer:
                 self._write_direct(fd, rel, tensor, hasher, key)
                 return
         size = 0
-        fd = os.open(self._path(rel), _OPEN_FLAGS, 0o666)
+        fd = os.open(self._path(rel), _OPEN_FLAGS, self.leaf_mode)
         try:
             for piece in _pieces(tensor):
                 buf = _as_bytes(piece)
@@ -451,11 +463,63 @@ class _Writer:
         self._finish(fd)
         self._record(rel, size, hasher.hexdigest(), key)
 
+    def prehash(self, ops: Sequence[Op]) -> None:
+        """Incremental: start hashing every leaf that may be linked from the base, on one
+        thread per core, while the writer goes through the plan in order (the unchanged
+        bytes are only hashed: the save's floor is that pass, spread over the cores)."""
+        assert self.incremental is not None
+        candidates = []
+        for i in range(len(ops)):  # indexed: a staged plan's iteration runs a test hook
+            op = ops[i]
+            if op.kind != "tensor" or op.tensor is None or op.tensor.is_nested:
+                continue
+            if self.incremental.candidate(op.rel, _nbytes(op.tensor), op.key) is not None:
+                candidates.append(op)
+        if not candidates:
+            return
+        threads = max(1, min(len(candidates), os.cpu_count() or 1))
+        self._prehash_pool = ThreadPoolExecutor(threads, thread_name_prefix="tdckpt-prehash")
+        for op in candidates:
+            assert op.tensor is not None
+            self._prehashed[op.rel] = self._prehash_pool.submit(_digest, op.tensor, self.algorithm)
+
+    def _share(self, rel: str, tensor: torch.Tensor, key: tuple[str, ...] | None) -> bool:
+        """Incremental: link the base's file when it holds exactly ``tensor``'s bytes.
+
+        The candidate (same path, size, dtype, shape; a read-only file) is checked from
+        metadata; then ``tensor`` is hashed at memory speed and compared with the base's
+        checksum. False: write the leaf as usual.
+        """
+        assert self.incremental is not None
+        base = self.incremental.base
+        if base is None or tensor.is_nested:
+            return False
+        size = _nbytes(tensor)
+        record = self.incremental.candidate(rel, size, key)
+        if record is None:
+            return False
+        pending = self._prehashed.pop(rel, None)
+        checksum = pending.result() if pending is not None else _digest(tensor, self.algorithm)
+        if checksum != record.checksum:
+            return False
+        how = share_file(base, rel, self._path(rel), fsync=self.fsync)
+        if how is None:
+            return False  # no link possible (too many links to the file, ...): written
+        self.incremental.shared[rel] = how
+        self.incremental.shared_bytes += size
+        self.records.append(
+            FileRecord(
+                path=rel, size=size, checksum=checksum, key=list(key) if key is not None else None
+            )
+        )
+        self._advance(size)
+        return True
+
     # -- O_DIRECT ---------------------------------------------------------------------------
     def _open_direct(self, rel: str) -> int | None:
         """Create ``rel`` for O_DIRECT writes; None (and no more tries) if refused."""
         try:
-            return os.open(self._path(rel), _OPEN_FLAGS | _O_DIRECT, 0o666)
+            return os.open(self._path(rel), _OPEN_FLAGS | _O_DIRECT, self.leaf_mode)
         except OSError as exc:
             if exc.errno != errno.EINVAL:  # EINVAL: this file system has no O_DIRECT
                 raise
@@ -565,6 +629,14 @@ class _Writer:
             fsync_dir(path)
 
 
+def _digest(tensor: torch.Tensor, algorithm: str) -> str:
+    """``"<algorithm>:<hex>"`` of ``tensor``'s C-order bytes (as the writer streams them)."""
+    hasher = new_hasher(algorithm)
+    for piece in _pieces(tensor):
+        hasher.update(_as_bytes(piece))
+    return f"{algorithm}:{hasher.hexdigest()}"
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data[:_MAX_WRITE], offset)
@@ -667,6 +739,7 @@ def write_checkpoint(
     progress: Callable[[int, int], None] | None = None,
     state: StateRecord | None = None,
     direct: bool = True,
+    incremental: IncrementalSave | None = None,
 ) -> Manifest:
     """Write ``obj`` into ``dest_dir`` in tensordict 0.15.3's format, then the manifest.
 
@@ -733,9 +806,19 @@ def write_checkpoint(
         )
     total = sum(map(_op_bytes, plan.ops)) if progress is not None else 0
     writer = _Writer(
-        dest, algorithm=checksum, fsync=fsync, progress=progress, total=total, direct=direct
+        dest,
+        algorithm=checksum,
+        fsync=fsync,
+        progress=progress,
+        total=total,
+        direct=direct,
+        incremental=incremental,
     )
+    if incremental is not None:
+        incremental.plan_meta(plan.ops)
     try:
+        if incremental is not None:
+            writer.prehash(plan.ops)
         for op in plan.ops:
             if op.kind == "dir":
                 writer.mkdir(op.rel)

@@ -1,0 +1,375 @@
+"""Incremental saves on a local root: a leaf that did not change is not written again.
+
+An incremental save (``CheckpointManager(..., incremental=True)``) compares each leaf it is
+about to write with the file of the same path in the latest committed step (the *base*):
+when the dtype and shape (from the base's ``meta.json``), the size and the checksum (the
+manifest's, of the manager's algorithm, computed over the tensor's bytes at memory speed)
+are equal, the new step gets the base's bytes - a reflink (``FICLONE``: a copy-on-write
+clone) where the file system has it, else a hard link to the same inode - instead of a
+new copy. Every step stays a plain tensordict prefix that ``TensorDict.load_memmap`` reads;
+it just shares blocks (reflink) or inodes (hard link) with its neighbours.
+
+**Steps never share mutable bytes.** Leaf files of an incremental save are created
+read-only (mode ``0o444``), and only such a file is ever linked again: a file that was
+written before (a save without ``incremental``), or made writable since (a restore with
+``mode="r+"``, see :func:`unshare_for_write`), may be mapped writable by someone and is
+never shared - the leaf is written afresh. Plain tensordict maps a read-only file
+copy-on-write, so writes into a loaded step stay in memory. A restore with ``mode="r+"``
+first gives each such file of the step a private, writable copy (copy, fsync, rename over
+it), so its writes reach that step only. The ``root`` user ignores permission bits: tdckpt's
+own restores stay safe (``"r"`` maps copy-on-write, ``"r+"`` breaks the sharing first), but
+plain ``TensorDict.load_memmap`` run as root maps a hard-linked file shared and writable,
+and its writes then reach every step sharing the file (a reflinked file is its own inode,
+safe either way).
+
+**References are counted by the file system.** A hard link is a second name of one inode;
+deleting the step that first wrote the bytes (retention, overwrite) removes a name, never
+the bytes another step still names. Retention and ``gc`` need no bookkeeping of their own.
+
+**Equality is by checksum.** With the default CRC-32 two different byte strings of one size
+have equal checksums with probability 2**-32 per changed leaf; over a very long run of
+many leaves that is not negligible, and the stale bytes would be kept. Pass
+``checksum="sha256"`` (or ``"sha1"``) to the manager for cryptographic equality.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tdckpt.schema import MANIFEST_NAME, FileRecord, Manifest
+
+__all__ = [
+    "LEAF_MODE",
+    "IncrementalBase",
+    "IncrementalSave",
+    "check_incremental",
+    "fault_point",
+    "share_file",
+    "shared_bytes",
+    "unshare_for_write",
+    "writes_reach_files",
+]
+
+#: Mode of the leaf files of an incremental save: read-only for everyone.
+LEAF_MODE = 0o444
+#: ``ioctl(dst, FICLONE, src)`` (Linux): make ``dst`` a copy-on-write clone of ``src``.
+FICLONE = 0x40049409
+#: What FICLONE fails with where the file system (or the pair of files) has no reflinks.
+_NO_REFLINK = frozenset(
+    {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM}
+)
+_OPEN_NEW = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+)
+
+
+#: Fault injection for the crash tests: called with each stage name ("share": before a leaf
+#: is linked from the base, "shared": after). None (always, outside tests) costs one compare.
+_fault: Callable[[str], None] | None = None
+
+
+def fault_point(stage: str) -> None:
+    """Report reaching ``stage`` to the crash tests' hook (nothing outside tests)."""
+    if _fault is not None:
+        _fault(stage)
+
+
+def _read_only(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and not st.st_mode & 0o222
+
+
+@dataclass
+class IncrementalBase:
+    """The committed step an incremental save compares its leaves with.
+
+    Only a folder step with a plain manifest (not an archive, a sharded or a consolidated
+    step) is a base; only its leaf records whose checksum has the save's algorithm count.
+    """
+
+    step: int
+    path: Path
+    records: dict[str, FileRecord]
+    #: when the step's manifest was written (its last file): a leaf modified since - by
+    #: ``root``, whom the read-only mode does not stop - is never linked
+    committed_ns: int = 0
+    _meta: dict[str, Any] = field(default_factory=dict)
+    #: None: not tried yet; False: this file system refused a reflink (hard links then).
+    reflink: bool | None = None
+
+    @classmethod
+    def of_step(
+        cls, step: int, path: Path, manifest: Any, algorithm: str
+    ) -> IncrementalBase | None:
+        """The base for a save with ``algorithm``, or None when the step cannot be one."""
+        if type(manifest) is not Manifest or manifest.consolidated is not None:
+            return None
+        if not path.is_dir() or path.is_symlink():
+            return None
+        prefix = f"{algorithm}:"
+        records = {
+            r.path: r
+            for r in manifest.files
+            if r.key is not None and r.checksum is not None and r.checksum.startswith(prefix)
+        }
+        try:
+            committed_ns = os.lstat(path / MANIFEST_NAME).st_mtime_ns
+        except OSError:
+            return None
+        if not records:
+            return None
+        return cls(step=step, path=path, records=records, committed_ns=committed_ns)
+
+    def candidate(self, rel: str, size: int, entry: dict[str, Any] | None) -> FileRecord | None:
+        """The base's record of ``rel`` when it may hold the new leaf's bytes: the same size,
+        the same dtype and shape in ``meta.json`` (``entry``: the new step's), and a
+        read-only regular file (never one that may be mapped writable)."""
+        record = self.records.get(rel)
+        if record is None or record.size != size:
+            return None
+        old = _leaf_entry(self._meta, self.path, rel, record.key)
+        if (old is None) != (entry is None):
+            return None
+        fields = ("dtype", "shape", "is_nested")
+        if old and entry and any(old.get(f) != entry.get(f) for f in fields):
+            return None
+        try:
+            st = os.lstat(self.path / rel)
+        except OSError:
+            return None
+        if not _read_only(st) or st.st_size != size or st.st_mtime_ns > self.committed_ns:
+            return None  # writable, or written after the step was committed: not shared
+        return record
+
+
+def _leaf_entry(
+    cache: dict[str, Any], root: Path | dict[str, bytes], rel: str, key: list[str] | None
+) -> dict[str, Any] | None:
+    """The leaf's entry in its folder's ``meta.json`` (None when it is not a plain one).
+
+    ``root``: a step folder, or the new step's ``meta.json`` bytes by folder.
+    """
+    folder = rel.rpartition("/")[0]
+    if folder not in cache:
+        try:
+            if isinstance(root, dict):
+                raw = root.get(folder)
+                cache[folder] = None if raw is None else json.loads(raw)
+            else:
+                with open(root / folder / "meta.json", encoding="utf-8") as fh:
+                    cache[folder] = json.load(fh)
+        except (OSError, ValueError):
+            cache[folder] = None
+    meta = cache[folder]
+    if not isinstance(meta, dict) or not key:
+        return None
+    entry = meta.get(key[-1])
+    return entry if isinstance(entry, dict) and "dtype" in entry else None
+
+
+@dataclass
+class IncrementalSave:
+    """One incremental save: its base (None for the first one) and what it shared."""
+
+    base: IncrementalBase | None
+    #: paths (relative to the step) whose bytes came from the base, and how
+    shared: dict[str, str] = field(default_factory=dict)
+    shared_bytes: int = 0
+    #: the new step's ``meta.json`` bytes by folder (from the plan), and their parses
+    new_meta: dict[str, bytes] = field(default_factory=dict)
+    _parsed: dict[str, Any] = field(default_factory=dict)
+
+    def plan_meta(self, ops: Sequence[Any]) -> None:
+        """Note the ``meta.json`` bytes the plan writes (for the leaves' dtype and shape).
+
+        Indexes ``ops`` rather than iterating: a staged plan's iteration runs a test hook
+        per leaf, meant for the writer's one pass.
+        """
+        for i in range(len(ops)):
+            op = ops[i]
+            if (
+                op.kind == "bytes"
+                and op.data is not None
+                and op.rel.rpartition("/")[2] == ("meta.json")
+            ):
+                self.new_meta[op.rel.rpartition("/")[0]] = op.data
+
+    def candidate(self, rel: str, size: int, key: tuple[str, ...] | None) -> FileRecord | None:
+        """The base's record whose file may hold the new leaf ``rel`` (see
+        :meth:`IncrementalBase.candidate`); None without a base."""
+        if self.base is None:
+            return None
+        entry = _leaf_entry(self._parsed, self.new_meta, rel, list(key) if key else None)
+        return self.base.candidate(rel, size, entry)
+
+
+#: What ``link`` fails with where a hard link cannot be made: too many links to the file
+#: (ext4: 65,000), another file system, links not supported or not permitted.
+_NO_LINK = frozenset({errno.EMLINK, errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS})
+
+
+def share_file(base: IncrementalBase, rel: str, dest: Path, *, fsync: bool) -> str | None:
+    """Give ``dest`` (new) the bytes of the base's ``rel``: ``"reflink"`` or ``"link"``;
+    None when neither can be made (``dest`` not created: the caller writes the leaf).
+
+    A reflink is tried once per save; where the file system refuses it, hard links follow.
+    """
+    src = base.path / rel
+    fault_point("share")
+    if base.reflink is not False:
+        if _reflink(src, dest, fsync=fsync):
+            base.reflink = True
+            fault_point("shared")
+            return "reflink"
+        base.reflink = False
+    try:
+        os.link(src, dest, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in _NO_LINK:
+            return None
+        raise
+    fault_point("shared")
+    return "link"
+
+
+def _reflink(src: Path, dest: Path, *, fsync: bool) -> bool:
+    import fcntl
+
+    sfd = os.open(src, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        dfd = os.open(dest, _OPEN_NEW, LEAF_MODE)
+        try:
+            fcntl.ioctl(dfd, FICLONE, sfd)
+            if fsync:
+                os.fsync(dfd)
+        except OSError as exc:
+            os.close(dfd)
+            os.unlink(dest)
+            if exc.errno in _NO_REFLINK:
+                return False
+            raise
+        os.close(dfd)
+    finally:
+        os.close(sfd)
+    return True
+
+
+def check_incremental(incremental: object, *, where: str, archive: bool, layout: str) -> bool:
+    """``incremental`` as a bool, refused (ValueError) where steps cannot share files."""
+    if type(incremental) is not bool:
+        raise TypeError(f"incremental must be True or False, got {incremental!r}")
+    if not incremental:
+        return False
+    if archive or layout != "memmap":
+        what = "archive=True" if archive else f"layout={layout!r}"
+        raise ValueError(
+            f"{where}: incremental saves share leaf files between step folders of the memmap "
+            f"layout; not with {what}. Drop incremental=True, or save plain folders "
+            "(archive=False, layout='memmap')."
+        )
+    return True
+
+
+def writes_reach_files(mode: str | None) -> bool:
+    """Whether a restore in ``mode`` maps files shared and writable: ``"r+"``, and
+    tensordict's default (None) for ``root``, whom a read-only mode does not stop."""
+    return mode == "r+" or (mode is None and hasattr(os, "geteuid") and os.geteuid() == 0)
+
+
+def unshare_for_write(path: Path, manifest: Any, *, fsync: bool = True) -> list[str]:
+    """Before a ``mode="r+"`` restore of the step at ``path``: give every leaf file that is
+    read-only or has other names (another step's) a private, writable copy.
+
+    Each such file is copied beside itself, fsynced, made writable and renamed over its
+    name: the step keeps the same bytes (its manifest stays true), the other steps keep the
+    old inode, and writes through the restore reach this step only. Returns the paths
+    copied (relative to the step). A crash leaves either name complete; at worst an
+    ``.tdckpt-unshare-*`` file that ``verify`` reports as extra.
+    """
+    if type(manifest) is not Manifest or not path.is_dir():
+        return []
+    done: list[str] = []
+    for record in manifest.files:
+        if record.key is None:
+            continue
+        target = path / record.path
+        try:
+            st = os.lstat(target)
+        except OSError:
+            continue  # missing: the restore reports it
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        if st.st_nlink <= 1 and st.st_mode & 0o200:
+            continue
+        tmp = target.with_name(f".{target.name}.tdckpt-unshare-{uuid.uuid4().hex}")
+        try:
+            with open(target, "rb") as src:
+                fd = os.open(tmp, _OPEN_NEW, 0o666)
+                with os.fdopen(fd, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 8 << 20)
+                    dst.flush()
+                    if fsync:
+                        os.fsync(dst.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with _suppress_os():
+                os.unlink(tmp)
+            raise
+        done.append(record.path)
+    if done and fsync:
+        from tdckpt._write.atomic import fsync_dir
+
+        for folder in sorted({(path / rel).parent for rel in done}):
+            fsync_dir(folder)
+    return done
+
+
+class _suppress_os:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> bool:
+        return isinstance(exc, OSError)
+
+
+def shared_bytes(steps: Iterable[tuple[int, Path]]) -> dict[int, int]:
+    """``step -> bytes of its files that another listed step also names`` (hard links).
+
+    A step's own bytes are its size less these; deleting it frees about its own bytes.
+    Reflinked blocks are not visible to ``stat`` and count as own. Steps that are not
+    folders are left out.
+    """
+    files: dict[int, dict[tuple[int, int], int]] = {}
+    for step, path in steps:
+        if not path.is_dir() or path.is_symlink():
+            continue
+        inodes: dict[tuple[int, int], int] = {}
+        for dirpath, _dirs, names in os.walk(path, followlinks=False):
+            for name in names:
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                    inodes[(st.st_dev, st.st_ino)] = st.st_size
+        files[step] = inodes
+    owners: dict[tuple[int, int], int] = {}
+    for inodes in files.values():
+        for inode in inodes:
+            owners[inode] = owners.get(inode, 0) + 1
+    return {
+        step: sum(size for inode, size in inodes.items() if owners[inode] > 1)
+        for step, inodes in files.items()
+    }
