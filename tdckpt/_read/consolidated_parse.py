@@ -500,7 +500,7 @@ class _Parser:
             or max(stops) > self.data_size
             or min(pads) < 0
             or max(pads) >= 8
-            or not all(map(operator.le, starts, stops))
+            # (then stop >= start: sizes and pads are >= 0)
             or list(map(operator.sub, map(operator.sub, stops, starts), pads)) != sizes
             or any(map(operator.mod, starts, items))
         ):
