@@ -306,7 +306,7 @@ class _Parser:
         level.files.update(zip(files, sizes, strict=True))
         self.leaves.update(zip(paths, zip(starts, sizes, strict=True), strict=True))
         if entries is not None and node is not None:
-            shapes_t = list(map(tuple, shapes))
+            shapes_t = shapes  # tuples
             if nb and set(map(operator.itemgetter(slice(0, nb)), shapes_t)) - {batch_t}:
                 node = None  # a leaf that does not start with the batch size: validation says
             else:
@@ -431,7 +431,7 @@ class _Parser:
 
     def check_leaves(
         self, key: tuple[str, ...], leaves: dict[str, Any]
-    ) -> tuple[list[torch.dtype], list[int], list[int], list[list[int]]]:
+    ) -> tuple[list[torch.dtype], list[int], list[int], list[tuple[int, ...]]]:
         """Check every leaf entry of one level: (dtypes, bytes without padding, starts,
         shapes), in order.
 
@@ -449,13 +449,13 @@ class _Parser:
             dtypes: list[torch.dtype] = []
             sizes: list[int] = []
             starts: list[int] = []
-            shapes: list[list[int]] = []
+            shapes: list[tuple[int, ...]] = []
             for name, spec in leaves.items():
                 _dtype_name, shape, dtype, start, nbytes = self.leaf(spec, key, name)
                 dtypes.append(dtype)
                 sizes.append(nbytes)
                 starts.append(start)
-                shapes.append(shape)
+                shapes.append(tuple(shape))
             return dtypes, sizes, starts, shapes
         dtypes, sizes, starts, shapes = columns
         if all(sizes):
@@ -470,12 +470,16 @@ class _Parser:
 
     def columns(
         self, specs: list[Any]
-    ) -> tuple[list[torch.dtype], list[int], list[int], list[list[int]]] | None:
+    ) -> tuple[list[torch.dtype], list[int], list[int], list[tuple[int, ...]]] | None:
         """(dtypes, bytes, starts, shapes) if every entry of ``specs`` is a usual, valid leaf, else
-        None (then each is checked on its own)."""
-        if set(map(type, specs)) != {list} or set(map(len, specs)) != {5}:
+        None (then each is checked on its own). Dtypes and shapes are checked once per
+        distinct value (a level repeats a few), the offsets column by column."""
+        if set(map(type, specs)) != {list}:
             return None
-        dtype_names, shapes, starts, stops, pads = zip(*specs, strict=True)
+        try:
+            dtype_names, shapes, starts, stops, pads = zip(*specs, strict=True)
+        except ValueError:  # entries of different lengths, or not of five fields
+            return None
         ints = {int}
         if (
             set(map(type, dtype_names)) != {str}
@@ -483,18 +487,36 @@ class _Parser:
             or set(map(type, starts)) != ints
             or set(map(type, stops)) != ints
             or set(map(type, pads)) != ints
-            or max(map(len, shapes)) > _MAX_NDIM
         ):
             return None
-        found = list(map(DTYPES.get, dtype_names))
+        count = len(specs)
+        shapes_t = list(map(tuple, shapes))
+        distinct = list(set(shapes_t))
+        if max(map(len, distinct)) > _MAX_NDIM:
+            return None
+        # The types of every dim (a set of values would let True or 1.0 pass as 1), the
+        # values of the distinct shapes.
+        if set(map(type, itertools.chain.from_iterable(shapes))) - ints:
+            return None
+        dims = set(itertools.chain.from_iterable(distinct))
+        if dims and min(dims) < 0:
+            return None
+        names = list(set(dtype_names))
+        found = list(map(DTYPES.get, names))
         if None in found:
             return None
-        dtypes = cast("list[torch.dtype]", found)
-        dims = list(itertools.chain.from_iterable(shapes))
-        if dims and (set(map(type, dims)) != ints or min(dims) < 0):
-            return None
-        items = list(map(_ITEMSIZE, dtypes))
-        sizes = list(map(operator.mul, map(math.prod, shapes), items))
+        if len(names) == 1 and len(distinct) == 1:  # one dtype, one shape (a large level)
+            dtype = cast("torch.dtype", found[0])
+            item = dtype.itemsize
+            dtypes = [dtype] * count
+            items: Any = itertools.repeat(item)
+            sizes = [math.prod(distinct[0]) * item] * count
+        else:
+            by_name = dict(zip(names, cast("list[torch.dtype]", found), strict=True))
+            dtypes = list(map(by_name.__getitem__, dtype_names))
+            items = list(map(_ITEMSIZE, dtypes))
+            numel = dict(zip(distinct, map(math.prod, distinct), strict=True))
+            sizes = list(map(operator.mul, map(numel.__getitem__, shapes_t), items))
         if (
             min(starts) < 0
             or max(stops) > self.data_size
@@ -505,7 +527,7 @@ class _Parser:
             or any(map(operator.mod, starts, items))
         ):
             return None
-        return dtypes, sizes, list(starts), list(shapes)
+        return dtypes, sizes, list(starts), shapes_t
 
     def leaf(
         self, spec: Any, key: tuple[str, ...], name: str
