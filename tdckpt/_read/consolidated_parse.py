@@ -13,6 +13,7 @@ writes them: a 10,000-leaf file is the large one.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 import operator
@@ -26,7 +27,15 @@ from tdckpt._read.nodes import DTYPES, LeafNode, TensorDictNode
 from tdckpt._read.tree import VFile
 from tdckpt.errors import MetadataError, UnsupportedFormatError
 
-__all__ = ["MAX_DEPTH", "MAX_LEVELS", "RESERVED", "Level", "Parsed", "parse_consolidated"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_LEVELS",
+    "RESERVED",
+    "LeafExtent",
+    "Level",
+    "Parsed",
+    "parse_consolidated",
+]
 
 #: Levels nest at most this deep (as ``tree.MAX_DEPTH`` for directories).
 MAX_DEPTH = 200
@@ -109,11 +118,38 @@ class Parsed:
     """
 
     levels: dict[str, Level]
-    leaves: dict[str, tuple[int, int]]
+    #: (relative paths, starts, sizes) of each level's leaves, what ``leaves`` is built from
+    leaf_columns: list[tuple[list[str], list[int], list[int]]]
     data_size: int
     root: TensorDictNode | None
     #: the metadata as parsed (checked)
     raw: dict[str, Any]
+
+    @functools.cached_property
+    def leaves(self) -> dict[str, tuple[int, int]]:
+        """Relative leaf path -> ``(start, nbytes)``, built on first use (a restore from the
+        validated node tree reads each leaf's range from its :class:`LeafExtent`)."""
+        table: dict[str, tuple[int, int]] = {}
+        for paths, starts, sizes in self.leaf_columns:
+            table.update(zip(paths, zip(starts, sizes, strict=True), strict=True))
+        return table
+
+
+@dataclass(eq=False)
+class LeafExtent(VFile):
+    """The file of a leaf of the node tree built while parsing: its bytes start at ``start``
+    in the leaf region (``size`` of them, ``source`` its relative path)."""
+
+    start: int = 0
+
+    def __eq__(self, other: object) -> bool:
+        # The same file as a VFile of the same fields (what validation builds): ``start``
+        # says where its bytes lie, not which file it is.
+        if not isinstance(other, VFile):
+            return NotImplemented
+        return (self.source, self.size, self.data) == (other.source, other.size, other.data)
+
+    __hash__ = None  # type: ignore[assignment]  # as VFile's: mutable, compared by value
 
 
 def parse_consolidated(raw: Any, data_size: int, where: str) -> Parsed:
@@ -132,7 +168,7 @@ class _Parser:
         self.data_size = data_size
         self.where = where
         self.levels: dict[str, Level] = {}
-        self.leaves: dict[str, tuple[int, int]] = {}
+        self.leaf_columns: list[tuple[list[str], list[int], list[int]]] = []
         #: starts and ends of the leaves with bytes, in file order, for the overlap check;
         #: ``labels`` says whose they are (level key, its leaf names with bytes), in order
         self.starts: list[int] = []
@@ -159,7 +195,7 @@ class _Parser:
         self.check_overlaps()
         return Parsed(
             self.levels,
-            self.leaves,
+            self.leaf_columns,
             self.data_size,
             root if self.simple and isinstance(root, TensorDictNode) else None,
             raw,
@@ -304,16 +340,19 @@ class _Parser:
             ]
         paths = list(map(operator.add, repeat(prefix), files)) if prefix else files
         level.files.update(zip(files, sizes, strict=True))
-        self.leaves.update(zip(paths, zip(starts, sizes, strict=True), strict=True))
+        self.leaf_columns.append((paths, starts, sizes))
         if entries is not None and node is not None:
             shapes_t = shapes  # tuples
             if nb and set(map(operator.itemgetter(slice(0, nb)), shapes_t)) - {batch_t}:
                 node = None  # a leaf that does not start with the batch size: validation says
             else:
                 vfiles = (
-                    list(map(VFile, paths, sizes))
+                    list(map(LeafExtent, paths, sizes, repeat(None), starts))
                     if all(sizes)
-                    else [VFile(p, n) if n else None for p, n in zip(paths, sizes, strict=True)]
+                    else [
+                        LeafExtent(p, n, None, start) if n else None
+                        for p, n, start in zip(paths, sizes, starts, strict=True)
+                    ]
                 )
                 entries.update(
                     zip(
@@ -506,6 +545,7 @@ class _Parser:
         if None in found:
             return None
         if len(names) == 1 and len(distinct) == 1:  # one dtype, one shape (a large level)
+            shapes_t = [distinct[0]] * count  # one tuple: compared by identity later
             dtype = cast("torch.dtype", found[0])
             item = dtype.itemsize
             dtypes = [dtype] * count
