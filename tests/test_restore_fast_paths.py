@@ -38,7 +38,7 @@ def _mixed(batch: int = 3) -> TensorDict:
     d["empty"] = torch.zeros(batch, 0)
     d.update({f"s{i}": torch.randn(batch) for i in range(5)})
     d["u8"] = torch.arange(batch, dtype=torch.uint8)
-    d["nested"] = TensorDict({f"x{i}": torch.randn(batch, 1, 2) for i in range(6)}, [batch])
+    d["nested"] = TensorDict({f"x{i}": torch.randn(batch, 1, 2) for i in range(40)}, [batch])
     return TensorDict(d, [batch])
 
 
