@@ -38,7 +38,7 @@ def _mixed(batch: int = 3) -> TensorDict:
     d["empty"] = torch.zeros(batch, 0)
     d.update({f"s{i}": torch.randn(batch) for i in range(5)})
     d["u8"] = torch.arange(batch, dtype=torch.uint8)
-    d["nested"] = TensorDict({f"x{i}": torch.randn(batch, 1, 2) for i in range(6)}, [batch])
+    d["nested"] = TensorDict({f"x{i}": torch.randn(batch, 1, 2) for i in range(40)}, [batch])
     return TensorDict(d, [batch])
 
 
@@ -286,3 +286,29 @@ def test_usual_leaves_validate_as_the_per_leaf_path(
     # is found when mapped), never where a problem is to be reported
     assert {"flat", "nested"} <= set(answered) if not lane else "flat" in answered
     assert "missing" not in answered and "zero element" not in answered
+
+
+@pytest.mark.parametrize("dim", [True, 4.0])
+def test_consolidated_shape_dims_of_another_type_are_refused(tmp_path: Path, dim: Any) -> None:
+    """A dim that equals an int (``true``, ``4.0``) in one leaf of a level whose other leaves
+    have that shape is still refused: dims are type-checked one by one, not as distinct
+    shapes (where ``(4.0,)`` and ``(4,)`` are one)."""
+    import json
+    import struct
+
+    from tdckpt.errors import MetadataError, ValidationError
+
+    path = tmp_path / "td.bin"
+    TensorDict({f"k{i}": torch.ones(4) for i in range(8)}, []).consolidate(filename=path)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<q", raw[-8:])
+    meta = json.loads(raw[-8 - n : -8])
+    if dim is True:  # (True, 4) beside (1, 4): one distinct shape, by value
+        meta["leaves"]["k5"][1] = [1, 4]
+        meta["leaves"]["k6"][1] = [True, 4]
+    else:  # (4.0,) beside (4,)
+        meta["leaves"]["k5"][1] = [dim]
+    blob = json.dumps(meta).encode()
+    path.write_bytes(raw[: -8 - n] + blob + struct.pack("<q", len(blob)))
+    with pytest.raises((MetadataError, ValidationError), match="k6" if dim is True else "k5"):
+        tdckpt.load_memmap(path, allow_pickle=False)

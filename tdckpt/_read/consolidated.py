@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from tdckpt._read.consolidated_parse import RESERVED, Level, parse_consolidated
+from tdckpt._read.consolidated_parse import RESERVED, LeafExtent, Level, parse_consolidated
 from tdckpt._read.nodes import LeafNode, TensorDictNode
 from tdckpt._read.storage import (
     MAX_JSON_BYTES,
@@ -92,8 +92,10 @@ _SOURCE = operator.attrgetter("source")
 _IS_NESTED = operator.attrgetter("is_nested")
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
-_START = operator.itemgetter(0)
-_SIZE = operator.itemgetter(1)
+_START = operator.attrgetter("start")
+_SIZE = operator.attrgetter("size")
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
 
 
 def open_consolidated(
@@ -334,16 +336,20 @@ class ConsolidatedStorage(Storage):
         typed: dict[torch.dtype, torch.Tensor] = {}
         #: shape -> (contiguous strides, numel): a checkpoint repeats a few shapes
         layouts: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}
-        table = self._parsed.leaves
         data_size = self.data_size
         files = list(map(_FILE, nodes))
+        places: list[tuple[int, int] | None]
         if (
             all(map(operator.is_not, files, repeat(None)))
             and not any(map(_IS_NESTED, nodes))
             and all(map(operator.is_, map(_DATA, files), repeat(None)))
         ):  # the usual level, checked by C-level maps: dense leaves, each in the file
-            places = list(map(table.get, map(_SOURCE, files)))
+            if set(map(type, files)) == {LeafExtent}:  # the parse's own: ranges at hand
+                places = list(zip(map(_START, files), map(_SIZE, files), strict=True))
+            else:
+                places = list(map(self._parsed.leaves.get, map(_SOURCE, files)))
         else:
+            table = self._parsed.leaves
             places = [
                 table.get(src.source)
                 if (src := node.file) is not None
@@ -487,9 +493,12 @@ def _uniform_run(nodes: Sequence[LeafNode], places: list[tuple[int, int] | None]
     would reach the last), checked column by column in C; else 0."""
     if None in places or len(set(map(_DTYPE, nodes))) != 1:
         return 0
-    if len(set(map(_SHAPE, nodes))) != 1 or len(set(map(_SIZE, places))) != 1:  # type: ignore[arg-type]
+    shapes = list(map(_SHAPE, nodes))  # (count() compares by identity first: the parse
+    if shapes.count(shapes[0]) != len(shapes):  # gives a level of one shape one tuple)
         return 0
-    starts = list(map(_START, places))  # type: ignore[arg-type]
+    if len(set(map(_SECOND, places))) != 1:  # type: ignore[arg-type]
+        return 0
+    starts = list(map(_FIRST, places))  # type: ignore[arg-type]
     steps = set(map(operator.sub, starts[1:], starts[:-1]))
     step = steps.pop() if len(steps) == 1 else 0
     size = places[0][1]  # type: ignore[index]

@@ -13,6 +13,7 @@ writes them: a 10,000-leaf file is the large one.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 import operator
@@ -26,7 +27,15 @@ from tdckpt._read.nodes import DTYPES, LeafNode, TensorDictNode
 from tdckpt._read.tree import VFile
 from tdckpt.errors import MetadataError, UnsupportedFormatError
 
-__all__ = ["MAX_DEPTH", "MAX_LEVELS", "RESERVED", "Level", "Parsed", "parse_consolidated"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_LEVELS",
+    "RESERVED",
+    "LeafExtent",
+    "Level",
+    "Parsed",
+    "parse_consolidated",
+]
 
 #: Levels nest at most this deep (as ``tree.MAX_DEPTH`` for directories).
 MAX_DEPTH = 200
@@ -109,11 +118,38 @@ class Parsed:
     """
 
     levels: dict[str, Level]
-    leaves: dict[str, tuple[int, int]]
+    #: (relative paths, starts, sizes) of each level's leaves, what ``leaves`` is built from
+    leaf_columns: list[tuple[list[str], list[int], list[int]]]
     data_size: int
     root: TensorDictNode | None
     #: the metadata as parsed (checked)
     raw: dict[str, Any]
+
+    @functools.cached_property
+    def leaves(self) -> dict[str, tuple[int, int]]:
+        """Relative leaf path -> ``(start, nbytes)``, built on first use (a restore from the
+        validated node tree reads each leaf's range from its :class:`LeafExtent`)."""
+        table: dict[str, tuple[int, int]] = {}
+        for paths, starts, sizes in self.leaf_columns:
+            table.update(zip(paths, zip(starts, sizes, strict=True), strict=True))
+        return table
+
+
+@dataclass(eq=False)
+class LeafExtent(VFile):
+    """The file of a leaf of the node tree built while parsing: its bytes start at ``start``
+    in the leaf region (``size`` of them, ``source`` its relative path)."""
+
+    start: int = 0
+
+    def __eq__(self, other: object) -> bool:
+        # The same file as a VFile of the same fields (what validation builds): ``start``
+        # says where its bytes lie, not which file it is.
+        if not isinstance(other, VFile):
+            return NotImplemented
+        return (self.source, self.size, self.data) == (other.source, other.size, other.data)
+
+    __hash__ = None  # type: ignore[assignment]  # as VFile's: mutable, compared by value
 
 
 def parse_consolidated(raw: Any, data_size: int, where: str) -> Parsed:
@@ -132,7 +168,7 @@ class _Parser:
         self.data_size = data_size
         self.where = where
         self.levels: dict[str, Level] = {}
-        self.leaves: dict[str, tuple[int, int]] = {}
+        self.leaf_columns: list[tuple[list[str], list[int], list[int]]] = []
         #: starts and ends of the leaves with bytes, in file order, for the overlap check;
         #: ``labels`` says whose they are (level key, its leaf names with bytes), in order
         self.starts: list[int] = []
@@ -159,7 +195,7 @@ class _Parser:
         self.check_overlaps()
         return Parsed(
             self.levels,
-            self.leaves,
+            self.leaf_columns,
             self.data_size,
             root if self.simple and isinstance(root, TensorDictNode) else None,
             raw,
@@ -304,16 +340,19 @@ class _Parser:
             ]
         paths = list(map(operator.add, repeat(prefix), files)) if prefix else files
         level.files.update(zip(files, sizes, strict=True))
-        self.leaves.update(zip(paths, zip(starts, sizes, strict=True), strict=True))
+        self.leaf_columns.append((paths, starts, sizes))
         if entries is not None and node is not None:
-            shapes_t = list(map(tuple, shapes))
+            shapes_t = shapes  # tuples
             if nb and set(map(operator.itemgetter(slice(0, nb)), shapes_t)) - {batch_t}:
                 node = None  # a leaf that does not start with the batch size: validation says
             else:
                 vfiles = (
-                    list(map(VFile, paths, sizes))
+                    list(map(LeafExtent, paths, sizes, repeat(None), starts))
                     if all(sizes)
-                    else [VFile(p, n) if n else None for p, n in zip(paths, sizes, strict=True)]
+                    else [
+                        LeafExtent(p, n, None, start) if n else None
+                        for p, n, start in zip(paths, sizes, starts, strict=True)
+                    ]
                 )
                 entries.update(
                     zip(
@@ -431,7 +470,7 @@ class _Parser:
 
     def check_leaves(
         self, key: tuple[str, ...], leaves: dict[str, Any]
-    ) -> tuple[list[torch.dtype], list[int], list[int], list[list[int]]]:
+    ) -> tuple[list[torch.dtype], list[int], list[int], list[tuple[int, ...]]]:
         """Check every leaf entry of one level: (dtypes, bytes without padding, starts,
         shapes), in order.
 
@@ -449,13 +488,13 @@ class _Parser:
             dtypes: list[torch.dtype] = []
             sizes: list[int] = []
             starts: list[int] = []
-            shapes: list[list[int]] = []
+            shapes: list[tuple[int, ...]] = []
             for name, spec in leaves.items():
                 _dtype_name, shape, dtype, start, nbytes = self.leaf(spec, key, name)
                 dtypes.append(dtype)
                 sizes.append(nbytes)
                 starts.append(start)
-                shapes.append(shape)
+                shapes.append(tuple(shape))
             return dtypes, sizes, starts, shapes
         dtypes, sizes, starts, shapes = columns
         if all(sizes):
@@ -470,12 +509,16 @@ class _Parser:
 
     def columns(
         self, specs: list[Any]
-    ) -> tuple[list[torch.dtype], list[int], list[int], list[list[int]]] | None:
+    ) -> tuple[list[torch.dtype], list[int], list[int], list[tuple[int, ...]]] | None:
         """(dtypes, bytes, starts, shapes) if every entry of ``specs`` is a usual, valid leaf, else
-        None (then each is checked on its own)."""
-        if set(map(type, specs)) != {list} or set(map(len, specs)) != {5}:
+        None (then each is checked on its own). Dtypes and shapes are checked once per
+        distinct value (a level repeats a few), the offsets column by column."""
+        if set(map(type, specs)) != {list}:
             return None
-        dtype_names, shapes, starts, stops, pads = zip(*specs, strict=True)
+        try:
+            dtype_names, shapes, starts, stops, pads = zip(*specs, strict=True)
+        except ValueError:  # entries of different lengths, or not of five fields
+            return None
         ints = {int}
         if (
             set(map(type, dtype_names)) != {str}
@@ -483,29 +526,48 @@ class _Parser:
             or set(map(type, starts)) != ints
             or set(map(type, stops)) != ints
             or set(map(type, pads)) != ints
-            or max(map(len, shapes)) > _MAX_NDIM
         ):
             return None
-        found = list(map(DTYPES.get, dtype_names))
+        count = len(specs)
+        shapes_t = list(map(tuple, shapes))
+        distinct = list(set(shapes_t))
+        if max(map(len, distinct)) > _MAX_NDIM:
+            return None
+        # The types of every dim (a set of values would let True or 1.0 pass as 1), the
+        # values of the distinct shapes.
+        if set(map(type, itertools.chain.from_iterable(shapes))) - ints:
+            return None
+        dims = set(itertools.chain.from_iterable(distinct))
+        if dims and min(dims) < 0:
+            return None
+        names = list(set(dtype_names))
+        found = list(map(DTYPES.get, names))
         if None in found:
             return None
-        dtypes = cast("list[torch.dtype]", found)
-        dims = list(itertools.chain.from_iterable(shapes))
-        if dims and (set(map(type, dims)) != ints or min(dims) < 0):
-            return None
-        items = list(map(_ITEMSIZE, dtypes))
-        sizes = list(map(operator.mul, map(math.prod, shapes), items))
+        if len(names) == 1 and len(distinct) == 1:  # one dtype, one shape (a large level)
+            shapes_t = [distinct[0]] * count  # one tuple: compared by identity later
+            dtype = cast("torch.dtype", found[0])
+            item = dtype.itemsize
+            dtypes = [dtype] * count
+            items: Any = itertools.repeat(item)
+            sizes = [math.prod(distinct[0]) * item] * count
+        else:
+            by_name = dict(zip(names, cast("list[torch.dtype]", found), strict=True))
+            dtypes = list(map(by_name.__getitem__, dtype_names))
+            items = list(map(_ITEMSIZE, dtypes))
+            numel = dict(zip(distinct, map(math.prod, distinct), strict=True))
+            sizes = list(map(operator.mul, map(numel.__getitem__, shapes_t), items))
         if (
             min(starts) < 0
             or max(stops) > self.data_size
             or min(pads) < 0
             or max(pads) >= 8
-            or not all(map(operator.le, starts, stops))
+            # (then stop >= start: sizes and pads are >= 0)
             or list(map(operator.sub, map(operator.sub, stops, starts), pads)) != sizes
             or any(map(operator.mod, starts, items))
         ):
             return None
-        return dtypes, sizes, list(starts), list(shapes)
+        return dtypes, sizes, list(starts), shapes_t
 
     def leaf(
         self, spec: Any, key: tuple[str, ...], name: str

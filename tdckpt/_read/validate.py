@@ -223,6 +223,11 @@ def _list_depth(data: list[Any], limit: int) -> int:
     return depth
 
 
+#: A level of at least this many entries is first tried column by column (usual_leaves);
+#: below, the per-leaf path costs less than the columns' setup.
+_COLUMNS_FROM = 32
+
+
 def _build_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorDictNode | None:
     assert vdir.meta is not None
     try:
@@ -261,7 +266,11 @@ def _build_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorDictNode | No
             f"{len(model.names)} dimension names for a batch size of {len(batch)} dims.",
         )
     entries = node.entries
-    usual = usual_leaves(vdir, key, model.entries, batch, ctx.claimed, MAX_BYTES)
+    usual = (
+        usual_leaves(vdir, key, model.entries, batch, ctx.claimed, MAX_BYTES)
+        if len(model.entries) >= _COLUMNS_FROM
+        else None
+    )
     if usual is not None:  # a level of usual leaves, all valid (the large case)
         entries.update(usual)
         return node  # no nested tensor: no size table shares a file

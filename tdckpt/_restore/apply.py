@@ -570,6 +570,8 @@ def tensordict_order(
     (``current``; empty for a new object), then the saved tensors, then the saved sub-levels
     and non-tensor data (each in saved order; ``tensors`` and ``levels`` are)."""
     if not levels and current.keys() == tensors.keys():  # a level of leaves, the same keys
+        if list(current) == list(tensors):  # and in the same order: as they are
+            return tensors
         return dict(zip(current, map(tensors.__getitem__, current), strict=True))
     ordered = {}
     for key in current:
