@@ -129,7 +129,8 @@ class CheckpointManager:
             ``tensordict.consolidated``, that ``TensorDict.from_consolidated`` loads, and
             the manifest, which records every leaf's offset, size and checksum. Restores map
             the one file once. (:meth:`save_async` snapshots a detached copy, then writes
-            the one file in the background.)
+            the one file in the background.) A collective manager writes one such data file
+            per shard (docs/distributed.rst); ``incremental`` is refused with it.
         storage_options: for an fsspec URL root (``s3://bucket/run``, ``memory://x``), the
             filesystem's options (credentials, ``client_kwargs``...); refused for a local
             root. In object storage a step is committed by a conditional create of its
@@ -253,10 +254,11 @@ class CheckpointManager:
         self._shard = resolve_group(group, timeout) if caps.collective else None
         if self._shard is not None and self.archive:
             raise ValueError("a collective manager saves sharded steps as folders: archive=False")
-        if self.layout == "consolidated" and (self.archive or self._shard is not None):
+        if self.layout == "consolidated" and self.archive:
             raise ValueError(
-                "layout='consolidated' saves each step as a folder of one data file and the "
-                "manifest: not with archive=True, nor in a collective (sharded) manager"
+                "layout='consolidated' saves each step (or each shard of a collective "
+                "manager's step) as a folder of one data file and the manifest: not with "
+                "archive=True"
             )
         self.incremental = check_incremental(
             incremental, where=str(self.root), archive=self.archive, layout=self.layout
@@ -884,6 +886,7 @@ class CheckpointManager:
             using=self._using,
             verified=self._verified,
             turn=self._turn,
+            layout=self.layout,
         )
 
     @contextlib.contextmanager

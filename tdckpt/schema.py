@@ -410,6 +410,12 @@ class ShardedManifest(Manifest):
     batch_size: list[Dim] = Field(min_length=1, max_length=64, description="the global batch size")
     shards: list[ShardRecord] = Field(min_length=1)
     replicated: ReplicatedRecord | None = None
+    layout: Literal["memmap", "consolidated"] = Field(
+        default="memmap",
+        description="how each shard is saved: 'memmap' (a tensordict folder, a file per leaf) "
+        "or 'consolidated' (one data file, tensordict.consolidated, with the shard's own "
+        "manifest of per-leaf checksums). Written only when 'consolidated'",
+    )
     manifest_checksum: str | None = Field(
         default=None,
         description="'<algorithm>:<hex digest>' of this document without this field, as "

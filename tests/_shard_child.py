@@ -4,9 +4,10 @@
 
 starts ``world`` ranks (forkserver children), each joins a gloo group on 127.0.0.1 and a
 free port, runs <command> and writes ``{"ok": ...}`` or
-``{"error": [type, message]}`` to ``<args.out>/rank<rank>.json``. The cases' global
-TensorDicts (:func:`make_case`) are deterministic, so the test process rebuilds the same
-reference and every rank cuts its own shard from it.
+``{"error": [type, message]}`` to ``<args.out>/rank<rank>.json``. ``args["manager"]``: more
+keyword arguments of each rank's CheckpointManager (e.g. ``{"layout": "consolidated"}``).
+The cases' global TensorDicts (:func:`make_case`) are deterministic, so the test process
+rebuilds the same reference and every rank cuts its own shard from it.
 
 Fault injection (only here): ``TDCKPT_TEST_FAULT="<rank>:<phase>"`` kills that rank with
 ``os._exit(9)`` at a phase of the save protocol (tdckpt._shard.save.fault_point), or in the
@@ -140,16 +141,29 @@ def rank_main(command: str, rank: int, world: int, port: int, args: dict[str, An
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
-        mgr = CheckpointManager(args["root"], timeout=args.get("timeout", 60))
+        mgr = CheckpointManager(
+            args["root"], timeout=args.get("timeout", 60), **args.get("manager", {})
+        )
         install_fault()
         try:
-            result = {"ok": COMMANDS[command](mgr, rank, world, args)}
+            result = {"ok": _command(command)(mgr, rank, world, args)}
         finally:
             mgr.close()  # a surviving rank 0 lets go of the root's writer lock
     except BaseException as exc:
         result = {"error": [type(exc).__name__, str(exc), traceback.format_exc()]}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     os._exit(0)  # no destroy_process_group: a broken group must not hang the exit
+
+
+def _command(command: str) -> Any:
+    """``COMMANDS[command]``, or ``"module:function"`` of another test helper module (whose
+    commands then live beside the tests that use them)."""
+    if ":" in command:
+        import importlib
+
+        module, name = command.split(":", 1)
+        return getattr(importlib.import_module(module), name)
+    return COMMANDS[command]
 
 
 def free_port() -> int:

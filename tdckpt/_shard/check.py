@@ -1,7 +1,9 @@
 """A sharded step's manifest checked against its shards, before anything is restored.
 
 The step manifest says which global rows each shard holds; the shards are plain tensordict
-prefixes with metadata of their own. Nothing a restore returns may rest on the manifest
+prefixes with metadata of their own (a ``meta.json`` per level, or - in a step the manifest
+records as ``layout="consolidated"`` - one consolidated data file per shard, whose layout is
+checked too). Nothing a restore returns may rest on the manifest
 alone: :func:`check_shards` reads every shard's validated metadata (no leaf is mapped, no
 value unpickled; ``build.StructureBuilder`` builds ``device="meta"`` stand-ins) and
 refuses, naming the shard's file and the key, a shard whose real row count is not the rows
@@ -134,7 +136,7 @@ def check_shards(
     first: ShardStructure | None = None
     for shard in manifest.shards:
         folder = resolve(shard.prefix)
-        where = folder / "meta.json"
+        where = _check_shard_layout(folder, manifest.layout, shard.rank, step_path)
         got = shard_structure(folder)
         if not got.batch_size:
             raise _refuse(
@@ -199,6 +201,46 @@ def check_shards(
                     k,
                 )
     return structures
+
+
+def _check_shard_layout(folder: Path, layout: str, rank: int, step_path: Path) -> Path:
+    """The file that describes shard ``rank`` (its ``meta.json``, or its one consolidated
+    data file), refusing a shard saved in another layout than the step manifest records:
+    the manifest's per-file records and a verify would otherwise not describe what a
+    restore reads."""
+    import os
+
+    from tdckpt._read.consolidated import DATA_NAME, open_consolidated
+
+    data, meta = folder / DATA_NAME, folder / "meta.json"
+    has_data, has_meta = os.path.lexists(data), os.path.lexists(meta)
+    if layout == "consolidated":
+        if has_meta or not has_data:
+            found = "a meta.json (the memmap layout)" if has_meta else f"no {DATA_NAME}"
+            raise _refuse(
+                data,
+                step_path,
+                f"the step manifest records layout 'consolidated' (one {DATA_NAME} per "
+                f"shard), but shard {rank} holds {found}",
+            )
+        opened = open_consolidated(data, follow=False)  # its footer only: nothing mapped
+        if opened is None:
+            raise _refuse(
+                data,
+                step_path,
+                f"shard {rank}'s file is not a consolidated data file (it does not end with "
+                "the metadata and its length: truncated or overwritten)",
+            )
+        opened.close()
+        return data
+    if has_data and not has_meta:
+        raise _refuse(
+            meta,
+            step_path,
+            f"the step manifest records layout 'memmap' (a meta.json per shard), but shard "
+            f"{rank} holds a consolidated {DATA_NAME} instead",
+        )
+    return meta
 
 
 def _check_layout(step_path: Path, manifest: ShardedManifest) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "manifest_digest",
     "parse_step_manifest",
     "seal",
+    "step_document",
 ]
 
 #: The algorithm of a sharded step manifest's own checksum (``manifest_checksum``).
@@ -61,10 +62,21 @@ def manifest_digest(doc: dict[str, Any], algorithm: str = MANIFEST_CHECKSUM) -> 
     return f"{algorithm}:{hasher.hexdigest()}"
 
 
+def step_document(manifest: ShardedManifest) -> dict[str, Any]:
+    """The JSON document of ``manifest`` as it is written (and sealed).
+
+    ``layout`` is written only when it is not the default ``"memmap"``: a memmap step's
+    manifest stays the document that tdckpt releases before the field could read.
+    """
+    doc = manifest.model_dump(mode="json")
+    if doc.get("layout") == "memmap":
+        del doc["layout"]
+    return doc
+
+
 def seal(manifest: ShardedManifest) -> ShardedManifest:
     """``manifest`` with its ``manifest_checksum`` recorded (what the writer commits)."""
-    doc = manifest.model_dump(mode="json")
-    return manifest.model_copy(update={_FIELD: manifest_digest(doc)})
+    return manifest.model_copy(update={_FIELD: manifest_digest(step_document(manifest))})
 
 
 def parse_step_manifest(data: bytes) -> Manifest:
@@ -129,8 +141,10 @@ def build_manifest(
     step: int,
     attempt: str,
     user_metadata: dict[str, Any],
+    layout: str = "memmap",
 ) -> ShardedManifest:
-    """Check that the shards cover the global rows once, with one structure; make the manifest.
+    """Check that the shards cover the global rows once, with one structure; make the manifest
+    (``layout``: how the shards were saved, recorded in it).
 
     Raises:
         CoverageError: naming the rank and the key that disagree.
@@ -213,6 +227,7 @@ def build_manifest(
         batch_size=[row, *first.batch_tail],
         shards=shards,
         replicated=replicated,
+        layout=layout,
     )
     return seal(manifest)
 

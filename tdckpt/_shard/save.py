@@ -8,8 +8,9 @@ Every rank of the manager's gloo group calls :func:`collective_save` with the sa
     bcast   rank 0 -> all: the attempt's path (or rank 0's refusal: every rank raises)
     all:    write this rank's shard as a plain tensordict prefix
             attempt-<uuid>/shard-<rank>/ (tdckpt._write.save.write_checkpoint: every file
-            fsynced, checksummed while written); rank 0 also writes the replicated entries
-            into attempt-<uuid>/replicated/
+            fsynced, checksummed while written; with layout="consolidated" one data file
+            and the shard's manifest of per-leaf checksums, write_consolidated); rank 0
+            also writes the replicated entries into attempt-<uuid>/replicated/
     gather  all -> rank 0: each shard's record (rows, files, sizes, checksums) or its error
     rank 0: check coverage (build_manifest), write ONE step manifest into the staging folder
             (tmp + fsync + os.replace + fsync), then commit the attempt in the store
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tdckpt._shard.group import ShardGroup, rank0_refusal
-from tdckpt._shard.manifest import ShardResult, build_manifest
+from tdckpt._shard.manifest import ShardResult, build_manifest, step_document
 from tdckpt._shard.steps import ShardSteps
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.incremental import IncrementalBase, IncrementalSave
@@ -177,16 +178,32 @@ def _write_prefix(
     fsync: bool,
     checksum: str,
     incremental: IncrementalSave | None = None,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Write ``obj`` at ``staging/rel``; its file and pickle records relative to staging."""
+    layout: str = "memmap",
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """Write ``obj`` at ``staging/rel``; its file and pickle records relative to staging,
+    and the class it restores as (a top-level tensorclass in a consolidated file restores
+    as its TensorDict, as ``TensorDict.from_consolidated`` gives it).
+
+    ``layout="consolidated"``: ``staging/rel`` is a consolidated step of its own - one data
+    file that ``TensorDict.from_consolidated`` loads, and its manifest of per-leaf offsets
+    and checksums (:func:`~tdckpt._write.consolidated_write.write_consolidated`).
+    """
     dest = staging / rel
-    manifest = write_checkpoint(obj, dest, fsync=fsync, checksum=checksum, incremental=incremental)
+    if layout == "consolidated":
+        from tdckpt._write.consolidated_write import write_consolidated
+
+        assert incremental is None  # refused by the manager (check_incremental)
+        manifest = write_consolidated(obj, dest, fsync=fsync, checksum=checksum)
+    else:
+        manifest = write_checkpoint(
+            obj, dest, fsync=fsync, checksum=checksum, incremental=incremental
+        )
     if fsync:
         _atomic.fsync_dir(dest.parent)
     files = [{**f.model_dump(mode="json"), "path": f"{rel}/{f.path}"} for f in manifest.files]
     files.append(_file_record(dest / MANIFEST_NAME, f"{rel}/{MANIFEST_NAME}", checksum))
     pickles = [{**p.model_dump(mode="json"), "file": f"{rel}/{p.file}"} for p in manifest.pickles]
-    return files, pickles
+    return files, pickles, manifest.root_type
 
 
 def _write_shard(
@@ -198,7 +215,10 @@ def _write_shard(
     fsync: bool,
     checksum: str,
     incremental: dict[str, Any] | None = None,
+    layout: str = "memmap",
 ) -> tuple[ShardResult, BaseException | None]:
+    """Write this rank's shard (in ``layout``; rank 0's replicated entries always as a
+    memmap folder: non-tensor data of any kind) and describe it for rank 0."""
     from tdckpt._write.save_plan import class_id
 
     result = ShardResult(rank=group.rank)
@@ -209,18 +229,20 @@ def _write_shard(
         _fault("before_write")
         rel = f"{attempt}/shard-{group.rank}"
         shared = _shard_base(staging.parent, incremental, group.rank, checksum)
-        files, pickles = _write_prefix(
-            shard, staging, rel, fsync=fsync, checksum=checksum, incremental=shared
+        files, pickles, root_type = _write_prefix(
+            shard, staging, rel, fsync=fsync, checksum=checksum, incremental=shared, layout=layout
         )
         if group.rank == 0 and rep is not None:
             rep_rel = f"{attempt}/replicated"
-            rfiles, rpickles = _write_prefix(rep, staging, rep_rel, fsync=fsync, checksum=checksum)
+            rfiles, rpickles, _ = _write_prefix(
+                rep, staging, rep_rel, fsync=fsync, checksum=checksum
+            )
             files += rfiles
             pickles += rpickles
             result.replicated_prefix = rep_rel
         result.rows = int(shard.batch_size[0])
         result.batch_tail = [int(d) for d in shard.batch_size[1:]]
-        result.root_type = class_id(type(shard))
+        result.root_type = root_type if layout == "consolidated" else class_id(type(shard))
         result.prefix = rel
         result.files = files
         result.pickles = pickles
@@ -273,7 +295,7 @@ def shard_bases(steps: ShardSteps) -> dict[str, Any]:
 
 def write_step_manifest(staging: Path, manifest: ShardedManifest, *, fsync: bool) -> None:
     """Write the step manifest into ``staging``: a temporary file, fsync, ``os.replace``."""
-    text = json.dumps(manifest.model_dump(mode="json"), indent=1, allow_nan=False) + "\n"
+    text = json.dumps(step_document(manifest), indent=1, allow_nan=False) + "\n"
     tmp = staging / f".{MANIFEST_NAME}.{uuid.uuid4().hex}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
     try:
@@ -360,6 +382,7 @@ def _follow(
         fsync=steps.fsync,
         checksum=steps.checksum,
         incremental=plan.get("incremental"),  # rank 0 decides, for every rank
+        layout=steps.layout,
     )
     _fault("before_gather")
     group.gather(asdict(result), "gather shard records")
@@ -410,6 +433,7 @@ def _lead(
                     fsync=steps.fsync,
                     checksum=steps.checksum,
                     incremental=bases,
+                    layout=steps.layout,
                 )
                 _fault("before_gather")
                 gathered = group.gather(asdict(result), "gather shard records")
@@ -426,7 +450,11 @@ def _lead(
                         step=step,
                     )
                 manifest = build_manifest(
-                    results, step=step, attempt=attempt, user_metadata=metadata
+                    results,
+                    step=step,
+                    attempt=attempt,
+                    user_metadata=metadata,
+                    layout=steps.layout,
                 )
                 write_step_manifest(staging, manifest, fsync=steps.fsync)
                 _fault("after_records")

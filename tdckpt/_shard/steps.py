@@ -37,6 +37,8 @@ class ShardSteps:
         turn: rank 0's exclusive turn to write ``step`` (``turn(step, overwrite)``): the
             root's writer lock taken, the step claimed (refused if it exists without
             ``overwrite``, or is being restored), released when the block ends.
+        layout: how each rank writes its shard: ``"memmap"`` (a file per leaf) or
+            ``"consolidated"`` (one data file per shard).
     """
 
     group: ShardGroup | None
@@ -47,6 +49,7 @@ class ShardSteps:
     using: Callable[[int | None], contextlib.AbstractContextManager[tuple[int, Path, Manifest]]]
     verified: Callable[[int, Path | str, Manifest], None]
     turn: Callable[[int, bool], contextlib.AbstractContextManager[Any]]
+    layout: str = "memmap"
 
     @property
     def root(self) -> Path:
