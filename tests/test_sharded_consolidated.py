@@ -208,3 +208,26 @@ def test_incremental_is_refused_by_a_consolidated_collective_manager(
     assert CheckpointManager(root).steps() == list(STEPS)
     with pytest.raises(ValueError, match="incremental saves share leaf files"):
         CheckpointManager(tmp_path / "other", layout="consolidated", incremental=True)
+
+
+def test_a_shard_file_replaced_after_the_check_is_refused(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file is swapped between check_shards and the load (the hook only times it)."""
+    from tdckpt._shard import check
+
+    root = _copy(saved, tmp_path)
+    data, _, _ = _leaf_byte(root, 1, 1)
+    real = check.check_shards
+
+    def check_then_swap(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        fewer = reference("nested", TOTAL)[4:7]  # shard 1 held rows 4..13: now 3 rows
+        data.unlink()
+        fewer.consolidate(filename=str(data))
+        return out
+
+    monkeypatch.setattr(check, "check_shards", check_then_swap)
+    # before: the 3 swapped-in rows were sliced as if they were 9, and 7 rows came back
+    with pytest.raises(MetadataError, match="changed while the step was being restored"):
+        CheckpointManager(root).restore(1)

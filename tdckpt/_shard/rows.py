@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tdckpt.errors import RestoreError, UnsafePathError
+from tdckpt.errors import MetadataError, RestoreError, UnsafePathError
 from tdckpt.schema import ShardedManifest, ShardRecord
 
 if TYPE_CHECKING:
@@ -187,6 +187,22 @@ def merge_reports(
         into.missing = missing
 
 
+def _check_loaded_rows(loaded: Any, shard: ShardRecord, step_path: Path) -> None:
+    """Refuse a shard whose rows, as mapped, are not those checked (its files replaced
+    between :func:`~tdckpt._shard.check.check_shards` and the load): slicing it would
+    give fewer or other rows silently."""
+    batch = list(getattr(loaded, "batch_size", []))
+    if batch and batch[0] == shard.stop - shard.start:
+        return
+    where = step_path / shard.prefix
+    raise MetadataError(
+        f"{where}: shard {shard.rank} holds batch size {batch} as it was loaded, but the "
+        f"step manifest gives it rows {shard.start}..{shard.stop}: its files changed while "
+        "the step was being restored; nothing was restored. Restore again, or another step.",
+        path=str(where),
+    )
+
+
 def read_rows(
     step_path: Path,
     manifest: ShardedManifest,
@@ -227,6 +243,7 @@ def read_rows(
         )
         if not reports:  # every shard holds the same keys: one's report says it
             reports.append(done)
+        _check_loaded_rows(loaded, shard, step_path)
         whole = lo == 0 and hi == shard.stop - shard.start
         pieces.append(loaded if whole else loaded[lo:hi])
         if stats is not None:
