@@ -30,6 +30,7 @@ def write_sharded(
     replicated: Sequence[Any] = (),
     metadata: dict[str, Any] | None = None,
     lie: bool = False,
+    layout: str = "memmap",
 ) -> Path:
     """Commit ``shards`` (rank order) as the sharded ``step`` of ``root``; its folder."""
     root.mkdir(parents=True, exist_ok=True)
@@ -41,14 +42,18 @@ def write_sharded(
     for rank, obj in enumerate(shards):
         group = ShardGroup(pg=None, rank=rank, size=len(shards), timeout=1.0)
         prepared = split_shard(obj, replicated)
-        result, err = _write_shard(group, prepared, folder, attempt, fsync=False, checksum="crc32")
+        result, err = _write_shard(
+            group, prepared, folder, attempt, fsync=False, checksum="crc32", layout=layout
+        )
         assert err is None, err
         results.append(result)
     if lie:
         for result in results[1:]:
             result.leaves = results[0].leaves
             result.batch_tail = results[0].batch_tail
-    manifest = build_manifest(results, step=step, attempt=attempt, user_metadata=metadata or {})
+    manifest = build_manifest(
+        results, step=step, attempt=attempt, user_metadata=metadata or {}, layout=layout
+    )
     write_step_manifest(folder, manifest, fsync=False)
     return folder
 

@@ -231,3 +231,12 @@ def test_a_shard_file_replaced_after_the_check_is_refused(
     # before: the 3 swapped-in rows were sliced as if they were 9, and 7 rows came back
     with pytest.raises(MetadataError, match="changed while the step was being restored"):
         CheckpointManager(root).restore(1)
+
+
+def test_an_empty_shard_and_uneven_shards(tmp_path: Path) -> None:
+    td = TensorDict(x=torch.arange(6.0), n=TensorDict(y=torch.ones(6, 2)), batch_size=[6])
+    write_sharded(tmp_path, 1, [td[:4], td[4:4], td[4:]], layout="consolidated")
+    mgr = CheckpointManager(tmp_path)
+    assert_same(mgr.restore(1), td, "whole")
+    assert_same(mgr.restore(1, rows=slice(3, 5)), td[3:5], "across the empty shard")
+    assert mgr.verify(1).ok

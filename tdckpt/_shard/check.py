@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tdckpt.errors import MetadataError
+from tdckpt.errors import MetadataError, TdckptError
 from tdckpt.schema import MANIFEST_NAME, ShardedManifest
 
 __all__ = ["ShardStructure", "check_shards", "shard_problems", "shard_structure"]
@@ -137,7 +137,12 @@ def check_shards(
     for shard in manifest.shards:
         folder = resolve(shard.prefix)
         where = _check_shard_layout(folder, manifest.layout, shard.rank, step_path)
-        got = shard_structure(folder)
+        try:
+            got = shard_structure(folder)
+        except TdckptError as exc:
+            if manifest.layout == "consolidated":
+                _check_consolidated(where, shard.rank, step_path, exc)
+            raise
         if not got.batch_size:
             raise _refuse(
                 where,
@@ -210,7 +215,7 @@ def _check_shard_layout(folder: Path, layout: str, rank: int, step_path: Path) -
     restore reads."""
     import os
 
-    from tdckpt._read.consolidated import DATA_NAME, open_consolidated
+    from tdckpt._read.consolidated import DATA_NAME
 
     data, meta = folder / DATA_NAME, folder / "meta.json"
     has_data, has_meta = os.path.lexists(data), os.path.lexists(meta)
@@ -223,15 +228,6 @@ def _check_shard_layout(folder: Path, layout: str, rank: int, step_path: Path) -
                 f"the step manifest records layout 'consolidated' (one {DATA_NAME} per "
                 f"shard), but shard {rank} holds {found}",
             )
-        opened = open_consolidated(data, follow=False)  # its footer only: nothing mapped
-        if opened is None:
-            raise _refuse(
-                data,
-                step_path,
-                f"shard {rank}'s file is not a consolidated data file (it does not end with "
-                "the metadata and its length: truncated or overwritten)",
-            )
-        opened.close()
         return data
     if has_data and not has_meta:
         raise _refuse(
@@ -241,6 +237,23 @@ def _check_shard_layout(folder: Path, layout: str, rank: int, step_path: Path) -
             f"{rank} holds a consolidated {DATA_NAME} instead",
         )
     return meta
+
+
+def _check_consolidated(data: Path, rank: int, step_path: Path, exc: TdckptError) -> None:
+    """After shard ``rank`` could not be read: refuse, naming it, a data file that is not a
+    consolidated file at all (read as a folder without ``meta.json`` otherwise)."""
+    from tdckpt._read.consolidated import open_consolidated
+
+    opened = open_consolidated(data, follow=False)  # checks its footer first
+    if opened is not None:
+        opened.close()
+        return
+    raise _refuse(
+        data,
+        step_path,
+        f"shard {rank}'s file is not a consolidated data file (it does not end with the "
+        "metadata and its length: truncated or overwritten)",
+    ) from exc
 
 
 def _check_layout(step_path: Path, manifest: ShardedManifest) -> None:
