@@ -466,6 +466,8 @@ def _print_sharded(info: dict[str, Any], *, as_json: bool) -> int:
         return EXIT_OK
     _out(f"sharded step {info['step_folder']} (step {info['step']}, {info['attempt']})")
     _out(f"world size   {info['world_size']}")
+    if info.get("layout", "memmap") != "memmap":  # one data file per shard
+        _out(f"layout       {info['layout']}")
     _out(f"batch size   {info['batch_size']} ({info['root_type']})")
     _out(f"size         {info['bytes']} bytes")
     _out(f"{'rank':>6}  {'rows':<20} {'files':>6} {'bytes':>12}  prefix")

@@ -240,3 +240,18 @@ def test_an_empty_shard_and_uneven_shards(tmp_path: Path) -> None:
     assert_same(mgr.restore(1), td, "whole")
     assert_same(mgr.restore(1, rows=slice(3, 5)), td[3:5], "across the empty shard")
     assert mgr.verify(1).ok
+
+
+def test_inspect_names_the_layout(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tdckpt.cli import main
+
+    step = saved / "1"
+    assert main(["inspect", str(step), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["layout"] == "consolidated" and info["world_size"] == WORLD
+    assert [s["files"] for s in info["shards"]] == [2, 2]  # the data file and its manifest
+    assert main(["inspect", str(step)]) == 0
+    assert "layout       consolidated" in capsys.readouterr().out
+    # each shard inspects as the consolidated step it is
+    assert main(["inspect", str(step / info["shards"][1]["prefix"])]) == 0
+    assert "a: torch.float32" in capsys.readouterr().out

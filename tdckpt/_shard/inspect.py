@@ -60,6 +60,7 @@ def describe_sharded(prefix: str | os.PathLike[str]) -> dict[str, Any] | None:
         "step_folder": str(prefix),
         "step": manifest.step,
         "world_size": manifest.world_size,
+        "layout": manifest.layout,
         "batch_size": list(manifest.batch_size),
         "root_type": manifest.root_type,
         "attempt": manifest.attempt,
