@@ -255,3 +255,17 @@ def test_inspect_names_the_layout(saved: Path, capsys: pytest.CaptureFixture[str
     # each shard inspects as the consolidated step it is
     assert main(["inspect", str(step / info["shards"][1]["prefix"])]) == 0
     assert "a: torch.float32" in capsys.readouterr().out
+
+
+def test_only_the_shards_the_rows_overlap_are_read(saved: Path) -> None:
+    from tdckpt._shard.rows import ReadStats, read_rows
+
+    folder, manifest = _step(saved, 1)
+    whole = reference("nested", TOTAL)
+    row_bytes = sum(v[0].numel() * v.element_size() for v in whole.values(True, True))
+    for start, stop, opened in ((5, 12, 1), (0, 4, 1), (2, 9, 2), (0, TOTAL, 2)):
+        stats = ReadStats()
+        got = read_rows(folder, manifest, start, stop, allow_pickle=None, mode="r", stats=stats)
+        assert_same(got, whole[start:stop], f"rows {start}..{stop}")
+        assert stats.shards_opened == opened
+        assert stats.bytes_requested == row_bytes * (stop - start)
