@@ -179,6 +179,9 @@ def test_a_truncated_shard_file_is_refused_before_any_target_is_touched(
     with pytest.raises(MetadataError, match="not a consolidated data file") as caught:
         CheckpointManager(root).restore(1)
     assert caught.value.facts["path"] == str(data)
+    # rows of shard 0 alone: refused too (every shard is checked, as the rows rest on them)
+    with pytest.raises(MetadataError, match="not a consolidated data file"):
+        CheckpointManager(root).restore(1, rows=slice(0, 2))
     for got in results:
         assert got["raised"][0] == "MetadataError" and "not a consolidated" in got["raised"][1]
 
