@@ -132,7 +132,7 @@ def _reshard(name: str, rank: int, world: int, mesh: Any, work: Path, quick: boo
     mgr = CheckpointManager(work / f"ours-{name}", timeout=600)
     stats = ReadStats()
     part = restore_rows(
-        mgr, last_ours, None, allow_pickle=False, mode="r", verify=False, stats=stats
+        mgr._shard_steps(), last_ours, None, allow_pickle=False, mode="r", verify=False, stats=stats
     )
     start, stop = even_part(rows, rank, world)
     assert all(torch.equal(part[k], whole[k][start:stop]) for k in list(whole)[:5])

@@ -100,7 +100,7 @@ def _format_errors(opened: OpenedCheckpoint) -> str:
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a restore builds its object tree.
 
     A 10,000-leaf restore allocates hundreds of thousands of small, acyclic objects;
@@ -331,7 +331,7 @@ def load_local(
     reading = _Reading(prefix, robust_key, allow_pickle, manifest_checked, selection, strict)
     if report is not None:
         reading.report = report
-    with _gc_paused():
+    with gc_paused():
         while True:  # inline: warnings keep their stack level
             try:
                 opened, unpickle = reading.open()
@@ -552,7 +552,7 @@ def restore_in_place(
     (made with ``in_place=True``): the part restored, recorded into ``report``."""
     # Plain try/finally rather than context managers: this is the hot path of small restores.
     gc_enabled = gc.isenabled()
-    gc.disable()  # as _gc_paused()
+    gc.disable()  # as gc_paused()
     reading = _Reading(prefix, robust_key, allow_pickle, manifest_checked, selection, strict)
     if report is not None:
         reading.report = report

@@ -228,10 +228,13 @@ def read_rows(
     """
     import torch
 
+    from tdckpt._restore.engine import gc_paused
     from tdckpt._shard.check import check_shards
 
-    # The manifest's rows, keys and dtypes are checked against every shard first.
-    check_shards(step_path, manifest, lambda prefix: _shard_path(step_path, prefix))
+    # The manifest's rows, keys and dtypes are checked against every shard first (the
+    # collector paused: its full passes over every shard's metadata cost more than the check).
+    with gc_paused():
+        check_shards(step_path, manifest, lambda prefix: _shard_path(step_path, prefix))
     plan = plan_rows(manifest.shards, start, stop)
     if not plan:  # no rows: the structure, from the first shard
         plan = [(manifest.shards[0], 0, 0)]
