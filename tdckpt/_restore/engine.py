@@ -41,6 +41,7 @@ from tdckpt._restore.policy import check_allow_pickle, resolve_pickle_policy, us
 from tdckpt._restore.select import RestoreReport, Selection, prune
 from tdckpt._restore.transform import apply_transforms, check_device, check_transforms
 from tdckpt.errors import TdckptError, ValidationError
+from tdckpt.schema import MANIFEST_NAME
 from tdckpt.warnings import TdckptWarning
 
 __all__ = [
@@ -58,24 +59,48 @@ _MODES = (None, "r", "r+")
 #: How often a restore reads a prefix again when it was replaced while being read.
 _SWAP_RETRIES = 10
 
+#: What names one committed tree at a prefix: the directory's ``(st_dev, st_ino)`` and its
+#: manifest's generation (see :func:`_generation`).
+_Identity = tuple[int, int, tuple[int, int, int, int] | None]
 
-def _identity(prefix: str | os.PathLike[str] | Storage) -> tuple[int, int] | None:
-    """What the prefix names now (device, inode), or None if nothing (or not a path)."""
+
+def _identity(prefix: str | os.PathLike[str] | Storage) -> _Identity | None:
+    """What the prefix names now: its directory's (device, inode) and the generation of the
+    tree committed there, or None if nothing (or not a path)."""
     if isinstance(prefix, Storage):
         return None
     try:
         st = os.stat(prefix)
     except (OSError, ValueError):
         return None
-    return st.st_dev, st.st_ino
+    return st.st_dev, st.st_ino, _generation(prefix)
 
 
-def _swapped(prefix: str | os.PathLike[str] | Storage, before: tuple[int, int] | None) -> bool:
+def _generation(prefix: str | os.PathLike[str]) -> tuple[int, int, int, int] | None:
+    """One committed tree's token: its manifest's (inode, size, mtime_ns, ctime_ns).
+
+    A directory's inode number alone does not name a tree: ``save(..., overwrite=True)``
+    removes the old tree, and the next save's new folder may get the freed number, so a
+    reader that opened the tree before last could not tell it was replaced. Every save
+    writes a new manifest into its new folder; a leaf changed inside a committed tree leaves
+    the manifest as it was (that change is refused, not read again). The directory's own
+    ctime cannot serve: it changes with any entry renamed inside it. None where the prefix
+    has no manifest (a plain ``td.memmap`` folder, which tdckpt never replaces without one).
+    """
+    try:
+        st = os.lstat(os.path.join(prefix, MANIFEST_NAME))  # never follows, never opens
+    except (OSError, ValueError):
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _swapped(prefix: str | os.PathLike[str] | Storage, before: _Identity | None) -> bool:
     """Whether ``prefix`` now names another tree than when the failed read began.
 
     ``tdckpt.save(..., overwrite=True)`` swaps in the new tree atomically and then removes
     the old one: a read that had opened the old tree sees files vanish. That read failed
-    only because of the swap; reading the new tree again is right.
+    only because of the swap; reading the new tree again is right. Another tree is another
+    directory, or the same directory number (reused) holding another manifest.
     """
     now = _identity(prefix)
     return now is not None and now != before
@@ -393,7 +418,7 @@ class _Reading:
         # once, as it is (reading it again after closing it could not work)
         self.defer = not isinstance(prefix, Storage)
         self.swaps = 0
-        self.identity: tuple[int, int] | None = None
+        self.identity: _Identity | None = None
         self.opened: OpenedCheckpoint | None = None
         self.from_lane = False
 
