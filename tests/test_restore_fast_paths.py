@@ -274,8 +274,10 @@ def test_usual_leaves_validate_as_the_per_leaf_path(
         return out
 
     monkeypatch.setattr(validate, "usual_leaves", recording)
+    taken: dict[str, bool] = {}
     for name, prefix in _checkpoints(tmp_path).items():
         fast = opened_nodes(prefix)
+        taken[name] = fast[0] is not None
         with monkeypatch.context() as m:
             m.setattr(validate, "usual_leaves", lambda *args: None)
             slow = opened_nodes(prefix)
@@ -284,7 +286,12 @@ def test_usual_leaves_validate_as_the_per_leaf_path(
             assert fast[1], name  # the problem is reported, by the per-leaf path
     # the column path answered for the usual levels (a restore lists sizes unknown: "short"
     # is found when mapped), never where a problem is to be reported
-    assert {"flat", "nested"} <= set(answered) if not lane else "flat" in answered
+    # (the lane takes only trees in the exact form tensordict 0.15 writes: with tensordict
+    # 0.14 it declines them, and the column path is not reached through it)
+    if not lane:
+        assert {"flat", "nested"} <= set(answered)
+    else:
+        assert ("flat" in answered) == taken["flat"], (answered, taken)
     assert "missing" not in answered and "zero element" not in answered
 
 
