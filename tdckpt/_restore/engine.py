@@ -48,7 +48,6 @@ __all__ = [
     "load_local",
     "load_memmap",
     "load_memmap_",
-    "load_source",
     "open_for_restore",
     "restore_in_place",
 ]
@@ -289,35 +288,6 @@ def load_memmap(
         source = open_url_storage(str(prefix), storage_options)
     else:
         require_local_options(prefix, storage_options)
-    return load_source(
-        source,
-        robust_key=robust_key,
-        allow_pickle=allow_pickle,
-        mode=mode,
-        device=device,
-        selection=selection,
-        strict=strict,
-        report=report,
-        rename=rename,
-        dtype=dtype,
-    )
-
-
-def load_source(
-    source: str | os.PathLike[str] | Storage,
-    *,
-    robust_key: bool | None,
-    allow_pickle: bool | None,
-    mode: str | None,
-    device: torch.device | str | None = None,
-    selection: Selection | None = None,
-    strict: bool = True,
-    report: bool = False,
-    rename: Any = None,
-    dtype: Any = None,
-) -> Any:
-    """:func:`load_memmap` of a local prefix or an opened storage (arguments checked, the
-    selection made): load, then rename and cast; ``(object, report)`` with ``report``."""
     done = RestoreReport()
     obj = load_local(
         source,
