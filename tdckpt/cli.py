@@ -243,6 +243,20 @@ def _print_error(message: str) -> None:
         sys.stderr.flush()
 
 
+def _exit(ok: bool, error: str) -> int:
+    """:data:`EXIT_OK`, or the ``error:`` line and :data:`EXIT_PROBLEM`."""
+    if ok:
+        return EXIT_OK
+    _print_error(error)
+    return EXIT_PROBLEM
+
+
+def _verdict(name: str, report: Any) -> str:
+    """The last line of a report: ``name: ok`` or its errors, and its warnings."""
+    errors = "ok" if report.ok else f"{len(report.errors)} error(s)"
+    return f"{name}: {errors}, {len(report.warnings)} warning(s)"
+
+
 def _print_json_error(
     kind: str, message: str, path: str | None, code: int, details: dict[str, Any]
 ) -> None:
@@ -533,17 +547,12 @@ def _torchrl_report(args: argparse.Namespace, *, inspect: bool) -> int:
             _out(f"  {_clean(comp.name)}  {_clean(comp.adapter)}  ({'; '.join(what)})")
         for p in report.problems if not inspect else report.errors:
             _out(str(p))
-        _out(
-            f"{_clean(report.path)}: {'ok' if report.ok else f'{len(report.errors)} error(s)'}"
-            f", {len(report.warnings)} warning(s)"
-        )
-    if report.ok or inspect:
-        return EXIT_OK
-    _print_error(
+        _out(_verdict(_clean(report.path), report))
+    return _exit(
+        report.ok or inspect,
         f"{report.path}: {len(report.errors)} error(s) in the TorchRL checkpoint, listed in "
-        "the report on stdout (each names the component and the file)."
+        "the report on stdout (each names the component and the file).",
     )
-    return EXIT_PROBLEM
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -560,17 +569,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         hint = _root_hint(args.prefix) if any(p.code == "not-found" for p in report.errors) else ""
         for p in report.problems:
             _out(str(p) + (hint if p.code == "not-found" else ""))
-        _out(
-            f"{report.prefix}: {'ok' if report.ok else f'{len(report.errors)} error(s)'}"
-            f", {len(report.warnings)} warning(s)"
-        )
-    if report.ok:
-        return EXIT_OK
-    _print_error(
+        _out(_verdict(report.prefix, report))
+    return _exit(
+        report.ok,
         f"{report.prefix}: cannot be restored: {len(report.errors)} error(s), listed in the "
-        "report on stdout (each names the file and what to do)."
+        "report on stdout (each names the file and what to do).",
     )
-    return EXIT_PROBLEM
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
@@ -679,14 +683,12 @@ def _verify_all(args: argparse.Namespace) -> int:
         if not reports:
             _out(f"{args.root}: no steps")
     bad = [report for report in reports if not report.ok]
-    if not bad:
-        return EXIT_OK
-    _print_error(
+    return _exit(
+        not bad,
         f"{args.root}: {len(bad)} of {len(reports)} step(s) differ from what was saved (steps "
         f"{', '.join(str(r.step) for r in bad)}; listed in the report on stdout); restore "
-        "another step, or save these again."
+        "another step, or save these again.",
     )
-    return EXIT_PROBLEM
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -709,14 +711,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         _print_json(report.to_json())
     else:
         _out(report.summary())
-    if report.ok:
-        return EXIT_OK
-    _print_error(
+    return _exit(
+        report.ok,
         f"step {report.step} at {report.path}: {len(report.problems)} file(s) differ from what "
         "was saved (listed in the report on stdout); restore another step, or save this one "
-        "again."
+        "again.",
     )
-    return EXIT_PROBLEM
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
@@ -876,13 +876,11 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from tdckpt._demo_run import run_demo
 
-    if run_demo() == EXIT_OK:
-        return EXIT_OK
-    _print_error(
+    return _exit(
+        run_demo() == EXIT_OK,
         "the demo's resumed weights or its verify did not match what was saved (see above): "
-        "this is a bug, please report it."
+        "this is a bug, please report it.",
     )
-    return EXIT_PROBLEM
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -932,14 +930,11 @@ def _parser() -> argparse.ArgumentParser:
             "values parse as JSON when they can (anon=true)",
         )
 
-    p = add("inspect", _first_line(inspect), _cmd_inspect)
-    p.add_argument("prefix", type=_path_arg)
-    p.add_argument("--robust-key", choices=["auto", "true", "false"], default="auto")
-    add_json(p)
-    p = add("validate", _first_line(validate), _cmd_validate)
-    p.add_argument("prefix", type=_path_arg)
-    p.add_argument("--robust-key", choices=["auto", "true", "false"], default="auto")
-    add_json(p)
+    for func, command in ((inspect, _cmd_inspect), (validate, _cmd_validate)):
+        p = add(func.__name__, _first_line(func), command)
+        p.add_argument("prefix", type=_path_arg)
+        p.add_argument("--robust-key", choices=["auto", "true", "false"], default="auto")
+        add_json(p)
     p = add(
         "upgrade",
         "Upgrade a checkpoint on disk to the current format (crash-safe, with a backup).",

@@ -725,8 +725,7 @@ class CheckpointManager:
             AsyncSaveError: the save in flight failed and nobody retrieved its error (it
                 counts as retrieved from then on).
         """
-        self._background.drain(before="wait() returned", stacklevel=2)
-        future = self._background.inflight
+        future = self._background.drain(before="wait() returned", stacklevel=2)
         if future is None or future._future.exception() is not None:
             return None
         return future._future.result()
@@ -1010,23 +1009,11 @@ class CheckpointManager:
             if damaged is not None:
                 return damaged
         with self._pinned(step) as record:
-            return self._verify_step(record, progress, shared)
-
-    def _verify_step(
-        self, record: StepRecord, progress: Progress | None, shared: dict[Any, Any] | None = None
-    ) -> VerifyReport:
-        """The store's re-read of every byte, and for a sharded step its manifest against
-        its shards. ``shared``: what earlier steps of one :meth:`verify_steps` read."""
-        report = self._steps.verify(record, progress, shared=shared)
-        if isinstance(record.manifest, ShardedManifest):
-            from tdckpt._shard.check import shard_problems
-
-            report.problems += shard_problems(Path(record.where), record.manifest)
-        return report
+            return self._steps.verify(record, progress, shared=shared)
 
     # -- restoring -------------------------------------------------------------------------
     def _verified(self, step: int, path: Path | str, manifest: Manifest) -> None:
-        report = self._verify_step(StepRecord(step, path, manifest), None)
+        report = self._steps.verify(StepRecord(step, path, manifest), None)
         if not report.ok:
             raise IntegrityError(
                 f"{path}: step {step} failed verification, so nothing was restored and the "

@@ -69,10 +69,30 @@ class _Composable:
         return AnyOf(self, other)  # type: ignore[arg-type]
 
 
-def _positive(name: str, value: object) -> int:
+def _positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int >= 1 (not a bool); ValueError naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
+
+
+def _union_of(
+    kind: type[Any], policies: tuple[Any, ...], method: str, what: str
+) -> tuple[Any, ...]:
+    """The ``policies`` of a union (:class:`AnyOf`, :class:`~tdckpt.save_policy.SaveAnyOf`):
+    each must have ``method`` (TypeError); a union of the same ``kind`` among them gives
+    its own policies (the result is flat)."""
+    if not policies:
+        raise ValueError(f"{kind.__name__} needs at least one policy")
+    for policy in policies:
+        if not callable(getattr(policy, method, None)):
+            raise TypeError(
+                f"{kind.__name__} takes {what} policies (objects with {method}), got {policy!r}"
+            )
+    flat: list[Any] = []
+    for policy in policies:
+        flat.extend(policy.policies if isinstance(policy, kind) else (policy,))
+    return tuple(flat)
 
 
 class KeepAll(_Composable):
@@ -93,7 +113,7 @@ class KeepLast(_Composable):
     """
 
     def __init__(self, n: int) -> None:
-        self.n = _positive("KeepLast(n)", n)
+        self.n = _positive_int("KeepLast(n)", n)
 
     def select_to_keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return set(sorted(info.step for info in steps)[-self.n :])
@@ -110,7 +130,7 @@ class KeepEvery(_Composable):
     """
 
     def __init__(self, n: int) -> None:
-        self.n = _positive("KeepEvery(n)", n)
+        self.n = _positive_int("KeepEvery(n)", n)
 
     def select_to_keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {info.step for info in steps if info.step % self.n == 0}
@@ -148,7 +168,7 @@ class KeepBest(_Composable):
     """
 
     def __init__(self, k: int, key: str, mode: Literal["min", "max"] = "min") -> None:
-        self.k = _positive("KeepBest(k)", k)
+        self.k = _positive_int("KeepBest(k)", k)
         if not isinstance(key, str):
             raise TypeError(f"KeepBest(key) must be a str, got {key!r}")
         if mode not in ("min", "max"):
@@ -175,17 +195,7 @@ class AnyOf(_Composable):
     policies: tuple[RetentionPolicy, ...]
 
     def __init__(self, *policies: RetentionPolicy) -> None:
-        if not policies:
-            raise ValueError("AnyOf needs at least one policy")
-        for policy in policies:
-            if not callable(getattr(policy, "select_to_keep", None)):
-                raise TypeError(
-                    f"AnyOf takes retention policies (objects with select_to_keep), got {policy!r}"
-                )
-        flat: list[RetentionPolicy] = []
-        for policy in policies:
-            flat.extend(policy.policies if isinstance(policy, AnyOf) else (policy,))
-        self.policies = tuple(flat)
+        self.policies = _union_of(AnyOf, policies, "select_to_keep", "retention")
 
     def select_to_keep(self, steps: Sequence[StepInfo]) -> set[int]:
         keep: set[int] = set()

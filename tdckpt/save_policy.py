@@ -28,6 +28,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from tdckpt.retention import _positive_int, _union_of
+
 __all__ = [
     "SaveAnyOf",
     "SaveAtSteps",
@@ -80,12 +82,6 @@ class _Composable:
 
     def __or__(self, other: SavePolicy) -> SaveAnyOf:
         return SaveAnyOf(self, other)  # type: ignore[arg-type]
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 class SaveEvery(_Composable):
@@ -221,17 +217,7 @@ class SaveAnyOf(_Composable):
     policies: tuple[SavePolicy, ...]
 
     def __init__(self, *policies: SavePolicy) -> None:
-        if not policies:
-            raise ValueError("SaveAnyOf needs at least one policy")
-        for policy in policies:
-            if not callable(getattr(policy, "should_save", None)):
-                raise TypeError(
-                    f"SaveAnyOf takes save policies (objects with should_save), got {policy!r}"
-                )
-        flat: list[SavePolicy] = []
-        for policy in policies:
-            flat.extend(policy.policies if isinstance(policy, SaveAnyOf) else (policy,))
-        self.policies = tuple(flat)
+        self.policies = _union_of(SaveAnyOf, policies, "should_save", "save")
 
     def should_save(self, context: SaveContext) -> bool:
         # Every policy is asked (no short cut): a stateful user policy sees every step.

@@ -52,6 +52,7 @@ from tdckpt._state.encode import to_tensordict
 from tdckpt._state.restore import _compare, restore_state
 from tdckpt._write.atomic import fsync_dir
 from tdckpt._write.export import save as _save_prefix
+from tdckpt._write.journal import fsync_file
 from tdckpt._write.save import write_checkpoint
 from tdckpt.errors import (
     CheckpointNotFoundError,
@@ -513,20 +514,12 @@ def save(checkpoint: Checkpoint, path: str | os.PathLike[str], **kwargs: Any) ->
     if dest.is_dir():
         for dirpath, _, filenames in os.walk(dest, topdown=False):
             for name in filenames:
-                _fsync_file(os.path.join(dirpath, name))
+                fsync_file(os.path.join(dirpath, name))
             fsync_dir(dirpath)
     else:
-        _fsync_file(os.fspath(dest))
+        fsync_file(os.fspath(dest))
     fsync_dir(dest.parent)
     return dest
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class JSONComponent:

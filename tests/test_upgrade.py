@@ -46,7 +46,8 @@ import tdckpt  # noqa: E402
 import tdckpt._upgrade.journal as journal_mod  # noqa: E402
 import tdckpt._upgrade.upgrade as upgrade_mod  # noqa: E402
 from tdckpt import schema  # noqa: E402  # noqa: E402
-from tdckpt._upgrade.upgrade import BACKUP_MARK, JOURNAL_SUFFIX, STAGING_MARK, upgrade  # noqa: E402
+from tdckpt._upgrade.journal import BACKUP_MARK, JOURNAL_SUFFIX, STAGING_MARK  # noqa: E402
+from tdckpt._upgrade.upgrade import upgrade  # noqa: E402
 from tdckpt.errors import (  # noqa: E402
     IncompleteCheckpointError,
     LockError,

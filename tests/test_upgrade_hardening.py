@@ -34,13 +34,13 @@ from tensordict import TensorDict  # noqa: E402
 
 import tdckpt  # noqa: E402
 from tdckpt import CheckpointManager, cli, schema  # noqa: E402
-from tdckpt._upgrade.journal import MAX_JOURNAL_BYTES  # noqa: E402
-from tdckpt._upgrade.upgrade import (  # noqa: E402
+from tdckpt._upgrade.journal import (  # noqa: E402
     BACKUP_MARK,
     JOURNAL_SUFFIX,
+    MAX_JOURNAL_BYTES,
     STAGING_MARK,
-    upgrade,
 )
+from tdckpt._upgrade.upgrade import upgrade  # noqa: E402
 from tdckpt.errors import (  # noqa: E402
     LockError,
     MigrationError,

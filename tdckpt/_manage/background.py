@@ -173,11 +173,6 @@ class BackgroundSaver:
             self._executor = None
             self._inflight = None
 
-    @property
-    def inflight(self) -> SaveFuture | None:
-        """The latest save submitted (running or finished), if any."""
-        return self._inflight
-
     def submit(self, step: int, job: Callable[[], Path | str]) -> SaveFuture:
         """Run ``job`` on the background thread (call :meth:`drain` first)."""
         self._forked()
@@ -226,46 +221,41 @@ class BackgroundSaver:
             concurrent.futures.wait([future._future])
         return future
 
-    def drain(self, *, before: str, stacklevel: int) -> None:
-        """Wait for the save in flight; raise its error if nobody retrieved it.
+    def drain(self, *, before: str, stacklevel: int) -> SaveFuture | None:
+        """Wait for the save in flight; raise its error if nobody retrieved it. Returns the
+        latest save submitted (finished now), if any.
 
         ``before`` says what now does not happen (for the message); the kept warnings are
         issued at ``stacklevel`` (1: the caller of ``drain``, 2: its caller...).
         """
         future = self.wait()
         if future is None:
-            return
+            return None
         error = future._undelivered_error()
         future._deliver(stacklevel=stacklevel + 1)
         if error is not None:
-            raise self._failure(future.step, error, before) from error
+            raise AsyncSaveError(
+                f"{self.root}: the background save of step {future.step} failed "
+                f"({type(error).__name__}: {error}); step {future.step} was not committed, and "
+                f"the steps committed before it are intact. Raised now, before {before}, "
+                "because nobody called result() on its SaveFuture. Fix the cause and save again.",
+                path=str(self.root),
+                step=future.step,
+            ) from error
+        return future
 
     def shutdown(self, *, stacklevel: int) -> AsyncSaveError | None:
         """Wait for the save in flight, stop the thread; return its undelivered error."""
-        future = self.wait()
+        self.wait()
         with self._guard:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
-        if future is None:
-            return None
-        error = future._undelivered_error()
-        future._deliver(stacklevel=stacklevel + 1)
-        if error is None:
-            return None
-        failure = self._failure(future.step, error, "close() released the root")
-        failure.__cause__ = error
-        return failure
-
-    def _failure(self, step: int, error: BaseException, before: str) -> AsyncSaveError:
-        return AsyncSaveError(
-            f"{self.root}: the background save of step {step} failed "
-            f"({type(error).__name__}: {error}); step {step} was not committed, and the "
-            f"steps committed before it are intact. Raised now, before {before}, because "
-            "nobody called result() on its SaveFuture. Fix the cause and save again.",
-            path=str(self.root),
-            step=step,
-        )
+        try:
+            self.drain(before="close() released the root", stacklevel=stacklevel + 1)
+        except AsyncSaveError as failure:
+            return failure
+        return None
 
     def finish_at_exit(self) -> None:
         """Wait for the save in flight; print its failure (the step) to stderr, if any.

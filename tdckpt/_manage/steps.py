@@ -1,11 +1,11 @@
-"""The steps of a checkpoint root: its step-named entries, their manifests, their status.
+"""The manifests of a checkpoint root's step entries, and the status rows of its entries.
 
 A root holds ``<step>/`` folders and ``<step>.tdz`` archives; an entry is a committed step
-when it holds a valid tdckpt manifest. :class:`StepIndex` scans the root, reads each
-manifest (bounded; cached by file identity, so a long-lived manager re-reads only what
-changed), resolves the step a caller asks for, and lists every entry - committed, damaged
-or left incomplete by a crash - as a :class:`StepStatus`. It only reads;
-:class:`tdckpt.manager.CheckpointManager` decides what to save, restore and delete.
+when it holds a valid tdckpt manifest. :class:`StepIndex` reads the manifest of an entry
+(bounded; cached by file identity, so a long-lived manager re-reads only what changed);
+:class:`tdckpt._store.local.LocalStepStore` scans the root, resolves the step a caller asks
+for and lists every entry - committed, damaged or left incomplete by a crash - as a
+:class:`StepStatus`. It only reads.
 """
 
 from __future__ import annotations
@@ -17,25 +17,20 @@ import struct
 import threading
 import zipfile
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from tdckpt._shard.inspect import shard_summary
 from tdckpt._shard.manifest import parse_step_manifest
-from tdckpt._write import atomic as _atomic
-from tdckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, MetadataError
-from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest, explain
+from tdckpt.errors import MetadataError
+from tdckpt.schema import MANIFEST_NAME, Manifest, explain
 
 __all__ = ["StepIndex", "StepStatus", "preferred"]
 
 #: Manifests larger than this are refused (bounded parsing).
 _MAX_MANIFEST_BYTES = 256 * 1024 * 1024
-
-#: Scans of a root that lists no committed step before believing it (see resolve).
-_EMPTY_RESCANS = 3
 
 #: What zipfile raises on a damaged or hostile archive besides BadZipFile: an encrypted
 #: entry (RuntimeError), an unknown method (NotImplementedError), bad compressed data
@@ -81,18 +76,7 @@ class StepStatus:
     detail: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "path": str(self.path),
-            "kind": self.kind,
-            "status": self.status,
-            "size": self.size,
-            "format_version": self.format_version,
-            "key_encoding": self.key_encoding,
-            "created": self.created,
-            "metadata": self.metadata,
-            "detail": self.detail,
-        }
+        return {**asdict(self), "path": str(self.path)}  # every field, in order
 
 
 def preferred(forms: dict[str, Any], *, archive: bool) -> Any:
@@ -106,7 +90,7 @@ def preferred(forms: dict[str, Any], *, archive: bool) -> Any:
 
 
 class StepIndex:
-    """The step-named entries of one root and their manifests (cached by file identity).
+    """The manifests of the step-named entries of one root (cached by file identity).
 
     Args:
         root: the checkpoint root.
@@ -189,140 +173,6 @@ class StepIndex:
                     )
                 return fh.read(_MAX_MANIFEST_BYTES + 1)
             return _archive_manifest(where, fh)
-
-    def entries(self) -> dict[int, dict[str, Path]]:
-        """Every step-named entry of the root, committed or not: step -> kind -> path."""
-        out: dict[int, dict[str, Path]] = {}
-        try:
-            scan = os.scandir(self.root)
-        except (FileNotFoundError, NotADirectoryError):
-            return out
-        with scan:
-            for entry in scan:
-                parsed = _atomic.parse_step_name(entry.name)
-                if parsed is None:
-                    continue
-                step, kind = parsed
-                try:
-                    ok = (
-                        entry.is_dir(follow_symlinks=False)
-                        if kind == "dir"
-                        else entry.is_file(follow_symlinks=False)
-                    )
-                except OSError:
-                    ok = False
-                if ok:
-                    out.setdefault(step, {})[kind] = Path(entry.path)
-        return out
-
-    def committed(self) -> dict[int, dict[str, tuple[Path, Manifest]]]:
-        """Committed steps: step-named entries holding a valid manifest."""
-        out = self._committed_once()
-        for _ in range(_EMPTY_RESCANS):
-            if out or not self.root.is_dir():
-                break
-            # A listing is not atomic: a writer in another process that commits a step
-            # and retires the previous one meanwhile can hide both from one scan. A root
-            # that holds steps is never empty for long, so look again before saying so.
-            out = self._committed_once()
-        return out
-
-    def _committed_once(self) -> dict[int, dict[str, tuple[Path, Manifest]]]:
-        out: dict[int, dict[str, tuple[Path, Manifest]]] = {}
-        for step, forms in self.entries().items():
-            for kind, path in forms.items():
-                try:
-                    manifest = self.manifest(path, kind)
-                except MetadataError:
-                    continue
-                out.setdefault(step, {})[kind] = (path, manifest)
-        return out
-
-    def statuses(self) -> list[StepStatus]:
-        """Every step-like entry of the root with its status (see ``list_steps``)."""
-        rows: list[StepStatus] = []
-        for step, forms in sorted(self.entries().items()):
-            for kind, path in sorted(forms.items()):
-                try:
-                    manifest = self.manifest(path, kind)
-                except MetadataError as exc:
-                    rows.append(StepStatus(step, path, kind, "damaged", detail=str(exc)))
-                    continue
-                sharded = isinstance(manifest, ShardedManifest)
-                rows.append(
-                    StepStatus(
-                        step,
-                        path,
-                        "sharded" if sharded else kind,
-                        "committed",
-                        size=sum(f.size for f in manifest.files),
-                        format_version=manifest.format_version,
-                        key_encoding=manifest.key_encoding,
-                        created=manifest.created,
-                        metadata=dict(manifest.user_metadata),
-                        detail=shard_summary(manifest)
-                        if isinstance(manifest, ShardedManifest)
-                        else None,
-                    )
-                )
-        if self.root.is_dir():
-            for name in sorted(os.listdir(self.root)):
-                if _atomic.is_tmp_name(name):
-                    rows.append(
-                        StepStatus(_atomic.tmp_step(name), self.root / name, "tmp", "incomplete")
-                    )
-        return rows
-
-    # -- resolving -----------------------------------------------------------------------------
-    def not_found(self, step: int) -> CheckpointNotFoundError:
-        """The error for a step that is not committed, listing the latest committed ones."""
-        steps = sorted(self.committed())
-        shown = ", ".join(map(str, steps[-10:])) if steps else "none"
-        return CheckpointNotFoundError(
-            f"{self.root}: no committed step {step} (committed steps: {shown}). Pick one of "
-            "steps(), or None for the latest.",
-            path=str(self.root),
-            step=step,
-        )
-
-    def resolve(self, step: int | None, *, archive: bool) -> tuple[int, Path, Manifest]:
-        """The committed ``step`` (None: the latest) as ``(step, path, manifest)``.
-
-        ``archive`` picks the form when the step is both a folder and an archive
-        (:func:`preferred`).
-
-        Raises:
-            CheckpointNotFoundError: no such committed step (or none at all).
-            IncompleteCheckpointError: a step-named entry without a valid manifest.
-        """
-        committed = self.committed()
-        if step is None:
-            if not committed:
-                raise CheckpointNotFoundError(
-                    f"{self.root}: no committed checkpoint yet; save one first (or check the "
-                    "root path).",
-                    path=str(self.root),
-                )
-            step = max(committed)
-        step = _atomic.check_step(step)
-        forms = committed.get(step)
-        if forms is None:
-            existing = self.entries().get(step)
-            if existing:
-                path = preferred(existing, archive=archive)
-                kind = "archive" if path.name.endswith(_atomic.ARCHIVE_SUFFIX) else "dir"
-                try:
-                    self.manifest(path, kind)
-                except MetadataError as exc:
-                    raise IncompleteCheckpointError(
-                        f"{path}: step {step} is not a committed tdckpt checkpoint: "
-                        f"{exc.message} Restore or verify another step (see steps()).",
-                        path=str(path),
-                        step=step,
-                    ) from exc
-            raise self.not_found(step)
-        path, manifest = preferred(forms, archive=archive)
-        return step, path, manifest
 
 
 def _archive_manifest(where: Path, fh: Any) -> bytes:

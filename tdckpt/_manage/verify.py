@@ -17,7 +17,7 @@ import stat
 import zipfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -102,13 +102,7 @@ class VerifyReport:
             "bytes_checked": self.bytes_checked,
             **({"shared_checked": self.shared_checked} if self.shared_checked else {}),
             "problems": [
-                {
-                    "path": p.path,
-                    "key": list(p.key) if p.key is not None else None,
-                    "kind": p.kind,
-                    "expected": p.expected,
-                    "found": p.found,
-                }
+                {**asdict(p), "key": list(p.key) if p.key is not None else None}
                 for p in self.problems
             ],
         }
@@ -445,8 +439,8 @@ def _verify_archive(
             if record.checksum is None:
                 continue
             try:
-                with zf.open(info) as fh:
-                    digest, _ = hashing.digest(_Reader(fh), _algorithm(record.checksum))
+                with zf.open(info) as fh:  # io.BufferedIOBase.readinto: read(), then a copy
+                    digest, _ = hashing.digest(fh, _algorithm(record.checksum))
             except ZIP_READ_ERRORS as exc:
                 report.problems.append(
                     VerifyProblem(rel, key, "changed", record.checksum, f"unreadable ({exc})")
@@ -460,15 +454,3 @@ def _verify_archive(
                     rel, _key_from_path(rel), "extra", None, f"{infos[rel].file_size} bytes"
                 )
             )
-
-
-class _Reader:
-    """readinto() over a zipfile entry (ZipExtFile has read(), not an efficient readinto)."""
-
-    def __init__(self, fh: Any) -> None:
-        self.fh = fh
-
-    def readinto(self, buf: bytearray) -> int:
-        data = self.fh.read(len(buf))
-        buf[: len(data)] = data
-        return len(data)

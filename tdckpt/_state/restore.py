@@ -267,6 +267,24 @@ class _Action:
     undo: Callable[[], None]
 
 
+def _load_action(
+    name: str, snapshot: Callable[[], Any], load: Callable[[Any], Any], state: Any
+) -> _Action:
+    """``apply``: keep ``snapshot()`` (the object as it is), then ``load(state)``;
+    ``undo``: ``load`` what was kept."""
+    before: list[Any] = []
+
+    def apply() -> None:
+        before.append(snapshot())
+        load(state)
+
+    def undo() -> None:
+        if before:
+            load(before[0])
+
+    return _Action(name, apply, undo)
+
+
 # -- modules ----------------------------------------------------------------------------------
 
 
@@ -463,35 +481,6 @@ def _swap_action(
 # -- optimizers, schedulers, generators, anything stateful -----------------------------------
 
 
-def _optimizer_action(
-    name: str,
-    optimizer: torch.optim.Optimizer,
-    saved: dict[str, Any],
-    saved_type: str,
-    problems: list[str],
-) -> _Action | None:
-    where = f"entry {name!r} (a {type(optimizer).__name__})"
-    state = saved["state_dict"]
-    if saved_type != type_name(optimizer):
-        problems.append(f"{where}: the step holds the state of a {saved_type.replace(':', '.')}")
-        return None
-    mine = optimizer_problems(optimizer, state, param_signature(optimizer), saved.get("params"))
-    problems.extend(f"{where}: {p}" for p in mine)
-    if mine:
-        return None
-    before: list[dict[str, Any]] = []
-
-    def apply() -> None:
-        before.append(optimizer.state_dict())  # references: loading replaces, never writes
-        optimizer.load_state_dict(state)
-
-    def undo() -> None:
-        if before:
-            optimizer.load_state_dict(before[0])
-
-    return _Action(name, apply, undo)
-
-
 def _stateful_action(
     name: str,
     target: Any,
@@ -502,35 +491,31 @@ def _stateful_action(
 ) -> _Action | None:
     where = f"entry {name!r} (a {type(target).__name__})"
     state = saved["state_dict"]
-    if kind == "scheduler" and saved_type != type_name(target):
+    if kind in ("optimizer", "scheduler") and saved_type != type_name(target):
         problems.append(f"{where}: the step holds the state of a {saved_type.replace(':', '.')}")
         return None
+    mine: list[str] = []
     if kind == "rng":
         try:
             target._check(state)
         except ValueError as exc:
-            problems.append(f"{where}: {exc}")
-            return None
+            mine.append(str(exc))
+    elif kind == "optimizer":
+        mine = optimizer_problems(target, state, param_signature(target), saved.get("params"))
     else:
-        mine: list[str] = []
         live = target.state_dict()
         _compare(live, state, "", mine)
         if kind == "scheduler" and not mine:
             mine += scheduler_problems(live, state)
-        problems.extend(f"{where}: {p}" for p in mine)
-        if mine:
-            return None
-    before: list[Any] = []
-
-    def apply() -> None:
-        before.append(copy.deepcopy(target.state_dict()))
-        target.load_state_dict(state)
-
-    def undo() -> None:
-        if before:
-            target.load_state_dict(before[0])
-
-    return _Action(name, apply, undo)
+    problems.extend(f"{where}: {p}" for p in mine)
+    if mine:
+        return None
+    if kind == "optimizer":
+        # the snapshot holds references: loading replaces the state, never writes into it
+        return _load_action(name, target.state_dict, target.load_state_dict, state)
+    return _load_action(
+        name, lambda: copy.deepcopy(target.state_dict()), target.load_state_dict, state
+    )
 
 
 def _tensordict_action(name: str, target: Any, saved: Any, problems: list[str]) -> _Action | None:
@@ -564,17 +549,7 @@ def _tensordict_action(name: str, target: Any, saved: Any, problems: list[str]) 
         problems.append(f"{where}: the target is locked; unlock it first")
     if problems:
         return None
-    before: list[Any] = []
-
-    def apply() -> None:
-        before.append(target.copy())
-        target.update(saved)
-
-    def undo() -> None:
-        if before:
-            target.update(before[0])
-
-    return _Action(name, apply, undo)
+    return _load_action(name, target.copy, target.update, saved)
 
 
 # -- the whole state ------------------------------------------------------------------------
@@ -646,8 +621,6 @@ def restore_state(
                 continue
             if kind == "module":
                 action = _module_action(name, target, saved, dev, problems)
-            elif kind == "optimizer":
-                action = _optimizer_action(name, target, saved, entry.type, problems)
             else:
                 action = _stateful_action(name, target, kind, saved, entry.type, problems)
         if action is not None:

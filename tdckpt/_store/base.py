@@ -15,7 +15,6 @@ asks :attr:`StepStore.capabilities` what a store can do; it never tests its type
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -193,9 +192,3 @@ class StepStore(Protocol):
         filled and consulted across the steps of one verification, so what several steps
         share (incremental saves) is read once."""
         ...
-
-
-@contextlib.contextmanager
-def in_place(path: Path) -> Iterator[Path]:
-    """:meth:`StepStore.open` of a store whose steps are read where they lie."""
-    yield path

@@ -11,6 +11,7 @@ a step an interrupted overwrite had set aside. Exclusive writing: the root's flo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -20,7 +21,9 @@ from typing import Any
 from tdckpt._manage import background as _background
 from tdckpt._manage.steps import StepIndex, StepStatus, preferred
 from tdckpt._manage.verify import Progress, VerifyReport, manifest_problem, verify_files
-from tdckpt._store.base import Attempt, Capabilities, StepRecord, in_place
+from tdckpt._shard.check import shard_problems
+from tdckpt._shard.inspect import shard_summary
+from tdckpt._store.base import Attempt, Capabilities, StepRecord
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.incremental import (
     IncrementalBase,
@@ -30,11 +33,20 @@ from tdckpt._write.incremental import (
 )
 from tdckpt._write.lock import RootLock
 from tdckpt._write.save import write_checkpoint
-from tdckpt.errors import CheckpointExistsError, LockError, MetadataError
-from tdckpt.schema import MANIFEST_NAME, StateRecord
+from tdckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    LockError,
+    MetadataError,
+)
+from tdckpt.schema import MANIFEST_NAME, ShardedManifest, StateRecord
 from tdckpt.warnings import TdckptWarning
 
 __all__ = ["LocalStepStore"]
+
+#: Scans of a root that lists no committed step before believing it (see records).
+_EMPTY_RESCANS = 3
 
 
 class LocalStepStore:
@@ -76,40 +88,156 @@ class LocalStepStore:
         )
         self._state = state
         self._id = manager_id
-        self._index = StepIndex(root, state)
+        self._index = StepIndex(root, state)  # the manifests of the entries, cached
         self.root_lock: RootLock | None = None
 
     # -- listing ---------------------------------------------------------------------------
+    def entries(self) -> dict[int, dict[str, Path]]:
+        """Every step-named entry of the root, committed or not: step -> kind -> path."""
+        out: dict[int, dict[str, Path]] = {}
+        try:
+            scan = os.scandir(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return out
+        with scan:
+            for entry in scan:
+                parsed = _atomic.parse_step_name(entry.name)
+                if parsed is None:
+                    continue
+                step, kind = parsed
+                try:
+                    ok = (
+                        entry.is_dir(follow_symlinks=False)
+                        if kind == "dir"
+                        else entry.is_file(follow_symlinks=False)
+                    )
+                except OSError:
+                    ok = False
+                if ok:
+                    out.setdefault(step, {})[kind] = Path(entry.path)
+        return out
+
     def records(self) -> dict[int, StepRecord]:
-        return {
-            step: StepRecord(step, *preferred(forms, archive=self.archive))
-            for step, forms in self._index.committed().items()
-        }
+        """Committed steps: step-named entries holding a valid manifest (of a step that is
+        both a folder and an archive, the form this store writes: :func:`preferred`)."""
+        out = self._records_once()
+        for _ in range(_EMPTY_RESCANS):
+            if out or not self.root.is_dir():
+                break
+            # A listing is not atomic: a writer in another process that commits a step
+            # and retires the previous one meanwhile can hide both from one scan. A root
+            # that holds steps is never empty for long, so look again before saying so.
+            out = self._records_once()
+        return out
+
+    def _records_once(self) -> dict[int, StepRecord]:
+        out: dict[int, StepRecord] = {}
+        for step, forms in self.entries().items():
+            valid: dict[str, StepRecord] = {}
+            for kind, path in forms.items():
+                try:
+                    valid[kind] = StepRecord(step, path, self._index.manifest(path, kind))
+                except MetadataError:
+                    continue
+            if valid:
+                out[step] = preferred(valid, archive=self.archive)
+        return out
 
     def resolve(self, step: int | None) -> StepRecord:
-        return StepRecord(*self._index.resolve(step, archive=self.archive))
+        records = self.records()
+        if step is None:
+            if not records:
+                raise CheckpointNotFoundError(
+                    f"{self.root}: no committed checkpoint yet; save one first (or check the "
+                    "root path).",
+                    path=str(self.root),
+                )
+            step = max(records)
+        step = _atomic.check_step(step)
+        if step in records:
+            return records[step]
+        unreadable = self._unreadable(step)
+        if unreadable is not None:
+            path, exc = unreadable
+            raise IncompleteCheckpointError(
+                f"{path}: step {step} is not a committed tdckpt checkpoint: "
+                f"{exc.message} Restore or verify another step (see steps()).",
+                path=str(path),
+                step=step,
+            ) from exc
+        raise self._not_found(step)
 
     def damaged(self, step: int) -> VerifyReport | None:
-        forms = self._index.entries().get(step)
+        unreadable = self._unreadable(step)
+        if unreadable is None:
+            return None
+        path, exc = unreadable
+        return manifest_problem(step, path, exc.message)
+
+    def _unreadable(self, step: int) -> tuple[Path, MetadataError] | None:
+        """The entry of ``step`` (:func:`preferred`) and why its manifest cannot be read, or
+        None when it can; CheckpointNotFoundError when nothing in the root is named ``step``."""
+        forms = self.forms(step)
         if not forms:
-            raise self._index.not_found(step)
+            raise self._not_found(step)
         path = preferred(forms, archive=self.archive)
         kind = "archive" if path.name.endswith(_atomic.ARCHIVE_SUFFIX) else "dir"
         try:
             self._index.manifest(path, kind)
         except MetadataError as exc:
-            return manifest_problem(step, path, exc.message)
+            return path, exc
         return None
 
+    def _not_found(self, step: int) -> CheckpointNotFoundError:
+        """The error for a step that is not committed, listing the latest committed ones."""
+        steps = sorted(self.records())
+        shown = ", ".join(map(str, steps[-10:])) if steps else "none"
+        return CheckpointNotFoundError(
+            f"{self.root}: no committed step {step} (committed steps: {shown}). Pick one of "
+            "steps(), or None for the latest.",
+            path=str(self.root),
+            step=step,
+        )
+
     def statuses(self) -> list[StepStatus]:
-        return self._index.statuses()
+        rows: list[StepStatus] = []
+        for step, forms in sorted(self.entries().items()):
+            for kind, path in sorted(forms.items()):
+                try:
+                    manifest = self._index.manifest(path, kind)
+                except MetadataError as exc:
+                    rows.append(StepStatus(step, path, kind, "damaged", detail=str(exc)))
+                    continue
+                rows.append(
+                    StepStatus(
+                        step,
+                        path,
+                        "sharded" if isinstance(manifest, ShardedManifest) else kind,
+                        "committed",
+                        size=sum(f.size for f in manifest.files),
+                        format_version=manifest.format_version,
+                        key_encoding=manifest.key_encoding,
+                        created=manifest.created,
+                        metadata=dict(manifest.user_metadata),
+                        detail=shard_summary(manifest)
+                        if isinstance(manifest, ShardedManifest)
+                        else None,
+                    )
+                )
+        if self.root.is_dir():
+            for name in sorted(os.listdir(self.root)):
+                if _atomic.is_tmp_name(name):
+                    rows.append(
+                        StepStatus(_atomic.tmp_step(name), self.root / name, "tmp", "incomplete")
+                    )
+        return rows
 
     def exists(self) -> bool:
         return self.root.is_dir()
 
     def forms(self, step: int) -> dict[str, Path]:
         """The step-named entries of ``step`` (committed or not): kind -> path."""
-        return self._index.entries().get(step, {})
+        return self.entries().get(step, {})
 
     # -- exclusive writing -----------------------------------------------------------------
     def lock(self) -> None:
@@ -267,7 +395,7 @@ class LocalStepStore:
     # -- deleting --------------------------------------------------------------------------
     def retire(self, records: list[StepRecord]) -> list[tuple[Path, Path]]:
         """Rename every form of each step aside (folder and archive)."""
-        entries = self._index.entries()
+        entries = self.entries()
         return self._retire_paths(
             [(r.step, path) for r in records for path in entries.get(r.step, {}).values()]
         )
@@ -278,7 +406,7 @@ class LocalStepStore:
         retired = []
         with self._state:
             for step, path in doomed:
-                retired.append((path, _atomic.retire(self.root, path, step, fsync=False)))
+                retired.append((path, _atomic.retire(self.root, path, step)))
         if retired and self.fsync:
             _atomic.fsync_dir(self.root)
         return retired
@@ -322,14 +450,18 @@ class LocalStepStore:
     def open(self, record: StepRecord, *, writes: bool = False) -> Any:
         if writes:  # mapped shared and writable: this step's linked files get private copies
             unshare_for_write(Path(record.where), record.manifest, fsync=self.fsync)
-        return in_place(Path(record.where))
+        return contextlib.nullcontext(Path(record.where))  # read where it lies
 
     def verify(
         self, record: StepRecord, progress: Progress | None, *, shared: dict[Any, Any] | None = None
     ) -> VerifyReport:
-        return verify_files(
-            record.step, Path(record.where), record.manifest, progress, shared=shared
-        )
+        """Every file against the manifest; for a sharded step also the manifest against
+        its shards (:func:`tdckpt._shard.check.shard_problems`)."""
+        where = Path(record.where)
+        report = verify_files(record.step, where, record.manifest, progress, shared=shared)
+        if isinstance(record.manifest, ShardedManifest):
+            report.problems += shard_problems(where, record.manifest)
+        return report
 
 
 def _older(path: Path, now: float, grace_period: float | None) -> bool:

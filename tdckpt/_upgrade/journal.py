@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
+import functools
 import glob
 import json
 import os
@@ -58,6 +58,16 @@ from tdckpt._upgrade.plan import Progress, UpgradePlan, UpgradeReport
 from tdckpt._write.archive_write import write_archive
 from tdckpt._write.atomic import fsync_dir, remove_tree
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
+from tdckpt._write.journal import (
+    COPY_CHUNK,
+    OPEN_RECORD,
+    copy_fd,
+    fsync_file,
+    hash_fd,
+    write_record,
+)
+from tdckpt._write.lock import try_flock
+from tdckpt._write.save import _write_small
 from tdckpt.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
@@ -95,14 +105,6 @@ _JOURNAL_KEYS = frozenset(
 )
 #: A journal is a few hundred bytes; a larger file is not one tdckpt wrote.
 MAX_JOURNAL_BYTES = 64 * 1024
-_COPY_CHUNK = 16 << 20
-#: ``ioctl(FICLONE)`` (linux/fs.h): the destination shares the source's extents.
-_FICLONE = 0x40049409
-#: errno values for which a reflink is impossible here and a real copy is made.
-_NO_CLONE = frozenset(
-    {errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTTY, errno.ENOSYS, errno.EXDEV, errno.EINVAL}
-    | {errno.EPERM, errno.EBADF, errno.ETXTBSY}
-)
 #: errno values for which a hard link is impossible and a copy is made instead.
 _NO_LINK = frozenset(
     {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}
@@ -135,21 +137,20 @@ def upgrade_lock(prefix: Path) -> Iterator[None]:
         ) from exc
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
+            got = try_flock(fd)  # None: no flock here; the journal still refuses a second
+        except OSError as exc:
+            raise MigrationError(
+                f"{prefix}: cannot lock {parent} for the upgrade ({exc.strerror}). "
+                "Nothing was changed.",
+                script=None,
+                path=str(prefix),
+            ) from exc
+        if got is False:
             raise LockError(
                 f"{prefix}: another tdckpt upgrade is running in {parent}; wait for it to "
                 "finish, then run this one again.",
                 path=str(prefix),
-            ) from exc
-        except OSError as exc:
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
-                raise MigrationError(
-                    f"{prefix}: cannot lock {parent} for the upgrade ({exc.strerror}). "
-                    "Nothing was changed.",
-                    script=None,
-                    path=str(prefix),
-                ) from exc
+            )
         yield
     finally:
         os.close(fd)  # releases the flock
@@ -181,16 +182,7 @@ def _backup_name(prefix: Path) -> Path:
 def _write_journal(prefix: Path, state: dict[str, Any], *, create: bool) -> None:
     """Write the journal durably; ``create`` refuses an existing one (the lock)."""
     tmp = journal_tmp(prefix)
-    data = json.dumps(state, indent=1).encode("utf-8")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # a stale one (or a planted link): never written through
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(tmp, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    os.close(write_record(tmp, json.dumps(state, indent=1).encode("utf-8")))
     journal = journal_path(prefix)
     if create:
         try:
@@ -217,9 +209,8 @@ def read_journal(prefix: Path) -> dict[str, Any] | None:
     is touched.
     """
     journal = journal_path(prefix)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(journal, flags | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(journal, os.O_RDONLY | OPEN_RECORD)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -337,14 +328,6 @@ def _remove_journal(prefix: Path) -> None:
     journal_path(prefix).unlink(missing_ok=True)
     journal_tmp(prefix).unlink(missing_ok=True)
     fsync_dir(prefix.parent)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _ino(path: Path) -> list[int] | None:
@@ -476,13 +459,13 @@ def _build_staging(plan: UpgradePlan, staging: Path, runner: _Runner) -> None:
     try:
         for op in plan.report.operations:
             if op.kind == "write-meta":
-                _write_file(staging / op.path, metas[op.path])
+                _write_small(staging / op.path, metas[op.path], fsync=True)
                 runner.step("write-meta")
             elif op.kind in ("link", "copy", "write") and op.path in files:
                 vfile = files[op.path]
                 dst = staging / op.path
                 if vfile.data is not None:
-                    _write_file(dst, vfile.data)
+                    _write_small(dst, vfile.data, fsync=True)
                 else:
                     kept = plan.kept_checksums.get(op.path)
                     algorithm = kept.split(":", 1)[0] if kept else DEFAULT_CHECKSUM
@@ -508,7 +491,7 @@ def _build_staging(plan: UpgradePlan, staging: Path, runner: _Runner) -> None:
                         sums[op.path] = digest
                 runner.step(op.kind)
             elif op.kind == "write" and op.path == schema.MANIFEST_NAME:
-                _write_file(staging / schema.MANIFEST_NAME, plan.manifest_bytes(sums))
+                _write_small(staging / schema.MANIFEST_NAME, plan.manifest_bytes(sums), fsync=True)
                 runner.step("write")
                 break
     finally:
@@ -529,18 +512,6 @@ def _mismatch(path: str, kept: str, found: str) -> Problem:
         f"found {found}): the file changed after it was saved. The upgraded manifest keeps "
         "the recorded checksum, so `verify` reports it; restore this leaf from a good copy.",
     )
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _changed(src: Path | str, why: str) -> MigrationError:
@@ -573,126 +544,38 @@ def _place_leaf(
     assert vfile.source is not None
     src = storage.physical_path(vfile.source)
     assert src is not None
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(src, flags | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(src, os.O_RDONLY | OPEN_RECORD)
     except OSError as exc:
         raise _changed(src, f"cannot be opened any more ({exc.strerror})") from exc
+    changed = functools.partial(_changed, src)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _changed(src, "is no longer a regular file")
         if st.st_size != vfile.size:
             raise _changed(src, f"is {st.st_size} bytes, not {vfile.size},")
-        if copy:
-            return _copy_fd(fd, st, dst, report, algorithm, src)
-        try:
-            os.link(src, dst)
-        except OSError as exc:
-            if exc.errno not in _NO_LINK:
-                raise
-            report.copied.append(f"{vfile.source}: {os.strerror(exc.errno or 0)}; copied instead")
-            return _copy_fd(fd, st, dst, report, algorithm, src)
-        if _ino(dst) != [st.st_dev, st.st_ino]:
-            raise _changed(src, "was replaced")
-        _fsync_file(dst)
-        return _hash_fd(fd, st.st_size, algorithm, src) if algorithm else None
+        if not copy:
+            try:
+                os.link(src, dst)
+            except OSError as exc:
+                if exc.errno not in _NO_LINK:
+                    raise
+                why = os.strerror(exc.errno or 0)
+                report.copied.append(f"{vfile.source}: {why}; copied instead")
+            else:
+                if _ino(dst) != [st.st_dev, st.st_ino]:
+                    raise _changed(src, "was replaced")
+                fsync_file(dst)
+                return hash_fd(fd, st.st_size, algorithm, changed) if algorithm else None
+        how, digest = copy_fd(fd, st, dst, algorithm, changed)
+        if how == "reflink":
+            report.reflinked_bytes += st.st_size
+        else:
+            report.copied_bytes += st.st_size
+        return digest
     finally:
         os.close(fd)
-
-
-def _copy_fd(
-    sfd: int,
-    st: os.stat_result,
-    dst: Path,
-    report: UpgradeReport,
-    algorithm: str | None,
-    src: Path,
-) -> str | None:
-    """Copy the open file ``sfd`` to the new file ``dst``: a reflink, else a kernel copy,
-    else chunk by chunk; checksummed with ``algorithm`` unless None."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    dfd = os.open(dst, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        digest: str | None = None
-        if st.st_size and _clone(dfd, sfd):
-            report.reflinked_bytes += st.st_size
-            if algorithm:
-                digest = _hash_fd(sfd, st.st_size, algorithm, src)
-        elif _copy_range(sfd, dfd, st.st_size, src):
-            report.copied_bytes += st.st_size
-            if algorithm:  # the bytes as written (read back from the page cache)
-                digest = _hash_fd(dfd, st.st_size, algorithm, src)
-        else:
-            hasher = new_hasher(algorithm) if algorithm else None
-            buf = bytearray(min(_COPY_CHUNK, max(st.st_size, 1)))
-            done = 0
-            while True:
-                n = os.preadv(sfd, [buf], done)
-                if not n:
-                    break
-                view = memoryview(buf)[:n]
-                if hasher is not None:
-                    hasher.update(view)
-                while view:
-                    view = view[os.write(dfd, view) :]
-                done += n
-            if done != st.st_size:
-                raise _changed(src, f"changed size ({done} bytes read, {st.st_size} expected)")
-            report.copied_bytes += done
-            if hasher is not None:
-                digest = f"{algorithm}:{hasher.hexdigest()}"
-        os.fchmod(dfd, stat.S_IMODE(st.st_mode))
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return digest
-
-
-def _copy_range(sfd: int, dfd: int, size: int, src: Path) -> bool:
-    """``copy_file_range``: the kernel copies (no round trip through user space; some file
-    systems share extents or copy server-side). False where unsupported (nothing copied)."""
-    copy_range = getattr(os, "copy_file_range", None)
-    if copy_range is None or not size:
-        return False
-    done = 0
-    while done < size:
-        try:
-            n = copy_range(sfd, dfd, min(size - done, 1 << 30), done, done)
-        except OSError as exc:
-            if done == 0 and exc.errno in _NO_CLONE:
-                return False
-            raise
-        if not n:
-            raise _changed(src, f"changed size ({done} bytes read, {size} expected)")
-        done += n
-    return True
-
-
-def _clone(dfd: int, sfd: int) -> bool:
-    """``ioctl(FICLONE)``: share the source's extents copy-on-write; False where unsupported."""
-    try:
-        fcntl.ioctl(dfd, _FICLONE, sfd)
-    except OSError as exc:
-        if exc.errno in _NO_CLONE:
-            return False
-        raise
-    return True
-
-
-def _hash_fd(fd: int, size: int, algorithm: str, src: Path) -> str:
-    hasher = new_hasher(algorithm)
-    buf = bytearray(min(_COPY_CHUNK, max(size, 1)))
-    done = 0
-    while True:
-        n = os.preadv(fd, [buf], done)
-        if not n:
-            break
-        hasher.update(memoryview(buf)[:n])
-        done += n
-    if done != size:
-        raise _changed(src, f"changed size ({done} bytes read, {size} expected)")
-    return f"{algorithm}:{hasher.hexdigest()}"
 
 
 def _extract(zf: zipfile.ZipFile, vfile: VFile, dst: Path, algorithm: str) -> str:
@@ -701,7 +584,7 @@ def _extract(zf: zipfile.ZipFile, vfile: VFile, dst: Path, algorithm: str) -> st
     hasher = new_hasher(algorithm)
     with zf.open(vfile.source) as src, open(dst, "xb") as out:
         while True:
-            chunk = src.read(_COPY_CHUNK)
+            chunk = src.read(COPY_CHUNK)
             if not chunk:
                 break
             hasher.update(chunk)

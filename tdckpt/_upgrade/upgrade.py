@@ -48,10 +48,6 @@ from tdckpt._upgrade.journal import (
     upgrade_lock,
     write_error,
 )
-from tdckpt._upgrade.journal import (
-    JOURNAL_SUFFIX as JOURNAL_SUFFIX,  # re-exported: the upgrade's file names
-)
-from tdckpt._upgrade.journal import STAGING_MARK as STAGING_MARK
 from tdckpt._upgrade.plan import FileOp, Progress, UpgradePlan, UpgradeReport
 from tdckpt._version import __version__
 from tdckpt.errors import (

@@ -39,7 +39,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from tdckpt.errors import CheckpointExistsError
 
@@ -190,21 +190,24 @@ _NO_HINT_ERRNOS = frozenset(
 )
 
 
-def _load_sync_file_range() -> Callable[..., int] | None:
-    # Linux only (glibc and musl export it); elsewhere fsync alone does the work.
-    if not sys.platform.startswith("linux"):
-        return None
+def _libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    """The C library's function ``name`` (returning an int, errno kept), or None where the
+    library does not export it."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        func = libc.sync_file_range
+        func = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    func.argtypes = argtypes
     func.restype = ctypes.c_int
-    return func
+    return func  # type: ignore[no-any-return]
 
 
-_sync_file_range = _load_sync_file_range()
+# Linux only (glibc and musl export it); elsewhere fsync alone does the work.
+_sync_file_range = (
+    _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+    if sys.platform.startswith("linux")
+    else None
+)
 
 
 def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> bool:
@@ -243,19 +246,10 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def _load_renameat2() -> Callable[..., int] | None:
-    # glibc >= 2.28 exports renameat2; elsewhere (macOS, musl without it) fall back.
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        func = libc.renameat2
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    func.restype = ctypes.c_int
-    return func
-
-
-_renameat2 = _load_renameat2()
+# glibc >= 2.28 exports renameat2; elsewhere (macOS, musl without it) fall back.
+_renameat2 = _libc(
+    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+)
 
 
 def _rename2(src: Path, dst: Path, flags: int) -> bool:
@@ -371,16 +365,14 @@ def replace_step(root: Path, step: int, staging: Path, final: Path, *, fsync: bo
     remove_tree(aside)
 
 
-def retire(root: Path, path: Path, step: int, *, fsync: bool = True) -> Path:
+def retire(root: Path, path: Path, step: int) -> Path:
     """Rename a committed step to a temporary name; the caller removes it afterwards.
 
-    After this returns (and ``root`` is fsynced) the step is no longer listed, whatever
-    happens to the deletion that follows.
+    After this returns (and the caller has fsynced ``root``, once for all the steps it
+    retires) the step is no longer listed, whatever happens to the deletion that follows.
     """
     aside = root / tmp_name(step, archive=path.name.endswith(ARCHIVE_SUFFIX), tag="deleting")
     os.rename(path, aside)
-    if fsync:
-        fsync_dir(root)
     return aside
 
 

@@ -51,6 +51,8 @@ from typing import Any
 from tdckpt._progress import ProgressArg, progress_bar
 from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._write import atomic as _atomic
+from tdckpt._write.journal import OPEN_RECORD as _OPEN
+from tdckpt._write.journal import drop_record, write_record
 from tdckpt._write.lock import same_file, try_flock
 from tdckpt._write.save import write_checkpoint
 from tdckpt.errors import CheckpointExistsError, LockError, UnsafePathError
@@ -69,7 +71,6 @@ _NAME_MAX = 255
 _NAME_OVERHEAD = len(f".{JOURNAL_SUFFIX}.{'0' * 16}.new")
 #: Without flock, a journal older than this (seconds) belongs to a save that crashed.
 _NO_FLOCK_GRACE = 600.0
-_OPEN = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 #: Fault injection for the crash tests: called with the name of each protocol stage
 #: ("journal-new", "journal", "written", "swapped", "aside", "renamed", "archived", "committed",
@@ -102,10 +103,6 @@ class _Names:
 
     def archive_tmp(self, token: str) -> Path:
         return self.parent / f".{self.name}.{token}.tmp"
-
-
-def _lexists(path: Path) -> bool:
-    return os.path.lexists(path)
 
 
 def _journal_record(names: _Names, token: str) -> bytes:
@@ -165,8 +162,8 @@ def _recover(names: _Names, *, fsync: bool, stacklevel: int) -> None:
         if token is None:
             raise _foreign_journal(names, "not a save journal tdckpt wrote for this prefix")
         old, done = names.old(token), []
-        if _lexists(old):
-            if not _lexists(names.dest):
+        if os.path.lexists(old):
+            if not os.path.lexists(names.dest):
                 # Crashed between renaming the old tree aside and the new one in.
                 os.rename(old, names.dest)
                 done.append(f"restored the previous checkpoint from {old.name}")
@@ -177,10 +174,7 @@ def _recover(names: _Names, *, fsync: bool, stacklevel: int) -> None:
                 done.append(f"removed {leftover.name}")
         if fsync:
             _atomic.fsync_dir(names.parent)
-        if same_file(fd, names.journal):
-            os.unlink(names.journal)
-            if fsync:
-                _atomic.fsync_dir(names.parent)
+        drop_record(fd, names.journal, fsync=fsync)
     finally:
         os.close(fd)
     warnings.warn(
@@ -225,13 +219,8 @@ def _begin(names: _Names, *, fsync: bool, stacklevel: int) -> tuple[int, str]:
     _remove_stale_new_journals(names)
     token = secrets.token_hex(8)
     tmp = names.journal_new(token)
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o644)
+    fd = write_record(tmp, _journal_record(names, token), fsync=fsync, flock=True)
     try:
-        try_flock(fd)  # a fresh file nobody else has opened: always ours
-        data = _journal_record(names, token)
-        os.pwrite(fd, data, 0)
-        if fsync:
-            os.fsync(fd)
         _at("journal-new")
         for _ in range(3):
             try:
@@ -257,10 +246,7 @@ def _begin(names: _Names, *, fsync: bool, stacklevel: int) -> tuple[int, str]:
 def _end(names: _Names, fd: int, *, fsync: bool) -> None:
     """Remove this save's journal (the save is complete, or fully undone)."""
     try:
-        if same_file(fd, names.journal):
-            os.unlink(names.journal)
-            if fsync:
-                _atomic.fsync_dir(names.parent)
+        drop_record(fd, names.journal, fsync=fsync)
     finally:
         os.close(fd)
 
@@ -334,7 +320,7 @@ def _refuse_existing(dest: Path) -> CheckpointExistsError:
 
 def _commit_dir(names: _Names, staging: Path, token: str, *, overwrite: bool, fsync: bool) -> None:
     dest = names.dest
-    if not (overwrite and _lexists(dest)):
+    if not (overwrite and os.path.lexists(dest)):
         try:
             _atomic.rename_noreplace(staging, dest)
         except CheckpointExistsError:
@@ -445,7 +431,7 @@ def save(
             "not a .tdz archive; choose a prefix without the .tdz suffix."
         )
     _check_prefix(dest)
-    if _lexists(dest):
+    if os.path.lexists(dest):
         if not overwrite:
             raise _refuse_existing(dest)
         _check_replaceable(dest)
@@ -483,7 +469,7 @@ def save(
         if dest.suffix == ".tdz":
             from tdckpt._write.archive_write import write_archive
 
-            if _lexists(dest) and not overwrite:
+            if os.path.lexists(dest) and not overwrite:
                 raise CheckpointExistsError(
                     f"{dest}: appeared while saving; not replaced. Pass overwrite=True to "
                     "replace it.",
@@ -509,7 +495,7 @@ def save(
         with contextlib.suppress(OSError):
             _atomic.remove_tree(staging)
             _atomic.remove_tree(names.archive_tmp(token))
-            clean = not _lexists(names.old(token))
+            clean = not os.path.lexists(names.old(token))
         raise
     finally:
         if clean:

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tdckpt._write.journal import clone
 from tdckpt.schema import MANIFEST_NAME, FileRecord, Manifest
 
 __all__ = [
@@ -61,12 +62,6 @@ __all__ = [
 
 #: Mode of the leaf files of an incremental save: read-only for everyone.
 LEAF_MODE = 0o444
-#: ``ioctl(dst, FICLONE, src)`` (Linux): make ``dst`` a copy-on-write clone of ``src``.
-FICLONE = 0x40049409
-#: What FICLONE fails with where the file system (or the pair of files) has no reflinks.
-_NO_REFLINK = frozenset(
-    {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM}
-)
 _OPEN_NEW = (
     os.O_WRONLY
     | os.O_CREAT
@@ -245,25 +240,23 @@ def share_file(base: IncrementalBase, rel: str, dest: Path, *, fsync: bool) -> s
 
 
 def _reflink(src: Path, dest: Path, *, fsync: bool) -> bool:
-    import fcntl
-
     sfd = os.open(src, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
     try:
         dfd = os.open(dest, _OPEN_NEW, LEAF_MODE)
         try:
-            fcntl.ioctl(dfd, FICLONE, sfd)
-            if fsync:
+            cloned = clone(dfd, sfd)
+            if cloned and fsync:
                 os.fsync(dfd)
-        except OSError as exc:
+        except OSError:
             os.close(dfd)
             os.unlink(dest)
-            if exc.errno in _NO_REFLINK:
-                return False
             raise
         os.close(dfd)
+        if not cloned:
+            os.unlink(dest)
     finally:
         os.close(sfd)
-    return True
+    return cloned
 
 
 def check_incremental(incremental: object, *, where: str, archive: bool, layout: str) -> bool:

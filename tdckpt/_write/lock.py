@@ -390,13 +390,9 @@ class RootLock:
                 os.close(fd)
                 time.sleep(_RETRY_SLEEP)
                 return False
-        if got is True:
-            # Nobody holds the flock: whoever wrote the file is gone, whatever it records.
-            self._write_info(fd)
-            self._hold(fd)
-            self._warn_takeover(info)
-            return True
-        if got is None and self._stale_without_flock(fd, info):
+        # Nobody holds the flock: whoever wrote the file is gone, whatever it records
+        # (without flock: a stale file, see _stale_without_flock).
+        if got is True or (got is None and self._stale_without_flock(fd, info)):
             self._write_info(fd)
             self._hold(fd)
             self._warn_takeover(info)
