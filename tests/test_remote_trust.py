@@ -9,6 +9,7 @@ import inspect
 import json
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -577,7 +578,9 @@ def test_save_to_a_url_round_trips_and_writes_nothing_local(
     assert torch.equal(TD.load_memmap(tmp_path / "down")["nested", "b"], td["nested", "b"])
 
 
-def test_save_to_a_url_refuses_what_it_cannot_do_all_or_nothing(remote: Remote) -> None:
+def test_save_to_a_url_refuses_what_it_cannot_do_all_or_nothing(
+    remote: Remote, tmp_path: Path
+) -> None:
     """An existing prefix or object is never replaced (no atomic rename in object storage),
     nor is ``overwrite=True`` accepted, nor the consolidated layout; each before anything is
     written. A ``.tdz`` URL gets one archive object."""
@@ -610,7 +613,8 @@ def test_save_to_a_url_refuses_what_it_cannot_do_all_or_nothing(remote: Remote) 
         tdckpt.load_memmap(f"{remote.url}/one.tdz", storage_options=opts)["w"], _td(2)["w"]
     )
     with pytest.raises(ValueError, match="storage_options are for fsspec URLs"):
-        tdckpt.save(_td(1), "local-folder", storage_options={"anon": True})
+        tdckpt.save(_td(1), tmp_path / "local-folder", storage_options={"anon": True})
+    assert not (tmp_path / "local-folder").exists()  # refused before anything is written
 
 
 def test_save_to_a_url_uploads_the_root_metadata_last(s3_remote: Remote) -> None:
