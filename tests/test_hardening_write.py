@@ -296,11 +296,17 @@ def test_a_forked_child_lets_go_of_its_parents_lock(tmp_path: Path) -> None:
         from tdckpt._write.lock import RootLock
         lock = RootLock({str(tmp_path)!r}, manager_id="parent")
         lock.acquire()
+        ready_r, ready_w = os.pipe()
         child = os.fork()
         if child == 0:
             assert not lock.held
+            os.write(ready_w, b"x")  # the at-fork handler has run: the child let go
             time.sleep(120)
             os._exit(0)
+        # Until the child is first scheduled, its inherited descriptor still holds the
+        # flock (the kernel's, not ours to close): wait for it, as a loaded machine may not
+        # have run the child yet when A dies.
+        os.read(ready_r, 1)
         print(child, flush=True)
         sys.stdin.readline()
         """
