@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from tdckpt import CheckpointManager, KeepLast
 from tdckpt._remote import store as _store
+from tdckpt._remote.layout import LEASE_DIR
 
 
 def make(step: int) -> TensorDict:
@@ -56,7 +57,12 @@ def main() -> None:
 
         def rm_files(self: Any, rels: Any) -> None:
             rels = list(rels)
-            if stage == "record" or not any(r.endswith(".tdckpt.json") for r in rels):
+            # A lease renewal removes its old generation: not a stage of the save (on a
+            # loaded machine the save outlives half the 2 s ttl and renews).
+            lease = all(r.startswith(f"{LEASE_DIR}/") for r in rels)
+            if not lease and (
+                stage == "record" or not any(r.endswith(".tdckpt.json") for r in rels)
+            ):
                 die()
             original(self, rels)
 
