@@ -135,7 +135,7 @@ class Parsed:
         return table
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LeafExtent(VFile):
     """The file of a leaf of the node tree built while parsing: its bytes start at ``start``
     in the leaf region (``size`` of them, ``source`` its relative path)."""
