@@ -187,3 +187,60 @@ def test_hostile_offsets_are_refused(tmp_path: Path, starts: list[int], match: s
         tdckpt.load_memmap_(target, path, allow_pickle=False)
     assert "x" in str(info.value)  # names the leaf
     assert all(torch.equal(v, torch.ones(4)) for v in target.values())
+
+
+# -- a level that is one run: found by the parse, used only for the parse's own nodes ---------
+def _uniform(tmp_path: Path, count: int = 300) -> Path:
+    td = TensorDict({f"k{i}": torch.arange(3.0) + 10 * i for i in range(count)}, [3])
+    td["sub"] = TensorDict({f"s{i}": torch.full((3, 2), float(i)) for i in range(5)}, [3])
+    path = tmp_path / "uniform.bin"
+    td.consolidate(filename=path)
+    return path
+
+
+def test_the_parse_records_levels_that_are_one_run(tmp_path: Path) -> None:
+    storage = open_consolidated(_uniform(tmp_path))
+    assert storage is not None
+    try:
+        root = storage.validated_root()
+        assert root is not None
+        runs = storage._parsed.runs
+        top = [n for n in root.entries.values() if hasattr(n, "dtype")]
+        sub = list(root.entries["sub"].entries.values())  # type: ignore[union-attr]
+        assert len(runs) == 2
+        assert runs[id(top[0])].nodes == top and runs[id(top[0])].step == 16  # 12 -> 16 bytes
+        assert runs[id(sub[0])].nodes == sub and runs[id(sub[0])].shape == (3, 2)
+    finally:
+        storage.close()
+
+
+@pytest.mark.parametrize(
+    "pick",
+    [
+        lambda nodes: nodes,  # the whole level: the run's one view
+        lambda nodes: nodes[::-1],  # reordered: leaf by leaf
+        lambda nodes: nodes[1:],  # a part (a selective restore): leaf by leaf
+        lambda nodes: nodes[:1] + nodes[2:] + nodes[1:2],  # same first node, same length
+    ],
+)
+def test_map_leaves_uses_a_run_only_for_its_own_nodes(tmp_path: Path, pick: Any) -> None:
+    storage = open_consolidated(_uniform(tmp_path))
+    assert storage is not None
+    try:
+        root = storage.validated_root()
+        assert root is not None
+        nodes = pick([n for n in root.entries.values() if hasattr(n, "dtype")])
+        views = storage.map_leaves(nodes, None)
+        for node, view in zip(nodes, views, strict=True):
+            assert view is not None and view.shape == node.shape
+            assert torch.equal(view, torch.arange(3.0) + 10 * int(node.key[-1][1:])), node.key
+    finally:
+        storage.close()
+
+
+def test_selective_restore_of_a_run(tmp_path: Path) -> None:
+    path = _uniform(tmp_path)
+    target = TensorDict({"k7": torch.zeros(3), "k250": torch.zeros(3)}, [3])
+    tdckpt.load_memmap_(target, path, allow_pickle=False, strict=False)
+    assert torch.equal(target["k7"], torch.arange(3.0) + 70)
+    assert torch.equal(target["k250"], torch.arange(3.0) + 2500)

@@ -34,6 +34,7 @@ __all__ = [
     "LeafExtent",
     "Level",
     "Parsed",
+    "Run",
     "parse_consolidated",
 ]
 
@@ -106,6 +107,19 @@ class Level:
         return copy.deepcopy(self.meta)  # non-tensor data may be edited by its reader
 
 
+@dataclass(frozen=True, slots=True)
+class Run:
+    """A level whose dense leaves are one run: one dtype and shape, each ``step`` bytes after
+    the one before from ``start`` (tensordict writes a level of like leaves so, each padded
+    to 8 bytes). ``nodes`` are the level's leaf nodes built by the parse, in file order."""
+
+    nodes: list[LeafNode]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    step: int
+
+
 @dataclass
 class Parsed:
     """A consolidated file's metadata, checked and laid out as the current directory tree.
@@ -124,6 +138,8 @@ class Parsed:
     root: TensorDictNode | None
     #: the metadata as parsed (checked)
     raw: dict[str, Any]
+    #: id of a run's first node -> the run (levels of the node tree that are one run)
+    runs: dict[int, Run] = field(default_factory=dict)
 
     @functools.cached_property
     def leaves(self) -> dict[str, tuple[int, int]]:
@@ -177,6 +193,7 @@ class _Parser:
         self.count = 0
         #: whether the nodes built along the way are the whole validated tree
         self.simple = True
+        self.runs: dict[int, Run] = {}
 
     def fail(self, key: str, what: str, cls: type[MetadataError] = MetadataError) -> MetadataError:
         """The error for ``what`` at ``key``: damage (MetadataError), or content tdckpt does
@@ -199,6 +216,7 @@ class _Parser:
             self.data_size,
             root if self.simple and isinstance(root, TensorDictNode) else None,
             raw,
+            self.runs if self.simple else {},
         )
 
     # -- levels ----------------------------------------------------------------------
@@ -354,24 +372,24 @@ class _Parser:
                         for p, n, start in zip(paths, sizes, starts, strict=True)
                     ]
                 )
-                entries.update(
-                    zip(
-                        leaf_keys,
-                        map(
-                            LeafNode,
-                            list(zip(*map(repeat, key), leaf_keys, strict=False)),  # (*key, name)
-                            paths,
-                            dtypes,
-                            shapes_t,
-                            repeat(leaf_device),
-                            repeat(False),
-                            vfiles,
-                            repeat(None),
-                            map(operator.floordiv, sizes, map(_ITEMSIZE, dtypes)),
-                        ),
-                        strict=True,
+                leaf_nodes = list(
+                    map(
+                        LeafNode,
+                        list(zip(*map(repeat, key), leaf_keys, strict=False)),  # (*key, name)
+                        paths,
+                        dtypes,
+                        shapes_t,
+                        repeat(leaf_device),
+                        repeat(False),
+                        vfiles,
+                        repeat(None),
+                        map(operator.floordiv, sizes, map(_ITEMSIZE, dtypes)),
                     )
                 )
+                entries.update(zip(leaf_keys, leaf_nodes, strict=True))
+                run = _one_run(leaf_nodes, dtypes, shapes_t, starts, sizes)
+                if run is not None:
+                    self.runs[id(leaf_nodes[0])] = run
         for name, entry in non_tensors.items():
             data = self.non_tensor(entry, (*key, name))
             dname = encode_key(name)
@@ -658,3 +676,29 @@ class _Parser:
                 raise self.fail(
                     name1, f"its bytes overlap those of {name0!r}; every leaf has bytes of its own"
                 )
+
+
+def _one_run(
+    nodes: list[LeafNode],
+    dtypes: list[torch.dtype],
+    shapes: list[tuple[int, ...]],
+    starts: list[int],
+    sizes: list[int],
+) -> Run | None:
+    """The run the level's leaves ``nodes`` make, if they make one: at least two, one dtype,
+    one shape, bytes of their own, evenly spaced in file order (each at least its size after
+    the one before, aligned for the dtype). Checked column by column in C."""
+    count = len(nodes)
+    if count < 2:
+        return None
+    dtype, shape, size = dtypes[0], shapes[0], sizes[0]
+    # (count() compares by identity first: a level of one dtype and shape shares the objects)
+    if dtypes.count(dtype) != count or shapes.count(shape) != count or not size:
+        return None
+    start = starts[0]
+    step = starts[1] - start
+    if step < size or step % dtype.itemsize or sizes.count(size) != count:
+        return None
+    if starts != list(range(start, start + step * count, step)):
+        return None
+    return Run(nodes, dtype, shape, start, step)
