@@ -244,3 +244,19 @@ def test_selective_restore_of_a_run(tmp_path: Path) -> None:
     tdckpt.load_memmap_(target, path, allow_pickle=False, strict=False)
     assert torch.equal(target["k7"], torch.arange(3.0) + 70)
     assert torch.equal(target["k250"], torch.arange(3.0) + 2500)
+
+
+@pytest.mark.parametrize("other_shape", [[4], [[4]]])
+def test_a_list_inside_a_shape_is_refused(tmp_path: Path, other_shape: list[Any]) -> None:
+    """A dim that is a list (unhashable) among leaves of other shapes: a MetadataError naming
+    the leaf, not a TypeError from the column checks."""
+    leaves = {
+        "x0": ["torch.float32", [[4]], 0, 16, 0],
+        "x1": ["torch.float32", other_shape, 16, 32, 0],
+        "x2": ["torch.float32", [2, 2], 32, 48, 0],
+    }
+    path = _write_raw(tmp_path / "listdim.bin", bytes(64), _level(leaves))
+    target = TensorDict({"x0": torch.ones(4)}, [])
+    with pytest.raises(MetadataError, match=r"'x0'.*shape"):
+        tdckpt.load_memmap_(target, path, allow_pickle=False, strict=False)
+    assert torch.equal(target["x0"], torch.ones(4))

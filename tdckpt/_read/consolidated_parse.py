@@ -361,7 +361,7 @@ class _Parser:
         self.leaf_columns.append((paths, starts, sizes))
         if entries is not None and node is not None:
             shapes_t = shapes  # tuples
-            if nb and set(map(operator.itemgetter(slice(0, nb)), shapes_t)) - {batch_t}:
+            if nb and any(s[:nb] != batch_t for s in _distinct(shapes_t)):
                 node = None  # a leaf that does not start with the batch size: validation says
             else:
                 vfiles = (
@@ -383,7 +383,7 @@ class _Parser:
                         repeat(False),
                         vfiles,
                         repeat(None),
-                        map(operator.floordiv, sizes, map(_ITEMSIZE, dtypes)),
+                        _numels(dtypes, sizes),
                     )
                 )
                 entries.update(zip(leaf_keys, leaf_nodes, strict=True))
@@ -546,14 +546,18 @@ class _Parser:
             or set(map(type, pads)) != ints
         ):
             return None
-        count = len(specs)
-        shapes_t = list(map(tuple, shapes))
-        distinct = list(set(shapes_t))
-        if max(map(len, distinct)) > _MAX_NDIM:
-            return None
-        # The types of every dim (a set of values would let True or 1.0 pass as 1), the
-        # values of the distinct shapes.
+        # The types of every dim first (a set of values would let True or 1.0 pass as 1; a
+        # list in a shape could not be hashed), then the values of the distinct shapes.
         if set(map(type, itertools.chain.from_iterable(shapes))) - ints:
+            return None
+        count = len(specs)
+        if shapes.count(shapes[0]) == count:  # one shape (equal lists of ints)
+            distinct = [tuple(shapes[0])]
+            shapes_t = distinct * count
+        else:
+            shapes_t = list(map(tuple, shapes))
+            distinct = list(set(shapes_t))
+        if max(map(len, distinct)) > _MAX_NDIM:
             return None
         dims = set(itertools.chain.from_iterable(distinct))
         if dims and min(dims) < 0:
@@ -702,3 +706,19 @@ def _one_run(
     if starts != list(range(start, start + step * count, step)):
         return None
     return Run(nodes, dtype, shape, start, step)
+
+
+def _distinct(values: list[Any]) -> list[Any] | set[Any]:
+    """The distinct values of ``values``: the first alone when every one is it (a level of
+    one shape shares one tuple, which ``count`` finds by identity without hashing)."""
+    if values and values.count(values[0]) == len(values):
+        return [values[0]]
+    return set(values)
+
+
+def _numels(dtypes: list[torch.dtype], sizes: list[int]) -> list[int]:
+    """Elements of each leaf: its bytes over its dtype's size (one division for a level of
+    one dtype and size)."""
+    if dtypes and dtypes.count(dtypes[0]) == len(dtypes) and sizes.count(sizes[0]) == len(sizes):
+        return [sizes[0] // dtypes[0].itemsize] * len(sizes)
+    return list(map(operator.floordiv, sizes, map(_ITEMSIZE, dtypes)))
