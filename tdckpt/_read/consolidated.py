@@ -217,7 +217,7 @@ class ConsolidatedStorage(Storage):
 
     def listdir(self, rel: str) -> Listing:
         level = self._level(rel)
-        files = dict(level.files)
+        files = level.files()
         files["meta.json"] = 0
         if not rel and self._manifest_dir is not None:
             try:

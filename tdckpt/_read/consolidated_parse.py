@@ -17,6 +17,7 @@ import functools
 import itertools
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
@@ -97,8 +98,14 @@ class Level:
 
     meta: dict[str, Any] | None = None
     td: _TDSpec | None = None
-    files: dict[str, int] = field(default_factory=dict)
+    #: (file names, sizes) of the level's leaves, in order; :meth:`files` builds the table
+    #: when the virtual tree is listed (a restore from the parse's node tree never does)
+    leaf_files: tuple[Sequence[str], Sequence[int]] = ((), ())
     dirs: list[str] = field(default_factory=list)
+
+    def files(self) -> dict[str, int]:
+        """File name -> size of each leaf of the level."""
+        return dict(zip(*self.leaf_files, strict=True))
 
     def meta_json(self) -> dict[str, Any]:
         if self.td is not None:
@@ -357,7 +364,7 @@ class _Parser:
                 for n in leaf_keys
             ]
         paths = list(map(operator.add, repeat(prefix), files)) if prefix else files
-        level.files.update(zip(files, sizes, strict=True))
+        level.leaf_files = (files, sizes)
         self.leaf_columns.append((paths, starts, sizes))
         if entries is not None and node is not None:
             shapes_t = shapes  # tuples
