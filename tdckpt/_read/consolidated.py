@@ -217,7 +217,7 @@ class ConsolidatedStorage(Storage):
 
     def listdir(self, rel: str) -> Listing:
         level = self._level(rel)
-        files = dict(level.files)
+        files = level.files()
         files["meta.json"] = 0
         if not rel and self._manifest_dir is not None:
             try:
@@ -330,13 +330,29 @@ class ConsolidatedStorage(Storage):
         Built on a per-dtype view of the map: one ``as_strided`` per leaf, or, for a run of
         consecutive leaves of one dtype and shape evenly spaced in the file (tensordict
         writes many: the same shape, each padded to 8 bytes), one ``as_strided`` for the
-        whole run, ``unbind`` into its leaves in one call.
+        whole run, ``unbind`` into its leaves in one call. A level the parse found to be one
+        run (``Parsed.runs``), asked for whole with the parse's own nodes, is that one view
+        with no check per leaf.
         """
         base = self._mapping(shared=mode == "r+")
+        data_size = self.data_size
+        one = self._parsed.runs.get(id(nodes[0])) if nodes else None
+        if (
+            one is not None
+            and len(nodes) == len(one.nodes)
+            and all(map(operator.is_, nodes, one.nodes))
+        ):  # a whole level of the parse's nodes that is one run: one view, unbound
+            item = one.dtype.itemsize
+            flat = base[: data_size - data_size % item].view(one.dtype)
+            view = flat.as_strided(
+                (len(nodes), *one.shape),
+                (one.step // item, *_strides(one.shape)),
+                one.start // item,
+            )
+            return list(view.unbind(0))
         typed: dict[torch.dtype, torch.Tensor] = {}
         #: shape -> (contiguous strides, numel): a checkpoint repeats a few shapes
         layouts: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}
-        data_size = self.data_size
         files = list(map(_FILE, nodes))
         places: list[tuple[int, int] | None]
         if (

@@ -17,6 +17,7 @@ import functools
 import itertools
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
@@ -34,6 +35,7 @@ __all__ = [
     "LeafExtent",
     "Level",
     "Parsed",
+    "Run",
     "parse_consolidated",
 ]
 
@@ -96,14 +98,33 @@ class Level:
 
     meta: dict[str, Any] | None = None
     td: _TDSpec | None = None
-    files: dict[str, int] = field(default_factory=dict)
+    #: (file names, sizes) of the level's leaves, in order; :meth:`files` builds the table
+    #: when the virtual tree is listed (a restore from the parse's node tree never does)
+    leaf_files: tuple[Sequence[str], Sequence[int]] = ((), ())
     dirs: list[str] = field(default_factory=list)
+
+    def files(self) -> dict[str, int]:
+        """File name -> size of each leaf of the level."""
+        return dict(zip(*self.leaf_files, strict=True))
 
     def meta_json(self) -> dict[str, Any]:
         if self.td is not None:
             return self.td.meta()
         assert self.meta is not None
         return copy.deepcopy(self.meta)  # non-tensor data may be edited by its reader
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """A level whose dense leaves are one run: one dtype and shape, each ``step`` bytes after
+    the one before from ``start`` (tensordict writes a level of like leaves so, each padded
+    to 8 bytes). ``nodes`` are the level's leaf nodes built by the parse, in file order."""
+
+    nodes: list[LeafNode]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    step: int
 
 
 @dataclass
@@ -124,6 +145,8 @@ class Parsed:
     root: TensorDictNode | None
     #: the metadata as parsed (checked)
     raw: dict[str, Any]
+    #: id of a run's first node -> the run (levels of the node tree that are one run)
+    runs: dict[int, Run] = field(default_factory=dict)
 
     @functools.cached_property
     def leaves(self) -> dict[str, tuple[int, int]]:
@@ -135,7 +158,7 @@ class Parsed:
         return table
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LeafExtent(VFile):
     """The file of a leaf of the node tree built while parsing: its bytes start at ``start``
     in the leaf region (``size`` of them, ``source`` its relative path)."""
@@ -177,6 +200,7 @@ class _Parser:
         self.count = 0
         #: whether the nodes built along the way are the whole validated tree
         self.simple = True
+        self.runs: dict[int, Run] = {}
 
     def fail(self, key: str, what: str, cls: type[MetadataError] = MetadataError) -> MetadataError:
         """The error for ``what`` at ``key``: damage (MetadataError), or content tdckpt does
@@ -199,6 +223,7 @@ class _Parser:
             self.data_size,
             root if self.simple and isinstance(root, TensorDictNode) else None,
             raw,
+            self.runs if self.simple else {},
         )
 
     # -- levels ----------------------------------------------------------------------
@@ -339,11 +364,11 @@ class _Parser:
                 for n in leaf_keys
             ]
         paths = list(map(operator.add, repeat(prefix), files)) if prefix else files
-        level.files.update(zip(files, sizes, strict=True))
+        level.leaf_files = (files, sizes)
         self.leaf_columns.append((paths, starts, sizes))
         if entries is not None and node is not None:
             shapes_t = shapes  # tuples
-            if nb and set(map(operator.itemgetter(slice(0, nb)), shapes_t)) - {batch_t}:
+            if nb and any(s[:nb] != batch_t for s in _distinct(shapes_t)):
                 node = None  # a leaf that does not start with the batch size: validation says
             else:
                 vfiles = (
@@ -354,24 +379,24 @@ class _Parser:
                         for p, n, start in zip(paths, sizes, starts, strict=True)
                     ]
                 )
-                entries.update(
-                    zip(
-                        leaf_keys,
-                        map(
-                            LeafNode,
-                            list(zip(*map(repeat, key), leaf_keys, strict=False)),  # (*key, name)
-                            paths,
-                            dtypes,
-                            shapes_t,
-                            repeat(leaf_device),
-                            repeat(False),
-                            vfiles,
-                            repeat(None),
-                            map(operator.floordiv, sizes, map(_ITEMSIZE, dtypes)),
-                        ),
-                        strict=True,
+                leaf_nodes = list(
+                    map(
+                        LeafNode,
+                        list(zip(*map(repeat, key), leaf_keys, strict=False)),  # (*key, name)
+                        paths,
+                        dtypes,
+                        shapes_t,
+                        repeat(leaf_device),
+                        repeat(False),
+                        vfiles,
+                        repeat(None),
+                        _numels(dtypes, sizes),
                     )
                 )
+                entries.update(zip(leaf_keys, leaf_nodes, strict=True))
+                run = _one_run(leaf_nodes, dtypes, shapes_t, starts, sizes)
+                if run is not None:
+                    self.runs[id(leaf_nodes[0])] = run
         for name, entry in non_tensors.items():
             data = self.non_tensor(entry, (*key, name))
             dname = encode_key(name)
@@ -528,14 +553,18 @@ class _Parser:
             or set(map(type, pads)) != ints
         ):
             return None
-        count = len(specs)
-        shapes_t = list(map(tuple, shapes))
-        distinct = list(set(shapes_t))
-        if max(map(len, distinct)) > _MAX_NDIM:
-            return None
-        # The types of every dim (a set of values would let True or 1.0 pass as 1), the
-        # values of the distinct shapes.
+        # The types of every dim first (a set of values would let True or 1.0 pass as 1; a
+        # list in a shape could not be hashed), then the values of the distinct shapes.
         if set(map(type, itertools.chain.from_iterable(shapes))) - ints:
+            return None
+        count = len(specs)
+        if shapes.count(shapes[0]) == count:  # one shape (equal lists of ints)
+            distinct = [tuple(shapes[0])]
+            shapes_t = distinct * count
+        else:
+            shapes_t = list(map(tuple, shapes))
+            distinct = list(set(shapes_t))
+        if max(map(len, distinct)) > _MAX_NDIM:
             return None
         dims = set(itertools.chain.from_iterable(distinct))
         if dims and min(dims) < 0:
@@ -658,3 +687,45 @@ class _Parser:
                 raise self.fail(
                     name1, f"its bytes overlap those of {name0!r}; every leaf has bytes of its own"
                 )
+
+
+def _one_run(
+    nodes: list[LeafNode],
+    dtypes: list[torch.dtype],
+    shapes: list[tuple[int, ...]],
+    starts: list[int],
+    sizes: list[int],
+) -> Run | None:
+    """The run the level's leaves ``nodes`` make, if they make one: at least two, one dtype,
+    one shape, bytes of their own, evenly spaced in file order (each at least its size after
+    the one before, aligned for the dtype). Checked column by column in C."""
+    count = len(nodes)
+    if count < 2:
+        return None
+    dtype, shape, size = dtypes[0], shapes[0], sizes[0]
+    # (count() compares by identity first: a level of one dtype and shape shares the objects)
+    if dtypes.count(dtype) != count or shapes.count(shape) != count or not size:
+        return None
+    start = starts[0]
+    step = starts[1] - start
+    if step < size or step % dtype.itemsize or sizes.count(size) != count:
+        return None
+    if starts != list(range(start, start + step * count, step)):
+        return None
+    return Run(nodes, dtype, shape, start, step)
+
+
+def _distinct(values: list[Any]) -> list[Any] | set[Any]:
+    """The distinct values of ``values``: the first alone when every one is it (a level of
+    one shape shares one tuple, which ``count`` finds by identity without hashing)."""
+    if values and values.count(values[0]) == len(values):
+        return [values[0]]
+    return set(values)
+
+
+def _numels(dtypes: list[torch.dtype], sizes: list[int]) -> list[int]:
+    """Elements of each leaf: its bytes over its dtype's size (one division for a level of
+    one dtype and size)."""
+    if dtypes and dtypes.count(dtypes[0]) == len(dtypes) and sizes.count(sizes[0]) == len(sizes):
+        return [sizes[0] // dtypes[0].itemsize] * len(sizes)
+    return list(map(operator.floordiv, sizes, map(_ITEMSIZE, dtypes)))

@@ -53,7 +53,7 @@ def _dtype_table() -> dict[str, torch.dtype]:
 DTYPES: dict[str, torch.dtype] = _dtype_table()
 
 
-@dataclass
+@dataclass(slots=True)
 class LeafNode:
     """A tensor leaf. ``shape`` is the tensor's shape (for a nested tensor: its size table's)."""
 

@@ -18,8 +18,10 @@ named ``<encode_key(key)>.memmap`` and its children ``<encode_key(key)>/``.
 from __future__ import annotations
 
 import io
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from tdckpt._read.levels import TDLevel
@@ -50,7 +52,7 @@ MAX_PT_ENTRIES = 64
 MAX_PT_DEPTH = 32
 
 
-@dataclass
+@dataclass(slots=True)
 class VFile:
     """A file of the virtual tree.
 
@@ -290,9 +292,13 @@ def _fill(
         _unsafe(node, name, join(rel, name), reason)
     files = node.files
     prefix = f"{rel}/" if rel else ""
-    for name, size in listing.files.items():
-        if name != "meta.json":
-            files[name] = VFile(prefix + name, size)
+    listed = listing.files
+    # One VFile per file, built by C-level maps (a level of 10,000 leaves is the large one).
+    names = list(listed)
+    if "meta.json" in listed:
+        names.remove("meta.json")
+    sources = list(map(operator.add, repeat(prefix), names)) if prefix else names
+    files.update(zip(names, map(VFile, sources, map(listed.__getitem__, names)), strict=True))
     if "meta.json" in listing.files:
         size = listing.files["meta.json"]
         # A file over the per-file cap is refused unread (its own problem): it costs nothing.
