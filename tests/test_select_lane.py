@@ -115,6 +115,16 @@ def test_a_pattern_that_selects_nothing_names_the_whole_top_level(
     assert list(out.keys()) == ["a"] and report.missing == [("nope",)]
 
 
+def test_a_pattern_that_selects_nothing_is_the_error_whatever_lies_outside(
+    prefix: Path, lane_only: None
+) -> None:
+    # Damage outside the selection and a pattern of keys that selects nothing: the error is
+    # the pattern's (the lane's answer is final), not the damage's.
+    _damage_entry(prefix, "b", dtype="torch.float99")
+    with pytest.raises(RestoreError, match=r"select nothing: nope.*top-level keys: a, b, n"):
+        tdckpt.load_memmap(prefix, keys=["a", "nope"])
+
+
 def test_a_level_of_another_kind_outside_the_selection_is_read_the_general_way(
     tmp_path: Path,
 ) -> None:

@@ -420,6 +420,10 @@ class _Reading:
                     _select(opened, self.selection, self.strict, self.report)
                 except BaseException:
                     opened.close()
+                    # A pattern that selects nothing is decided by the keys, which the lane
+                    # reads as the general read does: final, not read again (the general read
+                    # could only add problems outside the selection).
+                    self.from_lane = False
                     raise
                 return opened, False
         opened, unpickle = open_for_restore(
