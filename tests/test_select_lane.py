@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tensordict import TensorDict
+from tensordict import NonTensorData, TensorDict, tensorclass
 
 import tdckpt
 import tdckpt._restore.engine as engine_mod
@@ -125,6 +125,32 @@ def test_a_pattern_that_selects_nothing_is_the_error_whatever_lies_outside(
         tdckpt.load_memmap(prefix, keys=["a", "nope"])
 
 
+@tensorclass
+class _Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def test_values_of_other_kinds_outside_the_selection_are_dropped_whole(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    td = TensorDict(
+        a=torch.ones(2),
+        note=NonTensorData("hello"),
+        pair=_Pair(x=torch.zeros(2), y=torch.ones(2), batch_size=[2]),
+        n=TensorDict(b=torch.ones(1), note=NonTensorData("inner")),
+    )
+    tdckpt.save(td, tmp_path / "ck")
+    general = tdckpt.load_memmap(tmp_path / "ck", keys="a", report=True, robust_key=None)
+    request.getfixturevalue("lane_only")
+    out, report = tdckpt.load_memmap(tmp_path / "ck", keys="a", report=True)
+    assert list(out.keys()) == ["a"] and torch.equal(out["a"], torch.ones(2))
+    assert report == general[1]
+    assert report.skipped == [("note",), ("pair",), ("n", "b"), ("n", "note")]
+    out = tdckpt.load_memmap(tmp_path / "ck", keys=["a", "n.b"])
+    assert set(out.keys(True, True)) == {"a", ("n", "b")}
+
+
 def test_a_level_of_another_kind_outside_the_selection_is_read_the_general_way(
     tmp_path: Path,
 ) -> None:
@@ -151,6 +177,8 @@ def _nested(draw: st.DrawFn, depth: int = 0) -> TensorDict:
     for name in draw(st.lists(_NAMES, min_size=1, max_size=4, unique=True)):
         if depth < 2 and draw(st.booleans()):
             entries[name] = draw(_nested(depth + 1))
+        elif draw(st.integers(0, 4)) == 0:  # a non-tensor value: a level of its own
+            entries[name] = NonTensorData(f"text {name}")
         else:
             entries[name] = torch.full((2,), float(len(entries)))
     return TensorDict(entries)

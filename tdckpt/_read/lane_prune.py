@@ -17,10 +17,11 @@ The rule is the general one (``select.prune``), decided per entry from the selec
 ``selects`` / ``reaches_below``: an entry the selection selects is kept whole (or, with
 ``exclude``, entered and pruned in turn); a child level that a pattern reaches below is entered
 and dropped if nothing in it is kept; anything else is dropped, its leaves recorded as skipped
-in the order the general rule records them. A child level is dropped only when it and every
-level below it are TensorDict levels (their leaves are then known from their metadata);
-another kind is kept, and the lane declines it as before. This module does not import the
-selection (it is a layer above); it takes any object with those methods (:class:`Chooser`).
+in the order the general rule records them. A child level of another kind (a non-tensor
+value, a tensorclass) is dropped whole, as one key; one holding a lazy stack, or whose
+metadata could not be read, is kept, and the lane declines it as before. This module does
+not import the selection (a layer above); it takes any object with those methods
+(:class:`Chooser`).
 """
 
 from __future__ import annotations
@@ -144,13 +145,21 @@ def _level(vdir: VDir, key: Key, chooser: Chooser, skipped: list[Key]) -> bool:
 
 
 def _leaves(vdir: VDir | None, key: Key, out: list[Key]) -> bool:
-    """Record the leaf keys of a level to drop, from its metadata (nothing else is checked);
-    whether it can be dropped: it and every level below it are TensorDict levels (another
-    kind - a tensorclass, a lazy stack - or a level without readable metadata is kept, so
-    that the general rule reports it)."""
+    """Record the keys of a level to drop, from its metadata (nothing else is checked), as
+    the general rule reports them: a TensorDict level's leaves, a level of another kind (a
+    non-tensor value, a tensorclass, a view) as its own key. Whether it can be dropped: not
+    when a lazy stack is in it (reported by its members' keys, which only the validated
+    tree has) or a level's metadata could not be read; it is then kept, and the lane
+    declines it as before."""
     meta = vdir.meta if vdir is not None else None
-    if vdir is None or meta is None or level_kind(meta) != "tensordict":
+    if vdir is None or meta is None:
         return False
+    kind = level_kind(meta)
+    if kind == "lazy-stack":
+        return False
+    if kind != "tensordict":
+        out.append(key)
+        return True
     for name, entry in meta.items():
         if type(entry) is not dict:
             continue
