@@ -281,7 +281,13 @@ def _prune(
             return node
     if isinstance(node, TensorDictNode):
         entries = {}
+        # Children no pattern can select or reach (literal keys, no exclude): skipped whole,
+        # without asking the selection about each of their keys.
+        candidates = selection.names_below(key)
         for name, child in node.entries.items():
+            if candidates is not None and name not in candidates:
+                _leaves(child, (*key, name), report.skipped)
+                continue
             kept = _prune(child, (*key, name), selection, report, used, in_place)
             if kept is not None:
                 entries[name] = kept
