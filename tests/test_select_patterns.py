@@ -46,3 +46,26 @@ def test_selection_with_literal_and_wildcard_patterns() -> None:
     assert sel.selects(("opt", "0", "step")) and not sel.selects(("opt", "0", "exp_avg"))
     assert sel.touches(("model",)) and sel.touches(("opt", "0"))
     assert not sel.touches(("sched",))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_names_below_holds_every_child_a_pattern_selects_or_reaches(size: int) -> None:
+    # The lane drops a child whose name is not in names_below(key) without asking more:
+    # no such child may be selected or reached below.
+    literal = [p for p in PATTERNS if not any(ch in "".join(p) for ch in "*?[")]
+    for patterns in itertools.combinations(literal, size):
+        sel = Selection.of(list(patterns), None)
+        assert sel is not None
+        for key in [(), *KEYS]:
+            if key and sel.selects(key):
+                continue  # kept whole: never asked
+            names = sel.names_below(key)
+            assert names is not None
+            for name in NAMES:
+                child = (*key, name)
+                if sel.selects(child) or sel.reaches_below(child):
+                    assert name in names, (patterns, key, name)
+    # wildcards and exclude: any name may be, so none is ruled out
+    assert Selection.of(["a.*"], None).names_below(("a",)) is None  # type: ignore[union-attr]
+    assert Selection.of(["a"], ["a.b"]).names_below(()) is None  # type: ignore[union-attr]
+    assert Selection.of(None, ["a"]).names_below(()) is None  # type: ignore[union-attr]

@@ -12,7 +12,7 @@ files load with ``safetensors.torch.load_file``, and Hugging Face's sharded layo
   ``.``; a tensor that is the same tensor as an earlier one (tied weights) is written once
   and recorded in the header's ``__metadata__`` (``tdckpt.tied``), which :func:`load_safetensors`
   reads back as one tensor again. Files are written beside their final name, synced and
-  renamed into place.
+  renamed into place, from the tensors' own memory (:mod:`~tdckpt._interop.safetensors_write`).
 * :func:`load_safetensors`: one file or a folder (with or without an index) into a
   TensorDict (a nested dict without tensordict). Every header is checked before a byte is
   mapped: its size, each dtype, shape and range, ranges inside the data, no overlap, no gap;
@@ -21,21 +21,20 @@ files load with ``safetensors.torch.load_file``, and Hugging Face's sharded layo
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import mmap
 import os
 import re
-import secrets
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
+from tdckpt._interop.safetensors_write import write_bytes, write_file
 from tdckpt._write.atomic import fsync_dir
 from tdckpt.errors import CheckpointExistsError, MetadataError, UnsupportedContentError
 
@@ -74,7 +73,6 @@ INDEX_NAME = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"model-(\d{5,})-of-(\d{5,})\.safetensors")
 #: The ``__metadata__`` entry recording tied tensors: JSON ``{alias: written name}``.
 TIED_KEY = "tdckpt.tied"
-_COPY_CHUNK = 64 << 20
 
 
 @dataclass
@@ -189,8 +187,8 @@ def export_safetensors(
         local_tied = {alias: name for alias, name in tied.items() if name in group}
         if local_tied:
             file_meta[TIED_KEY] = json.dumps(local_tied, sort_keys=True)
-        report.total_bytes += _write_file(
-            path, {name: entries[name] for name in group}, file_meta, fsync=fsync
+        report.total_bytes += write_file(
+            path, {name: entries[name] for name in group}, file_meta, _NAMES, fsync=fsync
         )
         for name in group:
             weight_map[name] = path.name
@@ -198,7 +196,7 @@ def export_safetensors(
             weight_map[alias] = path.name
     if index is not None:
         doc = {"metadata": {"total_size": report.total_bytes}, "weight_map": weight_map}
-        _write_bytes(index, json.dumps(doc, indent=2, sort_keys=True).encode(), fsync=fsync)
+        write_bytes(index, json.dumps(doc, indent=2, sort_keys=True).encode(), fsync=fsync)
     for path in stale:
         path.unlink(missing_ok=True)
     if fsync:
@@ -326,68 +324,6 @@ def _shards(
         groups[-1].append(name)
         size += nbytes
     return groups
-
-
-def _header(entries: dict[str, torch.Tensor], meta: dict[str, str]) -> tuple[bytes, list[str]]:
-    # Largest alignment first, as safetensors orders them, so every tensor starts on a
-    # multiple of its itemsize (readers then view it in place).
-    order = sorted(entries, key=lambda n: (-entries[n].element_size(), n))
-    header: dict[str, Any] = {"__metadata__": meta}
-    offset = 0
-    for name in order:
-        tensor = entries[name]
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": _NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    return raw, order
-
-
-def _write_file(
-    path: Path, entries: dict[str, torch.Tensor], meta: dict[str, str], *, fsync: bool
-) -> int:
-    header, order = _header(entries, meta)
-    total = 0
-    with _replacing(path, fsync=fsync) as fh:
-        fh.write(struct.pack("<Q", len(header)))
-        fh.write(header)
-        for name in order:
-            flat = entries[name].detach().contiguous().reshape(-1)
-            raw = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
-            data = raw.numpy()
-            for start in range(0, data.nbytes, _COPY_CHUNK):
-                fh.write(data[start : start + _COPY_CHUNK].data)
-            total += data.nbytes
-    return total
-
-
-def _write_bytes(path: Path, data: bytes, *, fsync: bool) -> None:
-    with _replacing(path, fsync=fsync) as fh:
-        fh.write(data)
-
-
-@contextlib.contextmanager
-def _replacing(path: Path, *, fsync: bool) -> Iterator[BinaryIO]:
-    """A new file beside ``path``, synced and renamed onto it when the block ends.
-
-    If the block fails, the new file is removed and ``path`` is left as it was.
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    try:
-        with open(tmp, "xb") as fh:
-            yield fh
-            if fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 # -- reading -----------------------------------------------------------------------------------

@@ -14,5 +14,6 @@ storage -> metadata -> detect -> migrate -> names -> validate.
 * ``lane``: a restore's read of a tree in the exact current form (``open_current``): the same
   storage calls and the same validation, without the detect, migrate and names stages that
   provably change nothing there; it declines anything else (the restore then takes
-  ``open_checkpoint``).
+  ``open_checkpoint``). ``lane_prune``: a selective restore's keys applied on the lane right
+  after the metadata is read, so only the selected part is validated and mapped.
 """

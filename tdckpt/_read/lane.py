@@ -20,7 +20,13 @@ a level that is not a TensorDict in exact form, a nested tensor, a key not under
 name, a file or directory no key names (strays, unsafe entries, links), a problem found while
 reading or by validation. A restore that fails after the lane read the tree is read again by
 the general path, so its error is the general read's, with every problem: the lane never
-changes what a restore accepts, refuses or reports.
+changes what a restore accepts, refuses or reports - with one exception, a selective restore.
+
+A selective restore (``keys=`` / ``exclude=``) passes its selection: the tree is pruned to it
+right after its metadata is read (``lane_prune.py``), before the checks above, so only the
+selected part is checked, validated and mapped. Damage outside the selection (an entry of a
+dtype tensordict does not know, a missing or short leaf file) then no longer refuses the
+restore, as it does on the general read; everything restored is validated as before.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import os
 
 from tdckpt import schema
 from tdckpt._read.detect import CURRENT_NAME, _marked_current, level_kind
+from tdckpt._read.lane_prune import Chooser, prune_tree
 from tdckpt._read.levels import exact_td_level
 from tdckpt._read.names import ROBUST, _already_robust
 from tdckpt._read.pipeline import OpenedCheckpoint, _read_manifest_model
@@ -41,19 +48,28 @@ __all__ = ["open_current"]
 
 
 def open_current(
-    prefix: str | os.PathLike[str], *, robust_key: bool | None, manifest_checked: bool = False
+    prefix: str | os.PathLike[str],
+    *,
+    robust_key: bool | None,
+    manifest_checked: bool = False,
+    selection: Chooser | None = None,
 ) -> OpenedCheckpoint | None:
     """The checkpoint at ``prefix``, read and validated, if it is in the exact current form.
 
     Returns None where the general read (``open_checkpoint``) must decide. Arguments as
     :func:`~tdckpt._read.pipeline.open_checkpoint`; leaf files are listed without a stat
     (their sizes are checked when mapped), as every restore lists them.
+
+    ``selection``: a selective restore's keys. What it leaves out is dropped right after the
+    metadata is read (``lane_prune.prune_tree``), so only the selected part is checked and
+    validated; ``pruned`` on the result says what was dropped.
     """
     if robust_key is not True:  # legacy or undecided names: the general rules decide
         return None
     storage = DirectoryStorage(prefix, defer_leaf_sizes=True)
     try:
         tree = read_tree(storage)
+        pruned = None if selection is None else prune_tree(tree, selection)
         manifest = None
         if not _current_form(tree):
             raise TdckptError("not in the current form")  # declined, below
@@ -79,6 +95,7 @@ def open_current(
         generation=CURRENT_NAME,
         key_encoding=ROBUST,
         manifest_model=manifest,
+        pruned=pruned,
     )
 
 

@@ -17,6 +17,7 @@ import pydantic
 
 from tdckpt import schema
 from tdckpt._read.detect import CURRENT_NAME
+from tdckpt._read.lane_prune import Pruned
 from tdckpt._read.migrate import migrate_tree
 from tdckpt._read.names import ROBUST, normalize_names
 from tdckpt._read.nodes import Node
@@ -45,6 +46,9 @@ class OpenedCheckpoint:
     problems: list[Problem] = field(default_factory=list)
     #: the validated manifest, when the prefix has one
     manifest_model: schema.Manifest | None = None
+    #: set when the read left out what a selection does not keep, before validating (the
+    #: lane, ``lane_prune.py``): ``root`` is then the selected part only
+    pruned: Pruned | None = None
 
     @property
     def manifest(self) -> dict[str, Any] | None:

@@ -208,7 +208,15 @@ def _select(
     """Prune ``opened.root`` to ``selection`` (in place), recording what was kept."""
     if selection is None or opened.root is None:
         return
-    opened.root, done = prune(opened.root, selection, where=opened.prefix, strict=strict)
+    pruned = opened.pruned  # the lane left out the rest before validating
+    opened.root, done = prune(
+        opened.root,
+        selection,
+        where=opened.prefix,
+        strict=strict,
+        skipped=None if pruned is None else pruned.skipped,
+        top=None if pruned is None else pruned.top,
+    )
     if report is not None:
         report.loaded, report.skipped, report.missing = done.loaded, done.skipped, done.missing
 
@@ -354,7 +362,8 @@ class _Reading:
 
     1. The current-form lane (``lane.open_current``), for what tensordict >= 0.15 (or
        tdckpt) wrote untouched: no detection, migration or name stage, leaf sizes checked
-       when mapped.
+       when mapped. A selection is applied there before validation (only the selected
+       part is checked: damage outside it does not refuse the restore on this path).
     2. Otherwise the general read, leaf files listed without a stat (their sizes checked
        when mapped).
     3. When a restore from a shortcut fails (the lane's, or a leaf too short for its listed
@@ -400,7 +409,10 @@ class _Reading:
         if self.lane:
             assert not isinstance(self.prefix, Storage)
             opened = open_current(
-                self.prefix, robust_key=self.robust_key, manifest_checked=self.manifest_checked
+                self.prefix,
+                robust_key=self.robust_key,
+                manifest_checked=self.manifest_checked,
+                selection=self.selection if _narrows(self.selection) else None,
             )
             if opened is not None:  # TensorDict levels and tensors only: nothing pickled
                 self.opened, self.from_lane = opened, True
@@ -408,6 +420,10 @@ class _Reading:
                     _select(opened, self.selection, self.strict, self.report)
                 except BaseException:
                     opened.close()
+                    # A pattern that selects nothing is decided by the keys, which the lane
+                    # reads as the general read does: final, not read again (the general read
+                    # could only add problems outside the selection).
+                    self.from_lane = False
                     raise
                 return opened, False
         opened, unpickle = open_for_restore(
@@ -433,6 +449,11 @@ class _Reading:
             self.swaps += 1
             return True
         return False
+
+
+def _narrows(selection: Selection | None) -> bool:
+    """Whether ``selection`` leaves anything out (not only a report of everything)."""
+    return selection is not None and (selection.keys is not None or bool(selection.exclude))
 
 
 def _read_ahead(opened: OpenedCheckpoint) -> None:

@@ -147,6 +147,14 @@ class Selection:
             return False
         return self._selected.below(key)
 
+    def names_below(self, key: Key) -> frozenset[str] | None:
+        """The names of ``key``'s children that a pattern of ``keys`` can select or reach
+        below, for a ``key`` not selected itself; None when any name may be (no ``keys``, a
+        wildcard, or ``exclude``). A child of another name is neither selected nor reached."""
+        if self.keys is None or self.exclude or self._selected.wild:
+            return None
+        return self._selected.children.get(key, frozenset())
+
     @functools.cached_property
     def _selected(self) -> _Patterns:
         return _Patterns(tuple(self.keys or ()))
@@ -160,13 +168,19 @@ class _Patterns:
     """Patterns, the literal ones (no wildcard) in sets: a key of a 10,000-leaf checkpoint
     is then checked with one set lookup per level, not one fnmatch per pattern and name."""
 
-    __slots__ = ("literal", "prefixes", "wild")
+    __slots__ = ("children", "literal", "prefixes", "wild")
 
     def __init__(self, patterns: tuple[Key, ...]) -> None:
         self.literal = frozenset(p for p in patterns if _literal(p))
         #: the keys strictly above a literal pattern
         self.prefixes = frozenset(p[:i] for p in self.literal for i in range(1, len(p)))
         self.wild = [p for p in patterns if p not in self.literal]
+        #: a key strictly above a literal pattern -> the names one level down toward one
+        children: dict[Key, set[str]] = {}
+        for p in self.literal:
+            for i in range(len(p)):
+                children.setdefault(p[:i], set()).add(p[i])
+        self.children = {k: frozenset(v) for k, v in children.items()}
 
     @classmethod
     def of(cls, patterns: list[Key]) -> _Patterns:
@@ -204,15 +218,28 @@ def _literal(pattern: Key) -> bool:
 
 
 def prune(
-    root: Node, selection: Selection, *, where: str, strict: bool, in_place: bool = False
+    root: Node,
+    selection: Selection,
+    *,
+    where: str,
+    strict: bool,
+    in_place: bool = False,
+    skipped: list[Key] | None = None,
+    top: list[str] | None = None,
 ) -> tuple[Node, RestoreReport]:
     """The part of ``root`` that ``selection`` keeps, and the report.
+
+    ``skipped`` / ``top``: for a ``root`` the read already pruned to ``selection`` (the
+    lane, ``_read/lane_prune.py``): the keys it left out (reported first) and the
+    checkpoint's top-level keys before pruning (for the error below).
 
     Raises:
         RestoreError: ``strict`` and a pattern of ``keys`` selects nothing (every such
             pattern named, with the checkpoint's top-level keys).
     """
     report = RestoreReport()
+    if skipped:
+        report.skipped.extend(skipped)
     used: set[Key] = set()
     in_place = in_place or selection.in_place
     pruned = _prune(root, (), selection, report, used, in_place)
@@ -222,7 +249,9 @@ def prune(
     if selection.keys is not None:
         report.missing = [p for p in selection.keys if p not in used]
     if strict and report.missing:
-        top = sorted(root.entries) if isinstance(root, TensorDictNode) else []
+        if top is None:
+            top = list(root.entries) if isinstance(root, TensorDictNode) else []
+        top = sorted(top)
         raise RestoreError(
             f"{where}: {len(report.missing)} pattern(s) of keys= select nothing: "
             f"{', '.join('.'.join(p) for p in report.missing)}. The checkpoint's top-level "
@@ -252,7 +281,13 @@ def _prune(
             return node
     if isinstance(node, TensorDictNode):
         entries = {}
+        # Children no pattern can select or reach (literal keys, no exclude): skipped whole,
+        # without asking the selection about each of their keys.
+        candidates = selection.names_below(key)
         for name, child in node.entries.items():
+            if candidates is not None and name not in candidates:
+                _leaves(child, (*key, name), report.skipped)
+                continue
             kept = _prune(child, (*key, name), selection, report, used, in_place)
             if kept is not None:
                 entries[name] = kept

@@ -5,4 +5,6 @@
 * ``archive_write``: packing a directory into an aligned ``.tdz``.
 * ``atomic``, ``lock``: staging names, commit by rename, the single-writer lock.
 * ``export``: the public ``tdckpt.save`` of one bare prefix.
+* ``preallocate``: a new file's final size set before it is written (blocks reserved where
+  the file system can).
 """
