@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -185,7 +185,7 @@ class ObjectStorage(Storage):
     def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
         if rel in self._inline:
             return self._inline[rel]
-        span = self._span(rel)
+        span = self.span(rel)
         # the caller's cap; a JSON file's is the module's now (tests lower it), as opening
         # read ahead only the JSON files under it
         cap = min(max_bytes, _storage.MAX_JSON_BYTES) if rel.endswith(".json") else max_bytes
@@ -210,7 +210,7 @@ class ObjectStorage(Storage):
             )
         if numel == 0:
             return torch.empty(0, dtype=dtype)
-        span = self._span(rel)
+        span = self.span(rel)
         need = numel * dtype.itemsize
         if span.size < need:
             raise MetadataError(
@@ -226,7 +226,8 @@ class ObjectStorage(Storage):
             self._ready.clear()
 
     # -- reading ---------------------------------------------------------------------
-    def _span(self, rel: str) -> Span:
+    def span(self, rel: str) -> Span:
+        """Where ``rel`` lies and what it must hash to."""
         span = self._spans.get(rel)
         if span is None:
             raise CheckpointNotFoundError(
@@ -252,15 +253,39 @@ class ObjectStorage(Storage):
 
     def _fetch(self, rels: Sequence[str]) -> dict[str, bytearray]:
         """Read every file of ``rels`` by ranges, batch by batch; check each one."""
-        out: dict[str, bytearray] = {}
-        for batch in _batches(self._runs(rels)):
-            chunks = self._read_ranges([(obj, start, end) for obj, start, end, _ in batch])
+        return dict(self.stream(rels))
+
+    def stream(
+        self, rels: Iterable[str], on_problem: Callable[[VerifyProblem], None] | None = None
+    ) -> Iterator[tuple[str, bytearray]]:
+        """Each file of ``rels`` with its checked bytes, batch by batch (the next batch
+        downloading while this one is used). A file that does not match its span raises
+        :class:`~tdckpt.errors.IntegrityError`, or with ``on_problem`` is given to it and
+        skipped (``verify`` reports every problem)."""
+        batches = _batches(self._runs(list(rels)))
+        ranges = [[(obj, start, end) for obj, start, end, _ in batch] for batch in batches]
+        for batch, chunks in zip(batches, self._read_ahead(ranges), strict=True):
             for (_, start, _end, files), pieces in zip(batch, chunks, strict=True):
                 for rel in files:
                     span = self._spans[rel]
                     data = _assemble(pieces, span.offset - start, span.size)
-                    out[rel] = self._checked(rel, span, data)
-        return out
+                    checked = self._checked(rel, span, data, on_problem)
+                    if checked is not None:
+                        yield rel, checked
+
+    def _read_ahead(self, batches: list[list[tuple[str, int, int]]]) -> Iterator[list[list[bytes]]]:
+        """:meth:`_read_ranges` of each batch in turn, the next one read while the caller
+        uses this one."""
+        if len(batches) <= 1:
+            yield from map(self._read_ranges, batches)
+            return
+        with ThreadPoolExecutor(1, "tdckpt-prefetch") as pool:
+            pending = pool.submit(self._read_ranges, batches[0])
+            for following in [*batches[1:], None]:
+                chunks = pending.result()
+                if following is not None:
+                    pending = pool.submit(self._read_ranges, following)
+                yield chunks
 
     def _runs(self, rels: Sequence[str]) -> list[tuple[str, int, int, list[str]]]:
         """Ranges to read: (object, start, end, files wholly inside), merged and split."""
@@ -316,8 +341,15 @@ class ObjectStorage(Storage):
             i += n
         return out
 
-    def _checked(self, rel: str, span: Span, data: bytearray) -> bytearray:
-        """``data`` if it is ``rel``'s recorded size and checksum (read again once if not)."""
+    def _checked(
+        self,
+        rel: str,
+        span: Span,
+        data: bytearray,
+        on_problem: Callable[[VerifyProblem], None] | None = None,
+    ) -> bytearray | None:
+        """``data`` if it is ``rel``'s recorded size and checksum (read again once if not);
+        else the problem raised, or given to ``on_problem`` (then None)."""
         problem = _problem(rel, span, data)
         if problem is not None and problem.kind == "changed":
             # a checksum mismatch: read once more (a glitch in transit is not damage at rest)
@@ -326,10 +358,17 @@ class ObjectStorage(Storage):
             problem = _problem(rel, span, data)
         if problem is None:
             return data
-        raise IntegrityError(
+        if on_problem is None:
+            raise self.damage(problem)
+        on_problem(problem)
+        return None
+
+    def damage(self, problem: VerifyProblem) -> IntegrityError:
+        """The error refusing the checkpoint for ``problem`` (naming the file's URL)."""
+        return IntegrityError(
             f"{self._damaged}: {problem}; nothing was restored and the target is unchanged. "
             "Restore another step (see steps()), or re-save this one.",
-            path=self.display(rel),
+            path=self.display(problem.path),
             step=self._step,
             problems=[problem],
         )
@@ -344,9 +383,11 @@ class ObjectStorage(Storage):
         checksums are known only once its manifest, read in the same batch, is parsed)."""
         with self._lock:
             ready = list(self._ready.items())
-        checked = {rel: self._checked(rel, self._spans[rel], data) for rel, data in ready}
-        with self._lock:
-            self._ready.update(checked)
+        for rel, data in ready:
+            checked = self._checked(rel, self._spans[rel], data)
+            assert checked is not None  # raised otherwise
+            with self._lock:
+                self._ready[rel] = checked
 
     def _read_small_files(self) -> None:
         """Read ahead every file the read path reads whole (metadata, not leaves), in one
@@ -523,7 +564,13 @@ def open_url_storage(url: str, storage_options: dict[str, Any] | None) -> Storag
 
 
 def open_step_storage(
-    store: Store, url: str, record: CommitRecord, objects: Sequence[str], step: int
+    store: Store,
+    url: str,
+    record: CommitRecord,
+    objects: Sequence[str],
+    step: int,
+    *,
+    problems: list[VerifyProblem] | None = None,
 ) -> ObjectStorage:
     """A committed step of an object-storage root, for reading: the one call the step store
     makes. ``url`` names the step in every message; ``objects[i]`` is where the record's
@@ -532,6 +579,8 @@ def open_step_storage(
     the record gives and must match the record's manifest. One listing of each folder
     holding the step's objects first: an object gone or shorter than the record says is
     refused from its listed size, unread (a record is not trusted to size the reads).
+    With ``problems`` (verify, a download of every file): nothing is read ahead, and the
+    files of such objects are appended there instead of refused.
 
     Raises:
         IntegrityError: an object the step needs is gone or short ("step N is damaged").
@@ -554,6 +603,9 @@ def open_step_storage(
     storage = ObjectStorage(
         store, url, spans, inline={MANIFEST_NAME: manifest}, damaged=damaged, step=step
     )
+    if problems is not None:
+        problems += _listing_problems(record, objects, _list_objects(store, objects), files)
+        return storage
     # The listing and the metadata reads go out together (one round trip less per restore):
     # metadata reads are capped, so no record can make them large; no leaf is read before
     # the listing has vouched for every object's size.
@@ -565,7 +617,9 @@ def open_step_storage(
         except TdckptError as exc:
             read_error = exc
         listed = listing.result()
-    _check_listed(record, objects, listed, files, damaged, url, step)
+    found = _listing_problems(record, objects, listed, files)
+    if found:
+        raise storage.damage(found[0])
     if read_error is not None:
         raise read_error
     return storage
@@ -579,16 +633,14 @@ def _list_objects(store: Store, objects: Sequence[str]) -> dict[str, dict[str, A
     return listed
 
 
-def _check_listed(
+def _listing_problems(
     record: CommitRecord,
     objects: Sequence[str],
     listed: dict[str, dict[str, Any]],
     files: dict[str, FileRecord],
-    damaged: str,
-    url: str,
-    step: int,
-) -> None:
-    """Refuse the step if an object it needs is gone or shorter than the record says."""
+) -> list[VerifyProblem]:
+    """The files of objects that are gone or shorter than the record says."""
+    problems = []
     for index, obj in enumerate(record.objects):
         info = listed.get(objects[index])
         held = None if info is None else info.get("size")
@@ -605,13 +657,6 @@ def _check_listed(
                 found = f"object {obj.name} holds {held} bytes, the record says {obj.size}"
             else:
                 continue
-            problem = VerifyProblem(
-                path, _key(files[path]), kind, f"{files[path].size} bytes", found
-            )
-            raise IntegrityError(
-                f"{damaged}: {problem}; nothing was restored and the target is unchanged. "
-                "Restore another step (see steps()), or re-save this one.",
-                path=f"{url}/{path}",
-                step=step,
-                problems=[problem],
-            )
+            size = f"{files[path].size} bytes"
+            problems.append(VerifyProblem(path, _key(files[path]), kind, size, found))
+    return problems

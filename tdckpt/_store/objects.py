@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from tdckpt._manage import background as _background
 from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
+from tdckpt._read.object_storage import ObjectStorage, open_step_storage
 from tdckpt._remote import layout
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
 from tdckpt._remote.shared import Protected, protected, remove_attempt
@@ -47,7 +49,7 @@ from tdckpt.errors import (
     MetadataError,
     RemoteError,
 )
-from tdckpt.schema import FileRecord, StateRecord
+from tdckpt.schema import MANIFEST_NAME, FileRecord, StateRecord
 from tdckpt.warnings import TdckptWarning
 
 if TYPE_CHECKING:
@@ -492,20 +494,25 @@ class ObjectStepStore:
         leaves restored, every file checked as it arrives, messages naming the URL), or,
         with ``cache_dir``, its verified copy there (file-backed leaves). Either is private:
         ``writes`` needs nothing more."""
-        from tdckpt._read.object_storage import open_step_storage
-
-        prefix, commit = _prefix(record)
         if self.cache_dir is not None:
-            yield self._cached(record, prefix, commit)
+            yield self._cached(record, _prefix(record)[0])
             return
-        # an incremental step's record may name objects of earlier steps
-        objects = [commit.object_path(i) for i in range(len(commit.objects))]
-        yield open_step_storage(self.store, str(record.where), commit, objects, record.step)
+        yield self._storage(record)
 
-    def _cached(self, record: StepRecord, prefix: str, commit: layout.CommitRecord) -> Path:
-        """The step downloaded once into ``cache_dir`` (re-verified when reused)."""
+    def _storage(
+        self, record: StepRecord, problems: list[VerifyProblem] | None = None
+    ) -> ObjectStorage:
+        """The step read where it lies (see :func:`open_step_storage`); an incremental
+        step's record may name objects of earlier steps."""
+        commit = _prefix(record)[1]
+        objects = [commit.object_path(i) for i in range(len(commit.objects))]
+        where = str(record.where)
+        return open_step_storage(self.store, where, commit, objects, record.step, problems=problems)
+
+    def _cached(self, record: StepRecord, prefix: str) -> Path:
+        """The step downloaded once into ``cache_dir`` (re-verified when reused); a damaged
+        file is refused naming its URL."""
         from tdckpt._manage.verify import verify_files
-        from tdckpt._remote.transfer import download_step
 
         assert self.cache_dir is not None
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -516,7 +523,14 @@ class ObjectStepStore:
             shutil.rmtree(cached, ignore_errors=True)
         part = Path(tempfile.mkdtemp(prefix=f".{prefix}.part-", dir=self.cache_dir))
         try:
-            download_step(self.store, prefix, commit, part / "step", step=record.step)
+            problems: list[VerifyProblem] = []
+            storage = self._storage(record, problems)
+            if problems:
+                raise storage.damage(problems[0])
+            for rel, data in storage.stream(f.path for f in record.manifest.files):
+                (part / "step" / rel).parent.mkdir(parents=True, exist_ok=True)
+                (part / "step" / rel).write_bytes(data)
+            (part / "step" / MANIFEST_NAME).write_bytes(storage.read_bytes(MANIFEST_NAME))
             try:
                 (part / "step").rename(cached)
             except OSError:  # another restore cached it first
@@ -530,22 +544,37 @@ class ObjectStepStore:
         self, record: StepRecord, progress: Progress | None, *, shared: dict[Any, Any] | None = None
     ) -> VerifyReport:
         """Read every object of the step and compare each file with the manifest (sizes
-        and checksums), as it is read; nothing is written anywhere. ``shared``: an object
-        an earlier step of the same verification read is not read again."""
-        from tdckpt._remote.transfer import download_step
-
-        prefix, commit = _prefix(record)
+        and checksums), as it is read; nothing is written anywhere. An object gone or
+        short is reported from one listing, unread. ``shared``: object -> the checksum read
+        for the one file it holds; an object an earlier step of the same verification read
+        is not read again (its file is compared with that checksum). A store that fails, or
+        ``progress`` raising, stops the verification with that error."""
         report = VerifyReport(step=record.step, path=str(record.where))
-        report.bytes_checked = download_step(
-            self.store,
-            prefix,
-            commit,
-            None,  # checked as read, written nowhere
-            step=record.step,
-            progress=progress,
-            report=report,
-            seen=shared,
-        )
+        storage = self._storage(record, report.problems)
+        spans = {f.path: storage.span(f.path) for f in record.manifest.files}
+        files = Counter(s.obj for s in spans.values())
+        alone = {s.obj: rel for rel, s in spans.items() if files[s.obj] == 1}  # one file each
+        unread = {p.path for p in report.problems}
+        total = sum(s.size for s in spans.values())
+        for obj, rel in alone.items():
+            known = None if shared is None else shared.get(obj)
+            if known is None or rel in unread:
+                continue
+            unread.add(rel)  # read once already, for another step
+            report.files_checked += 1
+            report.shared_checked += 1
+            if known != spans[rel].checksum:
+                problem = VerifyProblem(rel, spans[rel].key, "changed", spans[rel].checksum, known)
+                report.problems.append(problem)
+        wanted = [rel for rel in spans if rel not in unread]
+        for rel, _ in storage.stream(wanted, report.problems.append):
+            span = spans[rel]
+            if shared is not None and alone.get(span.obj) == rel and span.checksum is not None:
+                shared[span.obj] = span.checksum
+            report.files_checked += 1
+            report.bytes_checked += span.size
+            if progress is not None:
+                progress(report.bytes_checked, total)
         return report
 
 
