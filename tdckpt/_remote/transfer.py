@@ -22,7 +22,6 @@ from tdckpt._remote.layout import (
     ObjectRecord,
 )
 from tdckpt._remote.store import STREAM_ABOVE, Store
-from tdckpt._write.checksum import new_hasher
 from tdckpt.errors import IntegrityError
 from tdckpt.schema import FileRecord
 
@@ -79,10 +78,7 @@ def upload_encoded(
             return  # an earlier step's object (an incremental save): nothing to upload
         parts: list[memoryview] = []
         for rel in members[index]:
-            h = new_hasher(algorithm)
-            for part in by_rel[rel].parts:
-                h.update(part)  # zlib / hashlib release the GIL: uploads hash in parallel
-            sums[rel] = f"{algorithm}:{h.hexdigest()}"
+            sums[rel] = by_rel[rel].checksum(algorithm)  # uploads hash in parallel
             parts += by_rel[rel].parts
         rel = f"{prefix}/{objects[index].name}"
         if objects[index].size > STREAM_ABOVE:

@@ -173,15 +173,10 @@ class ObjectStepStore:
                 "commit record; it was not read.",
                 path=where,
             )
-        else:
-            try:
-                # capped: the object may have grown since it was listed
-                data = self.store.cat_capped(name, layout.MAX_RECORD_BYTES, "commit record")
-                result = layout.parse_record(data, where, step)
-            except FileNotFoundError:
-                result = MetadataError(f"{where}: deleted while being read.", path=where)
-            except MetadataError as exc:
-                result = exc
+        else:  # read capped: the object may have grown since it was listed
+            read = self._read_record(name, step)
+            gone = MetadataError(f"{where}: deleted while being read.", path=where)
+            result = gone if read is None else read
         with self._state:
             self._records[name] = (signature, result)
         return result
@@ -467,18 +462,21 @@ class ObjectStepStore:
     def _named_now(self, step: int, name: str) -> bool:
         """Whether the record of ``step``, read again just before gc deletes ``name``,
         names it or cannot be read (a record committed since gc listed the root)."""
-        commit = layout.commit_name(step)
+        record = self._read_record(layout.commit_name(step), step)
+        if isinstance(record, layout.CommitRecord):
+            return layout.attempt_name(step, record.attempt) == name
+        return record is not None
+
+    def _read_record(self, name: str, step: int) -> layout.CommitRecord | MetadataError | None:
+        """The commit record ``name`` of ``step``, read capped; the error if it cannot be
+        read or parsed; None if there is none."""
         try:
-            data = self.store.cat_capped(commit, layout.MAX_RECORD_BYTES, "commit record")
+            data = self.store.cat_capped(name, layout.MAX_RECORD_BYTES, "commit record")
+            return layout.parse_record(data, self.store.show(name), step)
         except FileNotFoundError:
-            return False
-        except MetadataError:
-            return True
-        try:
-            record = layout.parse_record(data, self.store.show(commit), step)
-        except MetadataError:
-            return True
-        return layout.attempt_name(step, record.attempt) == name
+            return None
+        except MetadataError as exc:
+            return exc
 
     def shared_bytes(self) -> dict[int, int]:
         """Bytes of each step's files that lie in objects another committed record names."""

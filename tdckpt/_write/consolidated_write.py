@@ -26,11 +26,12 @@ from tdckpt._read.consolidated import DATA_NAME, ConsolidatedStorage, open_conso
 from tdckpt._write.checksum import CHUNK_BYTES, DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.save import (
     _writer_versions,
-    check_json_data,
+    check_save_options,
+    claim_dest,
     discard_written,
     write_manifest_last,
 )
-from tdckpt.errors import CheckpointExistsError, MetadataError, TdckptError, UnsupportedContentError
+from tdckpt.errors import TdckptError, UnsupportedContentError
 from tdckpt.schema import (
     FORMAT_VERSION,
     MANIFEST_SCHEMA_VERSION,
@@ -90,25 +91,10 @@ def write_consolidated(
         MetadataError: ``user_metadata`` is not plain JSON data.
         CheckpointExistsError: ``dest_dir`` exists and is not empty.
     """
-    new_hasher(checksum)  # refuse an unknown algorithm before anything else
-    metadata = {} if user_metadata is None else user_metadata
-    if type(metadata) is not dict:
-        raise MetadataError(
-            f"user metadata must be a dict of plain JSON data, got a {type(metadata).__name__}.",
-            path="metadata",
-        )
-    check_json_data(metadata)
+    metadata = check_save_options(user_metadata, checksum)
     check_consolidatable(obj, dest_dir)
     dest = Path(dest_dir)
-    created = not dest.exists()
-    if created:
-        dest.mkdir(parents=True)
-    elif not dest.is_dir() or any(dest.iterdir()):
-        raise CheckpointExistsError(
-            f"{dest}: exists and is not an empty directory; a checkpoint is written into a "
-            "new or empty directory. Choose another path or remove it.",
-            path=str(dest),
-        )
+    created = claim_dest(dest)
     data = dest / DATA_NAME
     try:
         _consolidate(obj, data)

@@ -68,6 +68,8 @@ __all__ = [
     "PreparedCheckpoint",
     "UnsupportedContentError",
     "check_json_data",
+    "check_save_options",
+    "claim_dest",
     "class_id",
     "discard_written",
     "new_hasher",
@@ -728,6 +730,44 @@ def prepare_checkpoint(obj: Any, where: str | os.PathLike[str]) -> PreparedCheck
     return PreparedCheckpoint(plan=plan, root_type=class_id(type(obj)))
 
 
+def check_save_options(user_metadata: dict[str, Any] | None, checksum: str) -> dict[str, Any]:
+    """The user metadata a save records (``{}`` for None), once ``checksum`` is an algorithm
+    tdckpt knows and the metadata a dict of plain JSON data: every writer checks both
+    before it writes anything.
+
+    Raises:
+        ValueError: an unknown checksum algorithm.
+        MetadataError: metadata that is not a dict of plain JSON data (naming the entry).
+    """
+    new_hasher(checksum)
+    metadata = {} if user_metadata is None else user_metadata
+    if type(metadata) is not dict:
+        raise MetadataError(
+            f"user metadata must be a dict of plain JSON data, got a {type(metadata).__name__}.",
+            path="metadata",
+        )
+    check_json_data(metadata)
+    return metadata
+
+
+def claim_dest(dest: Path) -> bool:
+    """Create the folder ``dest`` (True), or check it is an empty folder (False).
+
+    Raises:
+        CheckpointExistsError: ``dest`` exists and is not an empty directory.
+    """
+    if not dest.exists():
+        dest.mkdir(parents=True)
+        return True
+    if not dest.is_dir() or any(dest.iterdir()):
+        raise CheckpointExistsError(
+            f"{dest}: exists and is not an empty directory; a checkpoint is written into a "
+            "new or empty directory. Choose another path or remove it.",
+            path=str(dest),
+        )
+    return False
+
+
 def write_checkpoint(
     obj: Any,
     dest_dir: str | os.PathLike[str],
@@ -783,27 +823,11 @@ def write_checkpoint(
         ...     sorted(f.path for f in m.files)
         ['a.memmap', 'meta.json']
     """
-    new_hasher(checksum)  # refuse an unknown algorithm before anything else
-    metadata = {} if user_metadata is None else user_metadata
-    if type(metadata) is not dict:
-        raise MetadataError(
-            f"user metadata must be a dict of plain JSON data, got a {type(metadata).__name__}.",
-            path="metadata",
-        )
-    check_json_data(metadata)
+    metadata = check_save_options(user_metadata, checksum)
     dest = Path(dest_dir)
     prepared = obj if isinstance(obj, PreparedCheckpoint) else prepare_checkpoint(obj, dest)
     plan = prepared.plan
-
-    created = not dest.exists()
-    if created:
-        dest.mkdir(parents=True)
-    elif not dest.is_dir() or any(dest.iterdir()):
-        raise CheckpointExistsError(
-            f"{dest}: exists and is not an empty directory; a checkpoint is written into a "
-            "new or empty directory. Choose another path or remove it.",
-            path=str(dest),
-        )
+    created = claim_dest(dest)
     total = sum(map(_op_bytes, plan.ops)) if progress is not None else 0
     writer = _Writer(
         dest,
