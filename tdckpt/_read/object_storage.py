@@ -11,6 +11,8 @@ reads bytes by ranged, concurrent reads (fsspec ``cat_ranges``: concurrent on s3
 * :meth:`ObjectStorage.prefetch` reads exactly the leaves a restore kept (after ``keys=`` /
   ``exclude=`` pruned the tree): ranges of one object that lie close together are merged,
   long ones split, batches bounded in flight;
+* :meth:`ObjectStorage.stream` reads any files batch by batch, the next batch read ahead
+  (``verify`` and a ``cache_dir`` download read every file of a step through it);
 * every file whose size and checksum a manifest records is checked as it arrives (read once
   more on a mismatch: a glitch in transit is not damage at rest), before it is parsed,
   unpickled or used; a mismatch is an :class:`~tdckpt.errors.IntegrityError`.

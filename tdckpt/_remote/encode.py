@@ -19,13 +19,11 @@ from tdckpt._write.checksum import new_hasher
 from tdckpt._write.save import (
     _as_bytes,
     _pieces,
-    _writer_versions,
     check_save_options,
+    new_manifest,
     prepare_checkpoint,
 )
 from tdckpt.schema import (
-    FORMAT_VERSION,
-    MANIFEST_SCHEMA_VERSION,
     FileRecord,
     Manifest,
     StateRecord,
@@ -65,12 +63,8 @@ class Encoded:
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
 
     def manifest(self, checksums: dict[str, str]) -> Manifest:
-        return Manifest(
-            schema_version=MANIFEST_SCHEMA_VERSION,
-            format_version=FORMAT_VERSION,
-            created=self.created,
-            writer=_writer_versions(),
-            key_encoding="robust",
+        return new_manifest(
+            self.created,
             step=self.step,
             root_type=self.root_type,
             pickles=self.pickles,

@@ -13,8 +13,10 @@ period, and keeps every attempt of a step whose record it cannot read. Increment
 retention and gc delete only the objects of an attempt that no remaining record names.
 Exclusive writing: the root's lease (:class:`tdckpt._remote.lease.Lease`).
 
-Reading a committed step for a restore is :meth:`ObjectStepStore.open`, the one place a
-step's bytes come to this machine (today: downloaded and verified into a private folder).
+A step's bytes come to this machine only through
+:class:`~tdckpt._read.object_storage.ObjectStorage` (ranged reads, every file checked as it
+arrives): a restore reads it in place (:meth:`ObjectStepStore.open`), ``verify`` reads every
+file and reports each problem, and a ``cache_dir`` download writes the checked files there.
 """
 
 from __future__ import annotations

@@ -18,23 +18,20 @@ from __future__ import annotations
 
 import os
 import warnings
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from tdckpt._read.consolidated import DATA_NAME, ConsolidatedStorage, open_consolidated
 from tdckpt._write.checksum import CHUNK_BYTES, DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.save import (
-    _writer_versions,
     check_save_options,
     claim_dest,
     discard_written,
+    new_manifest,
     write_manifest_last,
 )
 from tdckpt.errors import TdckptError, UnsupportedContentError
 from tdckpt.schema import (
-    FORMAT_VERSION,
-    MANIFEST_SCHEMA_VERSION,
     ConsolidatedRecord,
     FileRecord,
     LeafChecksumRecord,
@@ -162,12 +159,7 @@ def _manifest(
             whole.update(chunk)
             offset += len(chunk)
         root_cls = storage.root_class()
-    return Manifest(
-        schema_version=MANIFEST_SCHEMA_VERSION,
-        format_version=FORMAT_VERSION,
-        created=datetime.now(timezone.utc).isoformat(),
-        writer=_writer_versions(),
-        key_encoding="robust",
+    return new_manifest(
         step=step,
         root_type=_ROOT_TYPES.get(root_cls, root_cls),
         files=[FileRecord(path=DATA_NAME, size=size, checksum=f"{algorithm}:{whole.hexdigest()}")],

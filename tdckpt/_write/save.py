@@ -73,6 +73,7 @@ __all__ = [
     "class_id",
     "discard_written",
     "new_hasher",
+    "new_manifest",
     "prepare_checkpoint",
     "write_checkpoint",
     "write_manifest_last",
@@ -683,6 +684,18 @@ def _writer_versions() -> WriterVersions:
     )
 
 
+def new_manifest(created: str | None = None, **fields: Any) -> Manifest:
+    """A manifest of this tdckpt's format with ``fields``, written now (or ``created``)."""
+    return Manifest(
+        schema_version=MANIFEST_SCHEMA_VERSION,
+        format_version=FORMAT_VERSION,
+        created=created or datetime.now(timezone.utc).isoformat(),
+        writer=_writer_versions(),
+        key_encoding="robust",
+        **fields,
+    )
+
+
 @dataclass(frozen=True)
 class PreparedCheckpoint:
     """An object checked and planned for :func:`write_checkpoint`, nothing written yet.
@@ -853,12 +866,7 @@ def write_checkpoint(
                 assert op.tensor is not None
                 writer.write_tensor(op.rel, op.tensor, op.key)
         writer.sync_dirs()
-        manifest = Manifest(
-            schema_version=MANIFEST_SCHEMA_VERSION,
-            format_version=FORMAT_VERSION,
-            created=datetime.now(timezone.utc).isoformat(),
-            writer=_writer_versions(),
-            key_encoding="robust",
+        manifest = new_manifest(
             step=step,
             root_type=prepared.root_type,
             pickles=plan.pickles,
