@@ -242,20 +242,16 @@ class ObjectStorage(Storage):
             ready = self._ready.pop(rel, None)
         if ready is not None:
             return ready
-        return self._fetch([rel])[rel]
+        return dict(self.stream([rel]))[rel]
 
     def prefetch(self, rels: Iterable[str]) -> None:
         """Read ``rels`` ahead (concurrent ranged reads, checked): what a restore maps next."""
         with self._lock:
             wanted = sorted({r for r in rels if r in self._spans and r not in self._ready})
         if wanted:
-            fetched = self._fetch(wanted)
+            fetched = dict(self.stream(wanted))
             with self._lock:
                 self._ready.update(fetched)
-
-    def _fetch(self, rels: Sequence[str]) -> dict[str, bytearray]:
-        """Read every file of ``rels`` by ranges, batch by batch; check each one."""
-        return dict(self.stream(rels))
 
     def stream(
         self, rels: Iterable[str], on_problem: Callable[[VerifyProblem], None] | None = None
