@@ -25,7 +25,8 @@ and the file, never a local path: there is none.
 Capabilities, not types: ``file_backed = False`` (no file to map, nothing shared),
 ``ranged_reads = True``, ``writable_in_place = False``.
 
-:func:`open_url_storage` opens a plain prefix (``tdckpt.load_memmap("s3://...")``);
+:func:`open_url_storage` opens a plain prefix (``tdckpt.load_memmap("s3://...")``;
+:func:`open_source` tells it from a local one);
 :func:`open_step_storage` is the one call the object-storage step store makes to open a
 committed step for reading.
 """
@@ -45,6 +46,7 @@ from tdckpt._keys import NESTED_SHAPE_SUFFIX
 from tdckpt._read import storage as _storage
 from tdckpt._read.expected import check_read
 from tdckpt._read.storage import MAX_JSON_BYTES, Listing, MapMode, Storage, check_component
+from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import ProblemKind, VerifyProblem
 from tdckpt._write.checksum import new_hasher
 from tdckpt.errors import (
@@ -60,7 +62,7 @@ if TYPE_CHECKING:
     from tdckpt._remote.layout import CommitRecord
     from tdckpt._remote.store import Store
 
-__all__ = ["ObjectStorage", "Span", "open_step_storage", "open_url_storage"]
+__all__ = ["ObjectStorage", "Span", "open_source", "open_step_storage", "open_url_storage"]
 
 #: Bytes per ranged read, and bytes in flight per batch of ranged reads.
 RANGE_BYTES = 16 << 20
@@ -559,6 +561,17 @@ def open_url_storage(url: str, storage_options: dict[str, Any] | None) -> Storag
                     )
             storage._check_ready()  # what was read ahead, against the manifest now known
     return storage
+
+
+def open_source(
+    prefix: str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> str | os.PathLike[str] | Storage:
+    """What the read path opens for ``prefix``: a URL's object storage
+    (:func:`open_url_storage`), or the local prefix itself (refusing ``storage_options``)."""
+    if is_url(prefix):
+        return open_url_storage(str(prefix), storage_options)
+    require_local_options(prefix, storage_options)
+    return prefix
 
 
 def open_step_storage(
