@@ -333,8 +333,9 @@ class ObjectStorage(Storage):
                 path=self.location,
                 step=self._step,
             ) from exc
-        self.ranges_fetched += len(pieces)
-        self.bytes_fetched += sum(len(g) for g in got)
+        with self._lock:  # a batch read ahead on another thread counts too
+            self.ranges_fetched += len(pieces)
+            self.bytes_fetched += sum(len(g) for g in got)
         out, i = [], 0
         for n in counts:
             out.append(got[i : i + n])
