@@ -11,8 +11,8 @@ reads bytes by ranged, concurrent reads (fsspec ``cat_ranges``: concurrent on s3
 * :meth:`ObjectStorage.prefetch` reads exactly the leaves a restore kept (after ``keys=`` /
   ``exclude=`` pruned the tree): ranges of one object that lie close together are merged,
   long ones split, batches bounded in flight;
-* :meth:`ObjectStorage.stream` reads any files batch by batch, the next batch read ahead
-  (``verify`` and a ``cache_dir`` download read every file of a step through it);
+* :meth:`ObjectStorage.stream` reads any files batch by batch (``verify`` and a
+  ``cache_dir`` download read every file of a step through it, the next batch read ahead);
 * every file whose size and checksum a manifest records is checked as it arrives (read once
   more on a mismatch: a glitch in transit is not damage at rest), before it is parsed,
   unpickled or used; a mismatch is an :class:`~tdckpt.errors.IntegrityError`.
@@ -256,15 +256,20 @@ class ObjectStorage(Storage):
                 self._ready.update(fetched)
 
     def stream(
-        self, rels: Iterable[str], on_problem: Callable[[VerifyProblem], None] | None = None
+        self,
+        rels: Iterable[str],
+        on_problem: Callable[[VerifyProblem], None] | None = None,
+        *,
+        read_ahead: bool = False,
     ) -> Iterator[tuple[str, bytearray]]:
-        """Each file of ``rels`` with its checked bytes, batch by batch (the next batch
-        downloading while this one is used). A file that does not match its span raises
-        :class:`~tdckpt.errors.IntegrityError`, or with ``on_problem`` is given to it and
-        skipped (``verify`` reports every problem)."""
+        """Each file of ``rels`` with its checked bytes, batch by batch (with ``read_ahead``,
+        the next batch downloading while the caller uses this one). A file that does not
+        match its span raises :class:`~tdckpt.errors.IntegrityError`, or with ``on_problem``
+        is given to it and skipped (``verify`` reports every problem)."""
         batches = _batches(self._runs(list(rels)))
         ranges = [[(obj, start, end) for obj, start, end, _ in batch] for batch in batches]
-        for batch, chunks in zip(batches, self._read_ahead(ranges), strict=True):
+        chunked = self._read_ahead(ranges) if read_ahead else map(self._read_ranges, ranges)
+        for batch, chunks in zip(batches, chunked, strict=True):
             for (_, start, _end, files), pieces in zip(batch, chunks, strict=True):
                 for rel in files:
                     span = self._spans[rel]
@@ -276,8 +281,7 @@ class ObjectStorage(Storage):
     def _read_ahead(self, batches: list[list[tuple[str, int, int]]]) -> Iterator[list[list[bytes]]]:
         """:meth:`_read_ranges` of each batch in turn, the next one read while the caller
         uses this one."""
-        if len(batches) <= 1:
-            yield from map(self._read_ranges, batches)
+        if not batches:
             return
         with ThreadPoolExecutor(1, "tdckpt-prefetch") as pool:
             pending = pool.submit(self._read_ranges, batches[0])

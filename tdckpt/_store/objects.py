@@ -527,7 +527,8 @@ class ObjectStepStore:
             storage = self._storage(record, problems)
             if problems:
                 raise storage.damage(problems[0])
-            for rel, data in storage.stream(f.path for f in record.manifest.files):
+            everything = (f.path for f in record.manifest.files)
+            for rel, data in storage.stream(everything, read_ahead=True):
                 (part / "step" / rel).parent.mkdir(parents=True, exist_ok=True)
                 (part / "step" / rel).write_bytes(data)
             (part / "step" / MANIFEST_NAME).write_bytes(storage.read_bytes(MANIFEST_NAME))
@@ -567,7 +568,7 @@ class ObjectStepStore:
                 problem = VerifyProblem(rel, spans[rel].key, "changed", spans[rel].checksum, known)
                 report.problems.append(problem)
         wanted = [rel for rel in spans if rel not in unread]
-        for rel, _ in storage.stream(wanted, report.problems.append):
+        for rel, _ in storage.stream(wanted, report.problems.append, read_ahead=True):
             span = spans[rel]
             if shared is not None and alone.get(span.obj) == rel and span.checksum is not None:
                 shared[span.obj] = span.checksum
