@@ -244,14 +244,14 @@ class ObjectStorage(Storage):
             ready = self._ready.pop(rel, None)
         if ready is not None:
             return ready
-        return dict(self.stream([rel]))[rel]
+        return _join(dict(self.stream([rel]))[rel])
 
     def prefetch(self, rels: Iterable[str]) -> None:
         """Read ``rels`` ahead (concurrent ranged reads, checked): what a restore maps next."""
         with self._lock:
             wanted = sorted({r for r in rels if r in self._spans and r not in self._ready})
         if wanted:
-            fetched = dict(self.stream(wanted))
+            fetched = {rel: _join(views) for rel, views in self.stream(wanted)}
             with self._lock:
                 self._ready.update(fetched)
 
@@ -261,8 +261,9 @@ class ObjectStorage(Storage):
         on_problem: Callable[[VerifyProblem], None] | None = None,
         *,
         read_ahead: bool = False,
-    ) -> Iterator[tuple[str, bytearray]]:
-        """Each file of ``rels`` with its checked bytes, batch by batch (with ``read_ahead``,
+    ) -> Iterator[tuple[str, list[memoryview]]]:
+        """Each file of ``rels`` with its checked bytes (views into what was read, no copy),
+        batch by batch (with ``read_ahead``,
         the next batch downloading while the caller uses this one). A file that does not
         match its span raises :class:`~tdckpt.errors.IntegrityError`, or with ``on_problem``
         is given to it and skipped (``verify`` reports every problem)."""
@@ -273,8 +274,8 @@ class ObjectStorage(Storage):
             for (_, start, _end, files), pieces in zip(batch, chunks, strict=True):
                 for rel in files:
                     span = self._spans[rel]
-                    data = _assemble(pieces, span.offset - start, span.size)
-                    checked = self._checked(rel, span, data, on_problem)
+                    views = _views(pieces, span.offset - start, span.size)
+                    checked = self._checked(rel, span, views, on_problem)
                     if checked is not None:
                         yield rel, checked
 
@@ -319,7 +320,7 @@ class ObjectStorage(Storage):
 
     def _read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[list[bytes]]:
         """``cat_ranges`` of ``ranges``, a large range as RANGE_BYTES pieces issued together:
-        the pieces of each range, in order (joined by :func:`_assemble`, one copy per file)."""
+        the pieces of each range, in order (joined by :func:`_join`, one copy per file)."""
         pieces: list[tuple[str, int, int]] = []
         counts: list[int] = []
         for obj, start, end in ranges:
@@ -350,19 +351,19 @@ class ObjectStorage(Storage):
         self,
         rel: str,
         span: Span,
-        data: bytearray,
+        views: list[memoryview],
         on_problem: Callable[[VerifyProblem], None] | None = None,
-    ) -> bytearray | None:
-        """``data`` if it is ``rel``'s recorded size and checksum (read again once if not);
-        else the problem raised, or given to ``on_problem`` (then None)."""
-        problem = _problem(rel, span, data)
+    ) -> list[memoryview] | None:
+        """``views`` if they hold ``rel``'s recorded size and checksum (else the bytes read
+        again once, if they do); else the problem raised, or given to ``on_problem``."""
+        problem = _problem(rel, span, views)
         if problem is not None and problem.kind == "changed":
             # a checksum mismatch: read once more (a glitch in transit is not damage at rest)
             (again,) = self._read_ranges([(span.obj, span.offset, span.offset + span.size)])
-            data = _assemble(again, 0, span.size)
-            problem = _problem(rel, span, data)
+            views = _views(again, 0, span.size)
+            problem = _problem(rel, span, views)
         if problem is None:
-            return data
+            return views
         if on_problem is None:
             raise self.damage(problem)
         on_problem(problem)
@@ -389,10 +390,11 @@ class ObjectStorage(Storage):
         with self._lock:
             ready = list(self._ready.items())
         for rel, data in ready:
-            checked = self._checked(rel, self._spans[rel], data)
-            assert checked is not None  # raised otherwise
-            with self._lock:
-                self._ready[rel] = checked
+            views = [memoryview(data)]
+            checked = self._checked(rel, self._spans[rel], views)
+            if checked is not views and checked is not None:  # read again: the new bytes
+                with self._lock:
+                    self._ready[rel] = _join(checked)
 
     def _read_small_files(self) -> None:
         """Read ahead every file the read path reads whole (metadata, not leaves), in one
@@ -413,31 +415,36 @@ class ObjectStorage(Storage):
         self.prefetch(small)
 
 
-def _assemble(pieces: list[bytes], lo: int, size: int) -> bytearray:
-    """Bytes ``lo`` to ``lo + size`` of the concatenated ``pieces``, copied once into a new
-    buffer (shorter where the pieces end first: the object was short)."""
-    total = sum(len(p) for p in pieces)
-    out = bytearray(max(0, min(lo + size, total) - lo))
-    pos = 0
+def _views(pieces: list[bytes], lo: int, size: int) -> list[memoryview]:
+    """Bytes ``lo`` to ``lo + size`` of the concatenated ``pieces``, as views (fewer bytes
+    where the pieces end first: the object was short)."""
+    out, pos = [], 0
     for piece in pieces:
         a, b = max(lo, pos), min(lo + size, pos + len(piece))
         if a < b:
-            out[a - lo : b - lo] = memoryview(piece)[a - pos : b - pos]
+            out.append(memoryview(piece)[a - pos : b - pos])
         pos += len(piece)
     return out
 
 
-def _problem(rel: str, span: Span, data: bytearray) -> VerifyProblem | None:
-    """What is wrong with ``data``, read as ``rel``, or None if it is what ``span`` records."""
+def _join(views: list[memoryview]) -> bytearray:
+    """The bytes of ``views`` copied once into one private, writable buffer."""
+    return bytearray().join(views)
+
+
+def _problem(rel: str, span: Span, views: list[memoryview]) -> VerifyProblem | None:
+    """What is wrong with ``views``, read as ``rel``, or None if it is what ``span`` records."""
     kind: ProblemKind
-    if len(data) != span.size:
-        kind = "short" if len(data) < span.size else "long"
-        return VerifyProblem(rel, span.key, kind, f"{span.size} bytes", f"{len(data)} bytes")
+    size = sum(len(v) for v in views)
+    if size != span.size:
+        kind = "short" if size < span.size else "long"
+        return VerifyProblem(rel, span.key, kind, f"{span.size} bytes", f"{size} bytes")
     if span.checksum is None:
         return None
     algorithm, _, digest = span.checksum.partition(":")
     hasher = new_hasher(algorithm)
-    hasher.update(data)
+    for view in views:
+        hasher.update(view)
     found = hasher.hexdigest()
     if found == digest:
         return None
