@@ -13,11 +13,12 @@ import pytest
 import torch
 
 pytest.importorskip("fsspec")
-from _remote_fixtures import Remote, _timeout, moto_s3, remote  # noqa: F401
+from _remote_fixtures import Remote, _timeout, moto_s3, remote, s3_remote  # noqa: F401
 
 from tdckpt import CheckpointManager
 from tdckpt._read import object_storage
-from tdckpt.errors import IntegrityError
+from tdckpt._remote import store as _store
+from tdckpt.errors import IntegrityError, RemoteError
 
 tensordict = pytest.importorskip("tensordict")
 TensorDict = tensordict.TensorDict
@@ -143,3 +144,25 @@ def test_verify_stops_on_a_failure_while_reading(
         with pytest.raises(RuntimeError, match="stopped by the caller"):
             mgr.verify(2, progress=stop)
         assert mgr.verify(2).ok
+
+
+def test_verify_stops_on_a_failing_store(
+    s3_remote: Remote, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every ranged read of the step fails (a 500 each time): verify raises the store's
+    error instead of reporting the step damaged; the step verifies once the store is back."""
+    s3 = s3_remote.s3
+    assert s3 is not None
+    monkeypatch.setattr(_store, "BACKOFF_S", 0.001)
+    monkeypatch.setattr("s3fs.S3FileSystem.retries", 1)
+    options = {
+        **(s3_remote.storage_options or {}),
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    with CheckpointManager(s3_remote.url, storage_options=options) as mgr:
+        mgr.save(1, _td())
+        s3.failing = lambda method, path: method == "GET" and ".attempt-" in path
+        with pytest.raises(RemoteError, match="ranged read"):
+            mgr.verify(1)
+        s3.failing = None
+        assert mgr.verify(1).ok
