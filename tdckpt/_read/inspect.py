@@ -21,10 +21,10 @@ from tdckpt._read.nodes import (
     TensorDictNode,
     pickled_nodes,
 )
+from tdckpt._read.object_storage import open_source
 from tdckpt._read.pipeline import open_checkpoint
 from tdckpt._read.state_structure import state_problems
-from tdckpt._read.storage import Storage
-from tdckpt._remote.urls import is_url, require_local_options
+from tdckpt._remote.urls import is_url
 from tdckpt._report import Inspection, NodeInfo, Problem, ValidationReport
 from tdckpt.errors import TdckptError
 from tdckpt.schema import FORMAT_VERSION
@@ -62,7 +62,7 @@ def validate(
         True
     """
     try:
-        opened = open_checkpoint(_source(prefix, storage_options), robust_key=robust_key)
+        opened = open_checkpoint(open_source(prefix, storage_options), robust_key=robust_key)
     except TdckptError as exc:
         if is_url(prefix):
             return ValidationReport(
@@ -96,19 +96,6 @@ def validate(
         )
     finally:
         opened.close()
-
-
-def _source(
-    prefix: str | os.PathLike[str], storage_options: dict[str, Any] | None
-) -> str | os.PathLike[str] | Storage:
-    """What :func:`open_checkpoint` reads: the local prefix, or a URL's object storage
-    (metadata read at once; no leaf byte is fetched by validate or inspect)."""
-    if is_url(prefix):
-        from tdckpt._read.object_storage import open_url_storage
-
-        return open_url_storage(str(prefix), storage_options)
-    require_local_options(prefix, storage_options)
-    return prefix
 
 
 def _rel_path(exc: TdckptError, prefix: str | os.PathLike[str]) -> str:
@@ -151,7 +138,7 @@ def inspect(
     ``prefix`` may be an fsspec URL (with ``storage_options``): only its metadata objects
     are fetched.
     """
-    opened = open_checkpoint(_source(prefix, storage_options), robust_key=robust_key)
+    opened = open_checkpoint(open_source(prefix, storage_options), robust_key=robust_key)
     try:
         root = (
             _info(opened.root, ())

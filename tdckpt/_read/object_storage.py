@@ -11,6 +11,8 @@ reads bytes by ranged, concurrent reads (fsspec ``cat_ranges``: concurrent on s3
 * :meth:`ObjectStorage.prefetch` reads exactly the leaves a restore kept (after ``keys=`` /
   ``exclude=`` pruned the tree): ranges of one object that lie close together are merged,
   long ones split, batches bounded in flight;
+* :meth:`ObjectStorage.stream` reads any files batch by batch (``verify`` and a
+  ``cache_dir`` download read every file of a step through it, the next batch read ahead);
 * every file whose size and checksum a manifest records is checked as it arrives (read once
   more on a mismatch: a glitch in transit is not damage at rest), before it is parsed,
   unpickled or used; a mismatch is an :class:`~tdckpt.errors.IntegrityError`.
@@ -23,7 +25,8 @@ and the file, never a local path: there is none.
 Capabilities, not types: ``file_backed = False`` (no file to map, nothing shared),
 ``ranged_reads = True``, ``writable_in_place = False``.
 
-:func:`open_url_storage` opens a plain prefix (``tdckpt.load_memmap("s3://...")``);
+:func:`open_url_storage` opens a plain prefix (``tdckpt.load_memmap("s3://...")``;
+:func:`open_source` tells it from a local one);
 :func:`open_step_storage` is the one call the object-storage step store makes to open a
 committed step for reading.
 """
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,6 +46,7 @@ from tdckpt._keys import NESTED_SHAPE_SUFFIX
 from tdckpt._read import storage as _storage
 from tdckpt._read.expected import check_read
 from tdckpt._read.storage import MAX_JSON_BYTES, Listing, MapMode, Storage, check_component
+from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import ProblemKind, VerifyProblem
 from tdckpt._write.checksum import new_hasher
 from tdckpt.errors import (
@@ -58,7 +62,7 @@ if TYPE_CHECKING:
     from tdckpt._remote.layout import CommitRecord
     from tdckpt._remote.store import Store
 
-__all__ = ["ObjectStorage", "Span", "open_step_storage", "open_url_storage"]
+__all__ = ["ObjectStorage", "Span", "open_source", "open_step_storage", "open_url_storage"]
 
 #: Bytes per ranged read, and bytes in flight per batch of ranged reads.
 RANGE_BYTES = 16 << 20
@@ -185,7 +189,7 @@ class ObjectStorage(Storage):
     def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
         if rel in self._inline:
             return self._inline[rel]
-        span = self._span(rel)
+        span = self.span(rel)
         # the caller's cap; a JSON file's is the module's now (tests lower it), as opening
         # read ahead only the JSON files under it
         cap = min(max_bytes, _storage.MAX_JSON_BYTES) if rel.endswith(".json") else max_bytes
@@ -210,7 +214,7 @@ class ObjectStorage(Storage):
             )
         if numel == 0:
             return torch.empty(0, dtype=dtype)
-        span = self._span(rel)
+        span = self.span(rel)
         need = numel * dtype.itemsize
         if span.size < need:
             raise MetadataError(
@@ -226,7 +230,8 @@ class ObjectStorage(Storage):
             self._ready.clear()
 
     # -- reading ---------------------------------------------------------------------
-    def _span(self, rel: str) -> Span:
+    def span(self, rel: str) -> Span:
+        """Where ``rel`` lies and what it must hash to."""
         span = self._spans.get(rel)
         if span is None:
             raise CheckpointNotFoundError(
@@ -239,28 +244,53 @@ class ObjectStorage(Storage):
             ready = self._ready.pop(rel, None)
         if ready is not None:
             return ready
-        return self._fetch([rel])[rel]
+        return _join(dict(self.stream([rel]))[rel])
 
     def prefetch(self, rels: Iterable[str]) -> None:
         """Read ``rels`` ahead (concurrent ranged reads, checked): what a restore maps next."""
         with self._lock:
             wanted = sorted({r for r in rels if r in self._spans and r not in self._ready})
         if wanted:
-            fetched = self._fetch(wanted)
+            fetched = {rel: _join(views) for rel, views in self.stream(wanted)}
             with self._lock:
                 self._ready.update(fetched)
 
-    def _fetch(self, rels: Sequence[str]) -> dict[str, bytearray]:
-        """Read every file of ``rels`` by ranges, batch by batch; check each one."""
-        out: dict[str, bytearray] = {}
-        for batch in _batches(self._runs(rels)):
-            chunks = self._read_ranges([(obj, start, end) for obj, start, end, _ in batch])
+    def stream(
+        self,
+        rels: Iterable[str],
+        on_problem: Callable[[VerifyProblem], None] | None = None,
+        *,
+        read_ahead: bool = False,
+    ) -> Iterator[tuple[str, list[memoryview]]]:
+        """Each file of ``rels`` with its checked bytes (views into what was read, no copy),
+        batch by batch (with ``read_ahead``,
+        the next batch downloading while the caller uses this one). A file that does not
+        match its span raises :class:`~tdckpt.errors.IntegrityError`, or with ``on_problem``
+        is given to it and skipped (``verify`` reports every problem)."""
+        batches = _batches(self._runs(list(rels)))
+        ranges = [[(obj, start, end) for obj, start, end, _ in batch] for batch in batches]
+        chunked = self._read_ahead(ranges) if read_ahead else map(self._read_ranges, ranges)
+        for batch, chunks in zip(batches, chunked, strict=True):
             for (_, start, _end, files), pieces in zip(batch, chunks, strict=True):
                 for rel in files:
                     span = self._spans[rel]
-                    data = _assemble(pieces, span.offset - start, span.size)
-                    out[rel] = self._checked(rel, span, data)
-        return out
+                    views = _views(pieces, span.offset - start, span.size)
+                    checked = self._checked(rel, span, views, on_problem)
+                    if checked is not None:
+                        yield rel, checked
+
+    def _read_ahead(self, batches: list[list[tuple[str, int, int]]]) -> Iterator[list[list[bytes]]]:
+        """:meth:`_read_ranges` of each batch in turn, the next one read while the caller
+        uses this one."""
+        if not batches:
+            return
+        with ThreadPoolExecutor(1, "tdckpt-prefetch") as pool:
+            pending = pool.submit(self._read_ranges, batches[0])
+            for following in [*batches[1:], None]:
+                chunks = pending.result()
+                if following is not None:
+                    pending = pool.submit(self._read_ranges, following)
+                yield chunks
 
     def _runs(self, rels: Sequence[str]) -> list[tuple[str, int, int, list[str]]]:
         """Ranges to read: (object, start, end, files wholly inside), merged and split."""
@@ -290,7 +320,7 @@ class ObjectStorage(Storage):
 
     def _read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[list[bytes]]:
         """``cat_ranges`` of ``ranges``, a large range as RANGE_BYTES pieces issued together:
-        the pieces of each range, in order (joined by :func:`_assemble`, one copy per file)."""
+        the pieces of each range, in order (joined by :func:`_join`, one copy per file)."""
         pieces: list[tuple[str, int, int]] = []
         counts: list[int] = []
         for obj, start, end in ranges:
@@ -308,28 +338,43 @@ class ObjectStorage(Storage):
                 path=self.location,
                 step=self._step,
             ) from exc
-        self.ranges_fetched += len(pieces)
-        self.bytes_fetched += sum(len(g) for g in got)
+        with self._lock:  # a batch read ahead on another thread counts too
+            self.ranges_fetched += len(pieces)
+            self.bytes_fetched += sum(len(g) for g in got)
         out, i = [], 0
         for n in counts:
             out.append(got[i : i + n])
             i += n
         return out
 
-    def _checked(self, rel: str, span: Span, data: bytearray) -> bytearray:
-        """``data`` if it is ``rel``'s recorded size and checksum (read again once if not)."""
-        problem = _problem(rel, span, data)
+    def _checked(
+        self,
+        rel: str,
+        span: Span,
+        views: list[memoryview],
+        on_problem: Callable[[VerifyProblem], None] | None = None,
+    ) -> list[memoryview] | None:
+        """``views`` if they hold ``rel``'s recorded size and checksum (else the bytes read
+        again once, if they do); else the problem raised, or given to ``on_problem``."""
+        problem = _problem(rel, span, views)
         if problem is not None and problem.kind == "changed":
             # a checksum mismatch: read once more (a glitch in transit is not damage at rest)
             (again,) = self._read_ranges([(span.obj, span.offset, span.offset + span.size)])
-            data = _assemble(again, 0, span.size)
-            problem = _problem(rel, span, data)
+            views = _views(again, 0, span.size)
+            problem = _problem(rel, span, views)
         if problem is None:
-            return data
-        raise IntegrityError(
+            return views
+        if on_problem is None:
+            raise self.damage(problem)
+        on_problem(problem)
+        return None
+
+    def damage(self, problem: VerifyProblem) -> IntegrityError:
+        """The error refusing the checkpoint for ``problem`` (naming the file's URL)."""
+        return IntegrityError(
             f"{self._damaged}: {problem}; nothing was restored and the target is unchanged. "
             "Restore another step (see steps()), or re-save this one.",
-            path=self.display(rel),
+            path=self.display(problem.path),
             step=self._step,
             problems=[problem],
         )
@@ -344,9 +389,12 @@ class ObjectStorage(Storage):
         checksums are known only once its manifest, read in the same batch, is parsed)."""
         with self._lock:
             ready = list(self._ready.items())
-        checked = {rel: self._checked(rel, self._spans[rel], data) for rel, data in ready}
-        with self._lock:
-            self._ready.update(checked)
+        for rel, data in ready:
+            views = [memoryview(data)]
+            checked = self._checked(rel, self._spans[rel], views)
+            if checked is not views and checked is not None:  # read again: the new bytes
+                with self._lock:
+                    self._ready[rel] = _join(checked)
 
     def _read_small_files(self) -> None:
         """Read ahead every file the read path reads whole (metadata, not leaves), in one
@@ -367,31 +415,36 @@ class ObjectStorage(Storage):
         self.prefetch(small)
 
 
-def _assemble(pieces: list[bytes], lo: int, size: int) -> bytearray:
-    """Bytes ``lo`` to ``lo + size`` of the concatenated ``pieces``, copied once into a new
-    buffer (shorter where the pieces end first: the object was short)."""
-    total = sum(len(p) for p in pieces)
-    out = bytearray(max(0, min(lo + size, total) - lo))
-    pos = 0
+def _views(pieces: list[bytes], lo: int, size: int) -> list[memoryview]:
+    """Bytes ``lo`` to ``lo + size`` of the concatenated ``pieces``, as views (fewer bytes
+    where the pieces end first: the object was short)."""
+    out, pos = [], 0
     for piece in pieces:
         a, b = max(lo, pos), min(lo + size, pos + len(piece))
         if a < b:
-            out[a - lo : b - lo] = memoryview(piece)[a - pos : b - pos]
+            out.append(memoryview(piece)[a - pos : b - pos])
         pos += len(piece)
     return out
 
 
-def _problem(rel: str, span: Span, data: bytearray) -> VerifyProblem | None:
-    """What is wrong with ``data``, read as ``rel``, or None if it is what ``span`` records."""
+def _join(views: list[memoryview]) -> bytearray:
+    """The bytes of ``views`` copied once into one private, writable buffer."""
+    return bytearray().join(views)
+
+
+def _problem(rel: str, span: Span, views: list[memoryview]) -> VerifyProblem | None:
+    """What is wrong with ``views``, read as ``rel``, or None if it is what ``span`` records."""
     kind: ProblemKind
-    if len(data) != span.size:
-        kind = "short" if len(data) < span.size else "long"
-        return VerifyProblem(rel, span.key, kind, f"{span.size} bytes", f"{len(data)} bytes")
+    size = sum(len(v) for v in views)
+    if size != span.size:
+        kind = "short" if size < span.size else "long"
+        return VerifyProblem(rel, span.key, kind, f"{span.size} bytes", f"{size} bytes")
     if span.checksum is None:
         return None
     algorithm, _, digest = span.checksum.partition(":")
     hasher = new_hasher(algorithm)
-    hasher.update(data)
+    for view in views:
+        hasher.update(view)
     found = hasher.hexdigest()
     if found == digest:
         return None
@@ -522,8 +575,25 @@ def open_url_storage(url: str, storage_options: dict[str, Any] | None) -> Storag
     return storage
 
 
+def open_source(
+    prefix: str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> str | os.PathLike[str] | Storage:
+    """What the read path opens for ``prefix``: a URL's object storage
+    (:func:`open_url_storage`), or the local prefix itself (refusing ``storage_options``)."""
+    if is_url(prefix):
+        return open_url_storage(str(prefix), storage_options)
+    require_local_options(prefix, storage_options)
+    return prefix
+
+
 def open_step_storage(
-    store: Store, url: str, record: CommitRecord, objects: Sequence[str], step: int
+    store: Store,
+    url: str,
+    record: CommitRecord,
+    objects: Sequence[str],
+    step: int,
+    *,
+    problems: list[VerifyProblem] | None = None,
 ) -> ObjectStorage:
     """A committed step of an object-storage root, for reading: the one call the step store
     makes. ``url`` names the step in every message; ``objects[i]`` is where the record's
@@ -532,6 +602,8 @@ def open_step_storage(
     the record gives and must match the record's manifest. One listing of each folder
     holding the step's objects first: an object gone or shorter than the record says is
     refused from its listed size, unread (a record is not trusted to size the reads).
+    With ``problems`` (verify, a download of every file): nothing is read ahead, and the
+    files of such objects are appended there instead of refused.
 
     Raises:
         IntegrityError: an object the step needs is gone or short ("step N is damaged").
@@ -554,6 +626,9 @@ def open_step_storage(
     storage = ObjectStorage(
         store, url, spans, inline={MANIFEST_NAME: manifest}, damaged=damaged, step=step
     )
+    if problems is not None:
+        problems += _listing_problems(record, objects, _list_objects(store, objects), files)
+        return storage
     # The listing and the metadata reads go out together (one round trip less per restore):
     # metadata reads are capped, so no record can make them large; no leaf is read before
     # the listing has vouched for every object's size.
@@ -565,7 +640,9 @@ def open_step_storage(
         except TdckptError as exc:
             read_error = exc
         listed = listing.result()
-    _check_listed(record, objects, listed, files, damaged, url, step)
+    found = _listing_problems(record, objects, listed, files)
+    if found:
+        raise storage.damage(found[0])
     if read_error is not None:
         raise read_error
     return storage
@@ -579,16 +656,14 @@ def _list_objects(store: Store, objects: Sequence[str]) -> dict[str, dict[str, A
     return listed
 
 
-def _check_listed(
+def _listing_problems(
     record: CommitRecord,
     objects: Sequence[str],
     listed: dict[str, dict[str, Any]],
     files: dict[str, FileRecord],
-    damaged: str,
-    url: str,
-    step: int,
-) -> None:
-    """Refuse the step if an object it needs is gone or shorter than the record says."""
+) -> list[VerifyProblem]:
+    """The files of objects that are gone or shorter than the record says."""
+    problems = []
     for index, obj in enumerate(record.objects):
         info = listed.get(objects[index])
         held = None if info is None else info.get("size")
@@ -605,13 +680,6 @@ def _check_listed(
                 found = f"object {obj.name} holds {held} bytes, the record says {obj.size}"
             else:
                 continue
-            problem = VerifyProblem(
-                path, _key(files[path]), kind, f"{files[path].size} bytes", found
-            )
-            raise IntegrityError(
-                f"{damaged}: {problem}; nothing was restored and the target is unchanged. "
-                "Restore another step (see steps()), or re-save this one.",
-                path=f"{url}/{path}",
-                step=step,
-                problems=[problem],
-            )
+            size = f"{files[path].size} bytes"
+            problems.append(VerifyProblem(path, _key(files[path]), kind, size, found))
+    return problems

@@ -11,7 +11,6 @@ writer reads them once while writing.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -20,14 +19,11 @@ from tdckpt._write.checksum import new_hasher
 from tdckpt._write.save import (
     _as_bytes,
     _pieces,
-    _writer_versions,
-    check_json_data,
+    check_save_options,
+    new_manifest,
     prepare_checkpoint,
 )
-from tdckpt.errors import MetadataError
 from tdckpt.schema import (
-    FORMAT_VERSION,
-    MANIFEST_SCHEMA_VERSION,
     FileRecord,
     Manifest,
     StateRecord,
@@ -42,6 +38,16 @@ class EncodedFile:
     key: tuple[str, ...] | None
     parts: list[memoryview]
     size: int
+    _sums: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def checksum(self, algorithm: str) -> str:
+        """``"<algorithm>:<hex digest>"`` of the file's bytes (computed once)."""
+        if algorithm not in self._sums:
+            h = new_hasher(algorithm)
+            for part in self.parts:
+                h.update(part)  # zlib / hashlib release the GIL: files hash in parallel
+            self._sums[algorithm] = f"{algorithm}:{h.hexdigest()}"
+        return self._sums[algorithm]
 
 
 @dataclass
@@ -57,12 +63,8 @@ class Encoded:
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
 
     def manifest(self, checksums: dict[str, str]) -> Manifest:
-        return Manifest(
-            schema_version=MANIFEST_SCHEMA_VERSION,
-            format_version=FORMAT_VERSION,
-            created=self.created,
-            writer=_writer_versions(),
-            key_encoding="robust",
+        return new_manifest(
+            self.created,
             step=self.step,
             root_type=self.root_type,
             pickles=self.pickles,
@@ -93,15 +95,7 @@ def encode_checkpoint(
     state: StateRecord | None = None,
 ) -> Encoded:
     """Plan ``obj`` as a step (the local writer's checks and refusals, naming ``where``)."""
-    new_hasher(checksum)
-    metadata = {} if user_metadata is None else user_metadata
-    if type(metadata) is not dict:
-        raise MetadataError(
-            f"user metadata must be a dict of plain JSON data, got a {type(metadata).__name__}.",
-            path="metadata",
-        )
-    check_json_data(metadata)
-    json.dumps(metadata, allow_nan=False)
+    metadata = check_save_options(user_metadata, checksum)
     prepared = prepare_checkpoint(obj, where)  # the local writer's checks and refusals
     plan = prepared.plan
     files = []

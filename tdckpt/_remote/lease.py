@@ -62,10 +62,6 @@ class Lease:
         self.generation: int | None = None
         self.expires = 0.0
 
-    @property
-    def held(self) -> bool:
-        return self.generation is not None
-
     def _name(self, gen: int) -> str:
         return f"{LEASE_DIR}/{gen:0{_DIGITS}d}.json"
 

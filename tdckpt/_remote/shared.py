@@ -31,7 +31,6 @@ from tdckpt._remote.layout import (
     commit_name,
 )
 from tdckpt._remote.store import Store
-from tdckpt._write.checksum import new_hasher
 from tdckpt.errors import TdckptError
 
 __all__ = [
@@ -46,13 +45,6 @@ __all__ = [
 
 #: An attempt prefix's name inside a record's raw bytes (parseable or not).
 _ATTEMPT_TEXT = re.compile(rb"(?:0|[1-9][0-9]{0,3999})\.attempt-[0-9a-f]{32}")
-
-
-def _digest(parts: list[memoryview], algorithm: str) -> str:
-    h = new_hasher(algorithm)
-    for part in parts:
-        h.update(part)
-    return f"{algorithm}:{h.hexdigest()}"
 
 
 def share_objects(
@@ -95,7 +87,7 @@ def share_objects(
         return objects, {}
     threads = max(1, min(len(candidates), os.cpu_count() or 1))
     with ThreadPoolExecutor(threads, thread_name_prefix="tdckpt-prehash") as pool:
-        digests = list(pool.map(lambda c: _digest(by_rel[c[1]].parts, algorithm), candidates))
+        digests = list(pool.map(lambda c: by_rel[c[1]].checksum(algorithm), candidates))
     out = list(objects)
     sums: dict[str, str] = {}
     for (index, rel, ref), digest in zip(candidates, digests, strict=True):

@@ -27,9 +27,10 @@ from tdckpt._read.lane import open_current
 from tdckpt._read.nodes import (
     pickled_nodes,
 )
+from tdckpt._read.object_storage import open_source
 from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
 from tdckpt._read.storage import MapMode, Storage
-from tdckpt._remote.urls import is_url, require_local_options
+from tdckpt._remote.urls import is_url
 from tdckpt._report import ValidationReport
 from tdckpt._restore.apply import restore_into_target
 from tdckpt._restore.budget import check_map_budget, leaf_sources, refuse_if_out_of_mappings
@@ -288,14 +289,9 @@ def load_memmap(
     check_transforms(rename, dtype)
     check_device(device, str(prefix))
     selection = Selection.of_report(keys, exclude, report)
-    source: str | os.PathLike[str] | Storage = prefix
-    if is_url(prefix):
-        from tdckpt._read.object_storage import open_url_storage
-
+    if is_url(prefix):  # read into memory (object_storage.py): never mode="r+"
         mode = _url_mode(mode)
-        source = open_url_storage(str(prefix), storage_options)
-    else:
-        require_local_options(prefix, storage_options)
+    source = open_source(prefix, storage_options)
     done = RestoreReport()
     obj = load_local(
         source,
@@ -518,14 +514,9 @@ def load_memmap_(
     _check_args(robust_key, allow_pickle, mode)
     selection = Selection.of_report(keys, exclude, report, in_place=True)
     done = RestoreReport()
-    source: str | os.PathLike[str] | Storage = prefix
-    if is_url(prefix):  # an fsspec URL: read in place by ranges (object_storage.py)
-        from tdckpt._read.object_storage import open_url_storage
-
+    if is_url(prefix):  # read into memory (object_storage.py): never mode="r+"
         mode = _url_mode(mode)
-        source = open_url_storage(str(prefix), storage_options)
-    else:
-        require_local_options(prefix, storage_options)
+    source = open_source(prefix, storage_options)
     out = restore_in_place(
         target,
         source,

@@ -33,12 +33,7 @@ from tdckpt.schema import Manifest, ShardedManifest
 if TYPE_CHECKING:
     from tdckpt._restore.select import RestoreReport, Selection
 
-__all__ = ["restore_into_rows", "restore_rows", "wants_shard_path"]
-
-
-def wants_shard_path(mgr: ShardSteps, manifest: Manifest, rows: Any) -> bool:
-    """Whether a restore goes through this module (else the manager's own path)."""
-    return mgr.group is not None or isinstance(manifest, ShardedManifest) or rows is not None
+__all__ = ["restore_into_rows", "restore_rows"]
 
 
 def _agreed_step(mgr: ShardSteps, step: int | None) -> int | None:

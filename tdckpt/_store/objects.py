@@ -13,8 +13,10 @@ period, and keeps every attempt of a step whose record it cannot read. Increment
 retention and gc delete only the objects of an attempt that no remaining record names.
 Exclusive writing: the root's lease (:class:`tdckpt._remote.lease.Lease`).
 
-Reading a committed step for a restore is :meth:`ObjectStepStore.open`, the one place a
-step's bytes come to this machine (today: downloaded and verified into a private folder).
+A step's bytes come to this machine only through
+:class:`~tdckpt._read.object_storage.ObjectStorage` (ranged reads, every file checked as it
+arrives): a restore reads it in place (:meth:`ObjectStepStore.open`), ``verify`` reads every
+file and reports each problem, and a ``cache_dir`` download writes the checked files there.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from tdckpt._manage import background as _background
 from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
+from tdckpt._read.object_storage import ObjectStorage, open_step_storage
 from tdckpt._remote import layout
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
 from tdckpt._remote.shared import Protected, protected, remove_attempt
@@ -47,7 +51,7 @@ from tdckpt.errors import (
     MetadataError,
     RemoteError,
 )
-from tdckpt.schema import FileRecord, StateRecord
+from tdckpt.schema import MANIFEST_NAME, FileRecord, StateRecord
 from tdckpt.warnings import TdckptWarning
 
 if TYPE_CHECKING:
@@ -171,15 +175,10 @@ class ObjectStepStore:
                 "commit record; it was not read.",
                 path=where,
             )
-        else:
-            try:
-                # capped: the object may have grown since it was listed
-                data = self.store.cat_capped(name, layout.MAX_RECORD_BYTES, "commit record")
-                result = layout.parse_record(data, where, step)
-            except FileNotFoundError:
-                result = MetadataError(f"{where}: deleted while being read.", path=where)
-            except MetadataError as exc:
-                result = exc
+        else:  # read capped: the object may have grown since it was listed
+            read = self._read_record(name, step)
+            gone = MetadataError(f"{where}: deleted while being read.", path=where)
+            result = gone if read is None else read
         with self._state:
             self._records[name] = (signature, result)
         return result
@@ -465,18 +464,21 @@ class ObjectStepStore:
     def _named_now(self, step: int, name: str) -> bool:
         """Whether the record of ``step``, read again just before gc deletes ``name``,
         names it or cannot be read (a record committed since gc listed the root)."""
-        commit = layout.commit_name(step)
+        record = self._read_record(layout.commit_name(step), step)
+        if isinstance(record, layout.CommitRecord):
+            return layout.attempt_name(step, record.attempt) == name
+        return record is not None
+
+    def _read_record(self, name: str, step: int) -> layout.CommitRecord | MetadataError | None:
+        """The commit record ``name`` of ``step``, read capped; the error if it cannot be
+        read or parsed; None if there is none."""
         try:
-            data = self.store.cat_capped(commit, layout.MAX_RECORD_BYTES, "commit record")
+            data = self.store.cat_capped(name, layout.MAX_RECORD_BYTES, "commit record")
+            return layout.parse_record(data, self.store.show(name), step)
         except FileNotFoundError:
-            return False
-        except MetadataError:
-            return True
-        try:
-            record = layout.parse_record(data, self.store.show(commit), step)
-        except MetadataError:
-            return True
-        return layout.attempt_name(step, record.attempt) == name
+            return None
+        except MetadataError as exc:
+            return exc
 
     def shared_bytes(self) -> dict[int, int]:
         """Bytes of each step's files that lie in objects another committed record names."""
@@ -492,20 +494,25 @@ class ObjectStepStore:
         leaves restored, every file checked as it arrives, messages naming the URL), or,
         with ``cache_dir``, its verified copy there (file-backed leaves). Either is private:
         ``writes`` needs nothing more."""
-        from tdckpt._read.object_storage import open_step_storage
-
-        prefix, commit = _prefix(record)
         if self.cache_dir is not None:
-            yield self._cached(record, prefix, commit)
+            yield self._cached(record, _prefix(record)[0])
             return
-        # an incremental step's record may name objects of earlier steps
-        objects = [commit.object_path(i) for i in range(len(commit.objects))]
-        yield open_step_storage(self.store, str(record.where), commit, objects, record.step)
+        yield self._storage(record)
 
-    def _cached(self, record: StepRecord, prefix: str, commit: layout.CommitRecord) -> Path:
-        """The step downloaded once into ``cache_dir`` (re-verified when reused)."""
+    def _storage(
+        self, record: StepRecord, problems: list[VerifyProblem] | None = None
+    ) -> ObjectStorage:
+        """The step read where it lies (see :func:`open_step_storage`); an incremental
+        step's record may name objects of earlier steps."""
+        commit = _prefix(record)[1]
+        objects = [commit.object_path(i) for i in range(len(commit.objects))]
+        where = str(record.where)
+        return open_step_storage(self.store, where, commit, objects, record.step, problems=problems)
+
+    def _cached(self, record: StepRecord, prefix: str) -> Path:
+        """The step downloaded once into ``cache_dir`` (re-verified when reused); a damaged
+        file is refused naming its URL."""
         from tdckpt._manage.verify import verify_files
-        from tdckpt._remote.transfer import download_step
 
         assert self.cache_dir is not None
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -516,7 +523,16 @@ class ObjectStepStore:
             shutil.rmtree(cached, ignore_errors=True)
         part = Path(tempfile.mkdtemp(prefix=f".{prefix}.part-", dir=self.cache_dir))
         try:
-            download_step(self.store, prefix, commit, part / "step", step=record.step)
+            problems: list[VerifyProblem] = []
+            storage = self._storage(record, problems)
+            if problems:
+                raise storage.damage(problems[0])
+            everything = (f.path for f in record.manifest.files)
+            for rel, views in storage.stream(everything, read_ahead=True):
+                (part / "step" / rel).parent.mkdir(parents=True, exist_ok=True)
+                with open(part / "step" / rel, "xb") as fh:
+                    fh.writelines(views)
+            (part / "step" / MANIFEST_NAME).write_bytes(storage.read_bytes(MANIFEST_NAME))
             try:
                 (part / "step").rename(cached)
             except OSError:  # another restore cached it first
@@ -530,22 +546,37 @@ class ObjectStepStore:
         self, record: StepRecord, progress: Progress | None, *, shared: dict[Any, Any] | None = None
     ) -> VerifyReport:
         """Read every object of the step and compare each file with the manifest (sizes
-        and checksums), as it is read; nothing is written anywhere. ``shared``: an object
-        an earlier step of the same verification read is not read again."""
-        from tdckpt._remote.transfer import download_step
-
-        prefix, commit = _prefix(record)
+        and checksums), as it is read; nothing is written anywhere. An object gone or
+        short is reported from one listing, unread. ``shared``: object -> the checksum read
+        for the one file it holds; an object an earlier step of the same verification read
+        is not read again (its file is compared with that checksum). A store that fails, or
+        ``progress`` raising, stops the verification with that error."""
         report = VerifyReport(step=record.step, path=str(record.where))
-        report.bytes_checked = download_step(
-            self.store,
-            prefix,
-            commit,
-            None,  # checked as read, written nowhere
-            step=record.step,
-            progress=progress,
-            report=report,
-            seen=shared,
-        )
+        storage = self._storage(record, report.problems)
+        spans = {f.path: storage.span(f.path) for f in record.manifest.files}
+        files = Counter(s.obj for s in spans.values())
+        alone = {s.obj: rel for rel, s in spans.items() if files[s.obj] == 1}  # one file each
+        unread = {p.path for p in report.problems}
+        total = sum(s.size for s in spans.values())
+        for obj, rel in alone.items():
+            known = None if shared is None else shared.get(obj)
+            if known is None or rel in unread:
+                continue
+            unread.add(rel)  # read once already, for another step
+            report.files_checked += 1
+            report.shared_checked += 1
+            if known != spans[rel].checksum:
+                problem = VerifyProblem(rel, spans[rel].key, "changed", spans[rel].checksum, known)
+                report.problems.append(problem)
+        wanted = [rel for rel in spans if rel not in unread]
+        for rel, _ in storage.stream(wanted, report.problems.append, read_ahead=True):
+            span = spans[rel]
+            if shared is not None and alone.get(span.obj) == rel and span.checksum is not None:
+                shared[span.obj] = span.checksum
+            report.files_checked += 1
+            report.bytes_checked += span.size
+            if progress is not None:
+                progress(report.bytes_checked, total)
         return report
 
 

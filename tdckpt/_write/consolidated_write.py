@@ -18,22 +18,20 @@ from __future__ import annotations
 
 import os
 import warnings
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from tdckpt._read.consolidated import DATA_NAME, ConsolidatedStorage, open_consolidated
 from tdckpt._write.checksum import CHUNK_BYTES, DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.save import (
-    _writer_versions,
-    check_json_data,
+    check_save_options,
+    claim_dest,
     discard_written,
+    new_manifest,
     write_manifest_last,
 )
-from tdckpt.errors import CheckpointExistsError, MetadataError, TdckptError, UnsupportedContentError
+from tdckpt.errors import TdckptError, UnsupportedContentError
 from tdckpt.schema import (
-    FORMAT_VERSION,
-    MANIFEST_SCHEMA_VERSION,
     ConsolidatedRecord,
     FileRecord,
     LeafChecksumRecord,
@@ -90,25 +88,10 @@ def write_consolidated(
         MetadataError: ``user_metadata`` is not plain JSON data.
         CheckpointExistsError: ``dest_dir`` exists and is not empty.
     """
-    new_hasher(checksum)  # refuse an unknown algorithm before anything else
-    metadata = {} if user_metadata is None else user_metadata
-    if type(metadata) is not dict:
-        raise MetadataError(
-            f"user metadata must be a dict of plain JSON data, got a {type(metadata).__name__}.",
-            path="metadata",
-        )
-    check_json_data(metadata)
+    metadata = check_save_options(user_metadata, checksum)
     check_consolidatable(obj, dest_dir)
     dest = Path(dest_dir)
-    created = not dest.exists()
-    if created:
-        dest.mkdir(parents=True)
-    elif not dest.is_dir() or any(dest.iterdir()):
-        raise CheckpointExistsError(
-            f"{dest}: exists and is not an empty directory; a checkpoint is written into a "
-            "new or empty directory. Choose another path or remove it.",
-            path=str(dest),
-        )
+    created = claim_dest(dest)
     data = dest / DATA_NAME
     try:
         _consolidate(obj, data)
@@ -176,12 +159,7 @@ def _manifest(
             whole.update(chunk)
             offset += len(chunk)
         root_cls = storage.root_class()
-    return Manifest(
-        schema_version=MANIFEST_SCHEMA_VERSION,
-        format_version=FORMAT_VERSION,
-        created=datetime.now(timezone.utc).isoformat(),
-        writer=_writer_versions(),
-        key_encoding="robust",
+    return new_manifest(
         step=step,
         root_type=_ROOT_TYPES.get(root_cls, root_cls),
         files=[FileRecord(path=DATA_NAME, size=size, checksum=f"{algorithm}:{whole.hexdigest()}")],

@@ -68,9 +68,12 @@ __all__ = [
     "PreparedCheckpoint",
     "UnsupportedContentError",
     "check_json_data",
+    "check_save_options",
+    "claim_dest",
     "class_id",
     "discard_written",
     "new_hasher",
+    "new_manifest",
     "prepare_checkpoint",
     "write_checkpoint",
     "write_manifest_last",
@@ -681,6 +684,18 @@ def _writer_versions() -> WriterVersions:
     )
 
 
+def new_manifest(created: str | None = None, **fields: Any) -> Manifest:
+    """A manifest of this tdckpt's format with ``fields``, written now (or ``created``)."""
+    return Manifest(
+        schema_version=MANIFEST_SCHEMA_VERSION,
+        format_version=FORMAT_VERSION,
+        created=created or datetime.now(timezone.utc).isoformat(),
+        writer=_writer_versions(),
+        key_encoding="robust",
+        **fields,
+    )
+
+
 @dataclass(frozen=True)
 class PreparedCheckpoint:
     """An object checked and planned for :func:`write_checkpoint`, nothing written yet.
@@ -726,6 +741,44 @@ def prepare_checkpoint(obj: Any, where: str | os.PathLike[str]) -> PreparedCheck
             keys=list(plan.problem_keys),
         )
     return PreparedCheckpoint(plan=plan, root_type=class_id(type(obj)))
+
+
+def check_save_options(user_metadata: dict[str, Any] | None, checksum: str) -> dict[str, Any]:
+    """The user metadata a save records (``{}`` for None), once ``checksum`` is an algorithm
+    tdckpt knows and the metadata a dict of plain JSON data: every writer checks both
+    before it writes anything.
+
+    Raises:
+        ValueError: an unknown checksum algorithm.
+        MetadataError: metadata that is not a dict of plain JSON data (naming the entry).
+    """
+    new_hasher(checksum)
+    metadata = {} if user_metadata is None else user_metadata
+    if type(metadata) is not dict:
+        raise MetadataError(
+            f"user metadata must be a dict of plain JSON data, got a {type(metadata).__name__}.",
+            path="metadata",
+        )
+    check_json_data(metadata)
+    return metadata
+
+
+def claim_dest(dest: Path) -> bool:
+    """Create the folder ``dest`` (True), or check it is an empty folder (False).
+
+    Raises:
+        CheckpointExistsError: ``dest`` exists and is not an empty directory.
+    """
+    if not dest.exists():
+        dest.mkdir(parents=True)
+        return True
+    if not dest.is_dir() or any(dest.iterdir()):
+        raise CheckpointExistsError(
+            f"{dest}: exists and is not an empty directory; a checkpoint is written into a "
+            "new or empty directory. Choose another path or remove it.",
+            path=str(dest),
+        )
+    return False
 
 
 def write_checkpoint(
@@ -783,27 +836,11 @@ def write_checkpoint(
         ...     sorted(f.path for f in m.files)
         ['a.memmap', 'meta.json']
     """
-    new_hasher(checksum)  # refuse an unknown algorithm before anything else
-    metadata = {} if user_metadata is None else user_metadata
-    if type(metadata) is not dict:
-        raise MetadataError(
-            f"user metadata must be a dict of plain JSON data, got a {type(metadata).__name__}.",
-            path="metadata",
-        )
-    check_json_data(metadata)
+    metadata = check_save_options(user_metadata, checksum)
     dest = Path(dest_dir)
     prepared = obj if isinstance(obj, PreparedCheckpoint) else prepare_checkpoint(obj, dest)
     plan = prepared.plan
-
-    created = not dest.exists()
-    if created:
-        dest.mkdir(parents=True)
-    elif not dest.is_dir() or any(dest.iterdir()):
-        raise CheckpointExistsError(
-            f"{dest}: exists and is not an empty directory; a checkpoint is written into a "
-            "new or empty directory. Choose another path or remove it.",
-            path=str(dest),
-        )
+    created = claim_dest(dest)
     total = sum(map(_op_bytes, plan.ops)) if progress is not None else 0
     writer = _Writer(
         dest,
@@ -829,12 +866,7 @@ def write_checkpoint(
                 assert op.tensor is not None
                 writer.write_tensor(op.rel, op.tensor, op.key)
         writer.sync_dirs()
-        manifest = Manifest(
-            schema_version=MANIFEST_SCHEMA_VERSION,
-            format_version=FORMAT_VERSION,
-            created=datetime.now(timezone.utc).isoformat(),
-            writer=_writer_versions(),
-            key_encoding="robust",
+        manifest = new_manifest(
             step=step,
             root_type=prepared.root_type,
             pickles=plan.pickles,

@@ -32,7 +32,7 @@ import torch
 from tdckpt._write.save import PreparedCheckpoint, _pieces
 from tdckpt._write.save_plan import Op, Plan
 
-__all__ = ["StagingBuffers", "staged_nbytes"]
+__all__ = ["StagingBuffers"]
 
 #: Each leaf's bytes start at a multiple of this (any dtype can view its slice).
 _ALIGN = 64
@@ -52,15 +52,6 @@ def _leaf_nbytes(t: torch.Tensor) -> int:
     if t.is_nested:
         return sum(_leaf_nbytes(c) for c in t.unbind())
     return t.numel() * t.element_size()
-
-
-def staged_nbytes(prepared: PreparedCheckpoint) -> int:
-    """The bytes of every leaf ``prepared`` writes (what one snapshot of it holds)."""
-    return sum(
-        _leaf_nbytes(op.tensor)
-        for op in prepared.plan.ops
-        if op.kind == "tensor" and op.tensor is not None
-    )
 
 
 class _StagedOps(list[Op]):
