@@ -194,3 +194,16 @@ def s3_remote(moto_s3: MotoS3) -> Iterator[Remote]:
     bucket = moto_s3.new_bucket()
     yield Remote("s3", f"s3://{bucket}/run", moto_s3.options(), moto_s3)
     moto_s3.failing = None
+
+
+def fast_failures(s3_remote: Remote, monkeypatch: pytest.MonkeyPatch) -> Remote:
+    """``s3_remote`` with retries cut short: a failing store fails in a second, not 40."""
+    from tdckpt._remote import store
+
+    monkeypatch.setattr(store, "BACKOFF_S", 0.001)
+    monkeypatch.setattr("s3fs.S3FileSystem.retries", 1)
+    options = {
+        **(s3_remote.storage_options or {}),
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    return Remote(s3_remote.kind, s3_remote.url, options, s3_remote.s3)

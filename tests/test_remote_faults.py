@@ -22,6 +22,7 @@ pytest.importorskip("fsspec")
 from _remote_fixtures import (  # noqa: F401
     Remote,
     _timeout,
+    fast_failures,
     moto_s3,
     remote,
     remote_timeout,
@@ -183,12 +184,7 @@ def test_a_failing_store_is_a_clear_error_and_nothing_is_committed(
 ) -> None:
     s3 = s3_remote.s3
     assert s3 is not None
-    monkeypatch.setattr(_store, "BACKOFF_S", 0.001)
-    monkeypatch.setattr("s3fs.S3FileSystem.retries", 1)
-    options = {
-        **(s3_remote.storage_options or {}),
-        "config_kwargs": {"retries": {"max_attempts": 1}},
-    }
+    options = fast_failures(s3_remote, monkeypatch).storage_options
     url = s3_remote.url
     with CheckpointManager(url, storage_options=options) as mgr:
         mgr.save(1, make(1))

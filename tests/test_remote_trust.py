@@ -16,7 +16,14 @@ import pytest
 import torch
 
 pytest.importorskip("fsspec")
-from _remote_fixtures import Remote, _timeout, moto_s3, remote, s3_remote  # noqa: F401
+from _remote_fixtures import (  # noqa: F401
+    Remote,
+    _timeout,
+    fast_failures,
+    moto_s3,
+    remote,
+    s3_remote,
+)
 
 from tdckpt import CheckpointManager
 from tdckpt._remote import store as _store
@@ -144,17 +151,6 @@ def test_gc_still_collects_attempts_of_readable_steps(remote: Remote) -> None:
 # -- retention failing after the commit is a warning ----------------------------------------
 
 
-def _fast_failures(s3_remote: Remote, monkeypatch: pytest.MonkeyPatch) -> Remote:
-    """``s3_remote`` with retries cut short: a failing store fails in a second, not 40."""
-    monkeypatch.setattr(_store, "BACKOFF_S", 0.001)
-    monkeypatch.setattr("s3fs.S3FileSystem.retries", 1)
-    options = {
-        **(s3_remote.storage_options or {}),
-        "config_kwargs": {"retries": {"max_attempts": 1}},
-    }
-    return Remote(s3_remote.kind, s3_remote.url, options, s3_remote.s3)
-
-
 def _deletes_fail(s3_remote: Remote) -> None:
     assert s3_remote.s3 is not None
     s3_remote.s3.failing = lambda method, path: (
@@ -170,7 +166,7 @@ def test_retention_failing_after_the_commit_warns_and_the_save_returns(
     a RemoteError claiming "Nothing was committed by this call"."""
     from tdckpt import KeepLast
 
-    s3_remote = _fast_failures(s3_remote, monkeypatch)
+    s3_remote = fast_failures(s3_remote, monkeypatch)
     with _mgr(s3_remote, retention=KeepLast(1)) as mgr:
         mgr.save(1, _td(1))
         _deletes_fail(s3_remote)
@@ -202,7 +198,7 @@ def test_retention_failing_after_an_async_commit_warns_at_result(
     """The same on save_async's thread: the warning is issued where the result is asked."""
     from tdckpt import KeepLast
 
-    s3_remote = _fast_failures(s3_remote, monkeypatch)
+    s3_remote = fast_failures(s3_remote, monkeypatch)
     with _mgr(s3_remote, retention=KeepLast(1)) as mgr:
         mgr.save(1, _td(1))
         _deletes_fail(s3_remote)

@@ -13,11 +13,17 @@ import pytest
 import torch
 
 pytest.importorskip("fsspec")
-from _remote_fixtures import Remote, _timeout, moto_s3, remote, s3_remote  # noqa: F401
+from _remote_fixtures import (  # noqa: F401
+    Remote,
+    _timeout,
+    fast_failures,
+    moto_s3,
+    remote,
+    s3_remote,
+)
 
 from tdckpt import CheckpointManager
 from tdckpt._read import object_storage
-from tdckpt._remote import store as _store
 from tdckpt.errors import IntegrityError, RemoteError
 
 tensordict = pytest.importorskip("tensordict")
@@ -153,12 +159,7 @@ def test_verify_stops_on_a_failing_store(
     error instead of reporting the step damaged; the step verifies once the store is back."""
     s3 = s3_remote.s3
     assert s3 is not None
-    monkeypatch.setattr(_store, "BACKOFF_S", 0.001)
-    monkeypatch.setattr("s3fs.S3FileSystem.retries", 1)
-    options = {
-        **(s3_remote.storage_options or {}),
-        "config_kwargs": {"retries": {"max_attempts": 1}},
-    }
+    options = fast_failures(s3_remote, monkeypatch).storage_options
     with CheckpointManager(s3_remote.url, storage_options=options) as mgr:
         mgr.save(1, _td())
         s3.failing = lambda method, path: method == "GET" and ".attempt-" in path

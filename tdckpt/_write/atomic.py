@@ -49,6 +49,7 @@ __all__ = [
     "TMP_MARKER",
     "StepKind",
     "fsync_dir",
+    "fsync_file",
     "is_tmp_name",
     "parse_step_name",
     "raise_exists",
@@ -175,7 +176,16 @@ def tmp_step(name: str) -> int | None:
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory, so the names created or removed in it survive a power loss."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    _fsync(path, getattr(os, "O_DIRECTORY", 0))
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """fsync the file ``path`` (never through a link)."""
+    _fsync(path, getattr(os, "O_NOFOLLOW", 0))
+
+
+def _fsync(path: str | os.PathLike[str], flags: int) -> None:
+    fd = os.open(path, os.O_RDONLY | flags | getattr(os, "O_CLOEXEC", 0))
     try:
         os.fsync(fd)
     finally:

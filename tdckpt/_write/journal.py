@@ -29,7 +29,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from tdckpt._write.atomic import fsync_dir
+from tdckpt._write.atomic import fsync_dir, fsync_file
 from tdckpt._write.checksum import new_hasher
 from tdckpt._write.lock import same_file, try_flock
 
@@ -91,15 +91,6 @@ def drop_record(fd: int, path: Path, *, fsync: bool) -> None:
         os.unlink(path)
         if fsync:
             fsync_dir(path.parent)
-
-
-def fsync_file(path: str | os.PathLike[str]) -> None:
-    """fsync the file ``path`` (never through a link)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def copy_fd(
