@@ -30,12 +30,14 @@ committed step for reading.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -251,14 +253,27 @@ class ObjectStorage(Storage):
                 self._ready.update(fetched)
 
     def _fetch(self, rels: Sequence[str]) -> dict[str, bytearray]:
-        """Read every file of ``rels`` by ranges, batch by batch; check each one."""
+        """Read every file of ``rels`` by ranges, batch by batch; check each one.
+
+        Each range is read straight into one buffer (:func:`_read_into`): a file alone in
+        its range - a leaf - is read into the very buffer its tensor will own, no copy of
+        its bytes made on the way; files merged into one range (small ones) are cut out of
+        its buffer.
+        """
         out: dict[str, bytearray] = {}
         for batch in _batches(self._runs(rels)):
-            chunks = self._read_ranges([(obj, start, end) for obj, start, end, _ in batch])
-            for (_, start, _end, files), pieces in zip(batch, chunks, strict=True):
+            buffers = [bytearray(end - start) for _, start, end, _ in batch]
+            held = self._read_runs(
+                [(obj, start, buf) for (obj, start, _, _), buf in zip(batch, buffers, strict=True)]
+            )
+            for (_, start, end, files), buf, got in zip(batch, buffers, held, strict=True):
                 for rel in files:
                     span = self._spans[rel]
-                    data = _assemble(pieces, span.offset - start, span.size)
+                    lo = span.offset - start
+                    if lo == 0 and span.size == end - start and got == span.size:
+                        data = buf  # the run is this file: its buffer is the file's
+                    else:  # a file of a merged run, or the object ended first: its bytes
+                        data = bytearray(memoryview(buf)[lo : max(lo, min(lo + span.size, got))])
                     out[rel] = self._checked(rel, span, data)
         return out
 
@@ -288,19 +303,24 @@ class ObjectStorage(Storage):
                 runs.append(current)
         return runs
 
-    def _read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[list[bytes]]:
-        """``cat_ranges`` of ``ranges``, a large range as RANGE_BYTES pieces issued together:
-        the pieces of each range, in order (joined by :func:`_assemble`, one copy per file)."""
-        pieces: list[tuple[str, int, int]] = []
+    def _read_runs(self, runs: list[tuple[str, int, bytearray]]) -> list[int]:
+        """Read each ``(object, start, buffer)``: the buffer's length of bytes from
+        ``start``, a large one as RANGE_BYTES pieces issued together, every piece straight
+        into its slice of the buffer. The bytes each run got, counted from its start (fewer
+        than its length: the object ended first)."""
+        pieces: list[tuple[str, int, memoryview]] = []
         counts: list[int] = []
-        for obj, start, end in ranges:
-            split = [(obj, s, min(s + RANGE_BYTES, end)) for s in range(start, end, RANGE_BYTES)]
-            pieces += split or [(obj, start, end)]
-            counts.append(len(split) or 1)
+        for obj, start, buf in runs:
+            view = memoryview(buf)
+            size = len(buf)
+            split = [
+                (obj, start + lo, view[lo : min(lo + RANGE_BYTES, size)])
+                for lo in range(0, size, RANGE_BYTES)
+            ]
+            pieces += split
+            counts.append(len(split))
         try:
-            got = self._store.cat_ranges(
-                [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]
-            )
+            got = _read_into(self._store, pieces)
         except FileNotFoundError as exc:
             raise IntegrityError(
                 f"{self._damaged}: an object it names is gone ({exc}); nothing was restored and "
@@ -308,11 +328,20 @@ class ObjectStorage(Storage):
                 path=self.location,
                 step=self._step,
             ) from exc
+        finally:
+            lengths = [piece[2].nbytes for piece in pieces]
+            for piece in pieces:
+                piece[2].release()  # the buffers are the files' (never resized) from here on
         self.ranges_fetched += len(pieces)
-        self.bytes_fetched += sum(len(g) for g in got)
+        self.bytes_fetched += sum(got)
         out, i = [], 0
         for n in counts:
-            out.append(got[i : i + n])
+            held = 0
+            for length, count in zip(lengths[i : i + n], got[i : i + n], strict=True):
+                held += count
+                if count < length:
+                    break  # the object ended inside this piece: nothing after it
+            out.append(held)
             i += n
         return out
 
@@ -321,8 +350,9 @@ class ObjectStorage(Storage):
         problem = _problem(rel, span, data)
         if problem is not None and problem.kind == "changed":
             # a checksum mismatch: read once more (a glitch in transit is not damage at rest)
-            (again,) = self._read_ranges([(span.obj, span.offset, span.offset + span.size)])
-            data = _assemble(again, 0, span.size)
+            again = bytearray(span.size)
+            (got,) = self._read_runs([(span.obj, span.offset, again)])
+            data = again if got == span.size else again[:got]
             problem = _problem(rel, span, data)
         if problem is None:
             return data
@@ -367,18 +397,78 @@ class ObjectStorage(Storage):
         self.prefetch(small)
 
 
-def _assemble(pieces: list[bytes], lo: int, size: int) -> bytearray:
-    """Bytes ``lo`` to ``lo + size`` of the concatenated ``pieces``, copied once into a new
-    buffer (shorter where the pieces end first: the object was short)."""
-    total = sum(len(p) for p in pieces)
-    out = bytearray(max(0, min(lo + size, total) - lo))
-    pos = 0
-    for piece in pieces:
-        a, b = max(lo, pos), min(lo + size, pos + len(piece))
-        if a < b:
-            out[a - lo : b - lo] = memoryview(piece)[a - pos : b - pos]
-        pos += len(piece)
+def _read_into(store: Store, reads: Sequence[tuple[str, int, memoryview]]) -> list[int]:
+    """Each ``(path, offset, buffer)``: the object ``path`` (relative to the store's root)
+    read from ``offset`` straight into ``buffer``, all concurrently; the bytes each got
+    (fewer than the buffer's length: the object ended first).
+
+    On s3fs every range is one ``GetObject`` whose body is read into its buffer as it
+    arrives (:func:`_s3_read_into`): no bytes object of the range is made, and s3fs's own
+    retry wrapper retries a request that fails, the body's reading included, as its reads
+    do. Any other filesystem: fsspec's ``cat_ranges``, each range copied into its buffer.
+    Either way the call goes through the store's retry loop.
+    """
+    if not reads:
+        return []
+    what = f"ranged read of {len(reads)} range(s)"
+    fs = store.fs
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is not None and isinstance(fs, s3fs.S3FileSystem):
+        from fsspec.asyn import sync
+
+        async def read_all() -> list[int]:
+            got = await asyncio.gather(
+                *(_s3_read_into(fs, store.full(p), off, buf) for p, off, buf in reads),
+                return_exceptions=True,
+            )
+            for result in got:
+                if isinstance(result, BaseException):
+                    raise result
+            return cast("list[int]", got)
+
+        return store._call(what, reads[0][0], lambda: sync(fs.loop, read_all))
+    ends = [off + buf.nbytes for _, off, buf in reads]
+    chunks = store.cat_ranges([p for p, _, _ in reads], [off for _, off, _ in reads], ends)
+    out = []
+    for (_, _, buf), data in zip(reads, chunks, strict=True):
+        n = min(len(data), buf.nbytes)
+        buf[:n] = memoryview(data)[:n]
+        out.append(n)
     return out
+
+
+async def _s3_read_into(fs: Any, path: str, offset: int, buffer: memoryview) -> int:
+    """One ranged ``GetObject`` of ``path`` read into ``buffer`` (see :func:`_read_into`);
+    the bytes read. The request and the reading of its body are retried together by
+    s3fs's retry wrapper, as s3fs's ``_cat_file`` retries them."""
+    from s3fs.core import _error_wrapper, version_id_kw
+
+    bucket, key, version = fs.split_path(path)
+    size = buffer.nbytes
+    if not size:
+        return 0
+
+    async def once() -> int:
+        resp = await fs._call_s3(
+            "get_object",
+            Bucket=bucket,
+            Key=key,
+            Range=f"bytes={offset}-{offset + size - 1}",
+            **version_id_kw(version),
+        )
+        body = resp["Body"]
+        try:
+            pos = 0
+            while pos < size:
+                n = await body.readinto(buffer[pos:])
+                if not n:
+                    break
+                pos += n
+            return pos
+        finally:
+            body.close()
+
+    return int(await _error_wrapper(once, retries=fs.retries))
 
 
 def _problem(rel: str, span: Span, data: bytearray) -> VerifyProblem | None:
