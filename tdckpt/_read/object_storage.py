@@ -3,7 +3,8 @@
 A step in object storage is read where it lies: no local copy, no temporary folder. The
 storage knows every file of the prefix up front - from one listing of a plain prefix, or
 from a managed step's commit record (object, offset, size, checksum of each file) - and
-reads bytes by ranged, concurrent reads (fsspec ``cat_ranges``: concurrent on s3fs):
+reads bytes by ranged, concurrent reads, each straight into the buffer that keeps its bytes
+(:func:`_read_into`; on s3fs a ``GetObject`` body read into it as it arrives):
 
 * opening reads every small file the read path needs whole (``meta.json``, size tables,
   JSON types, pickles; never a ``*.memmap`` leaf) in one batch of ranges, each capped as
