@@ -260,20 +260,20 @@ def test_byte_flipped_at_rest_is_an_integrity_error(remote: Remote) -> None:
 def test_byte_flipped_in_transit_is_read_again(
     remote: Remote, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = _store.Store.cat_ranges
+    from tdckpt._read import object_storage
+
+    original = object_storage._read_into
     flipped = []
 
-    def flipping(self: Any, rels: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
-        out = original(self, rels, starts, ends)
-        if not flipped and out and len(out[0]) > 10:
-            flipped.append(rels[0])
-            first = bytearray(out[0])
-            first[5] ^= 0x80
-            out[0] = bytes(first)
-        return out
+    def flipping(store: Any, reads: list[tuple[str, int, memoryview]]) -> list[int]:
+        got = original(store, reads)
+        if not flipped and reads and got[0] > 10:  # the bytes land in the buffer as read
+            flipped.append(reads[0][0])
+            reads[0][2][5] ^= 0x80
+        return got
 
     with _mgr(remote) as mgr:
         mgr.save(1, make(1))
-        monkeypatch.setattr(_store.Store, "cat_ranges", flipping)
+        monkeypatch.setattr(object_storage, "_read_into", flipping)
         assert _equal(mgr.restore(), make(1))
     assert flipped

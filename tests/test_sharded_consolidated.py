@@ -213,26 +213,35 @@ def test_incremental_is_refused_by_a_consolidated_collective_manager(
         CheckpointManager(tmp_path / "other", layout="consolidated", incremental=True)
 
 
-def test_a_shard_file_replaced_after_the_check_is_refused(
+def test_a_shard_file_replaced_after_the_check_is_not_read(
     saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The file is swapped between check_shards and the load (the hook only times it)."""
+    """The file is swapped between the check and the load (the hook only times it): each
+    shard is opened once, checked, and mapped as it was checked, so the replaced file is
+    never read. (Before the shards were opened once, the load opened the file again and
+    refused the 3 swapped-in rows as "changed while the step was being restored".)"""
     from tdckpt._shard import check
 
     root = _copy(saved, tmp_path)
     data, _, _ = _leaf_byte(root, 1, 1)
-    real = check.check_shards
+    real = check.open_checked
+    swapped: list[Path] = []
 
     def check_then_swap(*args: Any, **kwargs: Any) -> Any:
         out = real(*args, **kwargs)
         fewer = reference("nested", TOTAL)[4:7]  # shard 1 held rows 4..13: now 3 rows
         data.unlink()
         fewer.consolidate(filename=str(data))
+        swapped.append(data)
         return out
 
-    monkeypatch.setattr(check, "check_shards", check_then_swap)
-    # before: the 3 swapped-in rows were sliced as if they were 9, and 7 rows came back
-    with pytest.raises(MetadataError, match="changed while the step was being restored"):
+    monkeypatch.setattr(check, "open_checked", check_then_swap)
+    got = CheckpointManager(root).restore(1)
+    assert swapped == [data]
+    assert_same(got, reference("nested", TOTAL), "the rows as checked")
+    # the file now there is the swapped-in one: the next restore checks it, and refuses it
+    monkeypatch.setattr(check, "open_checked", real)
+    with pytest.raises(MetadataError, match=r"shard 1 holds 3 rows"):
         CheckpointManager(root).restore(1)
 
 

@@ -3,7 +3,8 @@
 A step in object storage is read where it lies: no local copy, no temporary folder. The
 storage knows every file of the prefix up front - from one listing of a plain prefix, or
 from a managed step's commit record (object, offset, size, checksum of each file) - and
-reads bytes by ranged, concurrent reads (fsspec ``cat_ranges``: concurrent on s3fs):
+reads bytes by ranged, concurrent reads, each straight into the buffer that keeps its bytes
+(:func:`_read_into`; on s3fs a ``GetObject`` body read into it as it arrives):
 
 * opening reads every small file the read path needs whole (``meta.json``, size tables,
   JSON types, pickles; never a ``*.memmap`` leaf) in one batch of ranges, each capped as
@@ -33,12 +34,14 @@ committed step for reading.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -244,14 +247,14 @@ class ObjectStorage(Storage):
             ready = self._ready.pop(rel, None)
         if ready is not None:
             return ready
-        return _join(dict(self.stream([rel]))[rel])
+        return self._fetch([rel])[rel]
 
     def prefetch(self, rels: Iterable[str]) -> None:
         """Read ``rels`` ahead (concurrent ranged reads, checked): what a restore maps next."""
         with self._lock:
             wanted = sorted({r for r in rels if r in self._spans and r not in self._ready})
         if wanted:
-            fetched = {rel: _join(views) for rel, views in self.stream(wanted)}
+            fetched = self._fetch(wanted)
             with self._lock:
                 self._ready.update(fetched)
 
@@ -261,36 +264,58 @@ class ObjectStorage(Storage):
         on_problem: Callable[[VerifyProblem], None] | None = None,
         *,
         read_ahead: bool = False,
-    ) -> Iterator[tuple[str, list[memoryview]]]:
-        """Each file of ``rels`` with its checked bytes (views into what was read, no copy),
-        batch by batch (with ``read_ahead``,
-        the next batch downloading while the caller uses this one). A file that does not
-        match its span raises :class:`~tdckpt.errors.IntegrityError`, or with ``on_problem``
-        is given to it and skipped (``verify`` reports every problem)."""
+    ) -> Iterator[tuple[str, bytearray | memoryview]]:
+        """Each file of ``rels`` with its checked bytes, batch by batch (with ``read_ahead``,
+        the next batch downloading while the caller uses this one).
+
+        Each range is read straight into one buffer (:func:`_read_into`): a file alone in
+        its range - a leaf - gets that buffer (a ``bytearray`` its tensor may own, no copy of
+        its bytes made on the way); a file of a merged range (small ones) is a view of it. A
+        file that does not match its span raises :class:`~tdckpt.errors.IntegrityError`, or
+        with ``on_problem`` is given to it and skipped (``verify`` reports every problem).
+        """
         batches = _batches(self._runs(list(rels)))
-        ranges = [[(obj, start, end) for obj, start, end, _ in batch] for batch in batches]
-        chunked = self._read_ahead(ranges) if read_ahead else map(self._read_ranges, ranges)
-        for batch, chunks in zip(batches, chunked, strict=True):
-            for (_, start, _end, files), pieces in zip(batch, chunks, strict=True):
+        read = self._read_ahead(batches) if read_ahead else map(self._read_batch, batches)
+        for batch, (buffers, held) in zip(batches, read, strict=True):
+            for (_, start, end, files), buf, got in zip(batch, buffers, held, strict=True):
                 for rel in files:
                     span = self._spans[rel]
-                    views = _views(pieces, span.offset - start, span.size)
-                    checked = self._checked(rel, span, views, on_problem)
+                    lo = span.offset - start
+                    data: bytearray | memoryview
+                    if lo == 0 and span.size == end - start and got == span.size:
+                        data = buf  # the run is this file: its buffer is the file's
+                    else:  # a file of a merged run, or the object ended first: its bytes
+                        data = memoryview(buf)[lo : max(lo, min(lo + span.size, got))]
+                    checked = self._checked(rel, span, data, on_problem)
                     if checked is not None:
                         yield rel, checked
 
-    def _read_ahead(self, batches: list[list[tuple[str, int, int]]]) -> Iterator[list[list[bytes]]]:
-        """:meth:`_read_ranges` of each batch in turn, the next one read while the caller
+    def _fetch(self, rels: Iterable[str]) -> dict[str, bytearray]:
+        """Every file of ``rels``, checked, each in a buffer of its own."""
+        return {rel: _own(data) for rel, data in self.stream(rels)}
+
+    def _read_batch(
+        self, batch: list[tuple[str, int, int, list[str]]]
+    ) -> tuple[list[bytearray], list[int]]:
+        """One buffer per run of ``batch``, read (:meth:`_read_runs`): (buffers, bytes got)."""
+        buffers = [bytearray(end - start) for _, start, end, _ in batch]
+        runs = [(obj, start, buf) for (obj, start, _, _), buf in zip(batch, buffers, strict=True)]
+        return buffers, self._read_runs(runs)
+
+    def _read_ahead(
+        self, batches: list[list[tuple[str, int, int, list[str]]]]
+    ) -> Iterator[tuple[list[bytearray], list[int]]]:
+        """:meth:`_read_batch` of each batch in turn, the next one read while the caller
         uses this one."""
         if not batches:
             return
         with ThreadPoolExecutor(1, "tdckpt-prefetch") as pool:
-            pending = pool.submit(self._read_ranges, batches[0])
+            pending = pool.submit(self._read_batch, batches[0])
             for following in [*batches[1:], None]:
-                chunks = pending.result()
+                got = pending.result()
                 if following is not None:
-                    pending = pool.submit(self._read_ranges, following)
-                yield chunks
+                    pending = pool.submit(self._read_batch, following)
+                yield got
 
     def _runs(self, rels: Sequence[str]) -> list[tuple[str, int, int, list[str]]]:
         """Ranges to read: (object, start, end, files wholly inside), merged and split."""
@@ -318,19 +343,24 @@ class ObjectStorage(Storage):
                 runs.append(current)
         return runs
 
-    def _read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[list[bytes]]:
-        """``cat_ranges`` of ``ranges``, a large range as RANGE_BYTES pieces issued together:
-        the pieces of each range, in order (joined by :func:`_join`, one copy per file)."""
-        pieces: list[tuple[str, int, int]] = []
+    def _read_runs(self, runs: list[tuple[str, int, bytearray]]) -> list[int]:
+        """Read each ``(object, start, buffer)``: the buffer's length of bytes from
+        ``start``, a large one as RANGE_BYTES pieces issued together, every piece straight
+        into its slice of the buffer. The bytes each run got, counted from its start (fewer
+        than its length: the object ended first)."""
+        pieces: list[tuple[str, int, memoryview]] = []
         counts: list[int] = []
-        for obj, start, end in ranges:
-            split = [(obj, s, min(s + RANGE_BYTES, end)) for s in range(start, end, RANGE_BYTES)]
-            pieces += split or [(obj, start, end)]
-            counts.append(len(split) or 1)
+        for obj, start, buf in runs:
+            view = memoryview(buf)
+            size = len(buf)
+            split = [
+                (obj, start + lo, view[lo : min(lo + RANGE_BYTES, size)])
+                for lo in range(0, size, RANGE_BYTES)
+            ]
+            pieces += split
+            counts.append(len(split))
         try:
-            got = self._store.cat_ranges(
-                [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]
-            )
+            got = _read_into(self._store, pieces)
         except FileNotFoundError as exc:
             raise IntegrityError(
                 f"{self._damaged}: an object it names is gone ({exc}); nothing was restored and "
@@ -338,12 +368,21 @@ class ObjectStorage(Storage):
                 path=self.location,
                 step=self._step,
             ) from exc
+        finally:
+            lengths = [piece[2].nbytes for piece in pieces]
+            for piece in pieces:
+                piece[2].release()  # the buffers are the files' (never resized) from here on
         with self._lock:  # a batch read ahead on another thread counts too
             self.ranges_fetched += len(pieces)
-            self.bytes_fetched += sum(len(g) for g in got)
+            self.bytes_fetched += sum(got)
         out, i = [], 0
         for n in counts:
-            out.append(got[i : i + n])
+            held = 0
+            for length, count in zip(lengths[i : i + n], got[i : i + n], strict=True):
+                held += count
+                if count < length:
+                    break  # the object ended inside this piece: nothing after it
+            out.append(held)
             i += n
         return out
 
@@ -351,19 +390,20 @@ class ObjectStorage(Storage):
         self,
         rel: str,
         span: Span,
-        views: list[memoryview],
+        data: bytearray | memoryview,
         on_problem: Callable[[VerifyProblem], None] | None = None,
-    ) -> list[memoryview] | None:
-        """``views`` if they hold ``rel``'s recorded size and checksum (else the bytes read
+    ) -> bytearray | memoryview | None:
+        """``data`` if it holds ``rel``'s recorded size and checksum (else the bytes read
         again once, if they do); else the problem raised, or given to ``on_problem``."""
-        problem = _problem(rel, span, views)
+        problem = _problem(rel, span, data)
         if problem is not None and problem.kind == "changed":
             # a checksum mismatch: read once more (a glitch in transit is not damage at rest)
-            (again,) = self._read_ranges([(span.obj, span.offset, span.offset + span.size)])
-            views = _views(again, 0, span.size)
-            problem = _problem(rel, span, views)
+            again = bytearray(span.size)
+            (got,) = self._read_runs([(span.obj, span.offset, again)])
+            data = again if got == span.size else memoryview(again)[:got]
+            problem = _problem(rel, span, data)
         if problem is None:
-            return views
+            return data
         if on_problem is None:
             raise self.damage(problem)
         on_problem(problem)
@@ -390,11 +430,10 @@ class ObjectStorage(Storage):
         with self._lock:
             ready = list(self._ready.items())
         for rel, data in ready:
-            views = [memoryview(data)]
-            checked = self._checked(rel, self._spans[rel], views)
-            if checked is not views and checked is not None:  # read again: the new bytes
+            checked = self._checked(rel, self._spans[rel], data)
+            if checked is not data and checked is not None:  # read again: the new bytes
                 with self._lock:
-                    self._ready[rel] = _join(checked)
+                    self._ready[rel] = _own(checked)
 
     def _read_small_files(self) -> None:
         """Read ahead every file the read path reads whole (metadata, not leaves), in one
@@ -415,27 +454,89 @@ class ObjectStorage(Storage):
         self.prefetch(small)
 
 
-def _views(pieces: list[bytes], lo: int, size: int) -> list[memoryview]:
-    """Bytes ``lo`` to ``lo + size`` of the concatenated ``pieces``, as views (fewer bytes
-    where the pieces end first: the object was short)."""
-    out, pos = [], 0
-    for piece in pieces:
-        a, b = max(lo, pos), min(lo + size, pos + len(piece))
-        if a < b:
-            out.append(memoryview(piece)[a - pos : b - pos])
-        pos += len(piece)
+def _read_into(store: Store, reads: Sequence[tuple[str, int, memoryview]]) -> list[int]:
+    """Each ``(path, offset, buffer)``: the object ``path`` (relative to the store's root)
+    read from ``offset`` straight into ``buffer``, all concurrently; the bytes each got
+    (fewer than the buffer's length: the object ended first).
+
+    On s3fs every range is one ``GetObject`` whose body is read into its buffer as it
+    arrives (:func:`_s3_read_into`): no bytes object of the range is made, and s3fs's own
+    retry wrapper retries a request that fails, the body's reading included, as its reads
+    do. Any other filesystem: fsspec's ``cat_ranges``, each range copied into its buffer.
+    Either way the call goes through the store's retry loop.
+    """
+    if not reads:
+        return []
+    what = f"ranged read of {len(reads)} range(s)"
+    fs = store.fs
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is not None and isinstance(fs, s3fs.S3FileSystem):
+        from fsspec.asyn import sync
+
+        async def read_all() -> list[int]:
+            got = await asyncio.gather(
+                *(_s3_read_into(fs, store.full(p), off, buf) for p, off, buf in reads),
+                return_exceptions=True,
+            )
+            for result in got:
+                if isinstance(result, BaseException):
+                    raise result
+            return cast("list[int]", got)
+
+        return store._call(what, reads[0][0], lambda: sync(fs.loop, read_all))
+    ends = [off + buf.nbytes for _, off, buf in reads]
+    chunks = store.cat_ranges([p for p, _, _ in reads], [off for _, off, _ in reads], ends)
+    out = []
+    for (_, _, buf), data in zip(reads, chunks, strict=True):
+        n = min(len(data), buf.nbytes)
+        buf[:n] = memoryview(data)[:n]
+        out.append(n)
     return out
 
 
-def _join(views: list[memoryview]) -> bytearray:
-    """The bytes of ``views`` copied once into one private, writable buffer."""
-    return bytearray().join(views)
+async def _s3_read_into(fs: Any, path: str, offset: int, buffer: memoryview) -> int:
+    """One ranged ``GetObject`` of ``path`` read into ``buffer`` (see :func:`_read_into`);
+    the bytes read. The request and the reading of its body are retried together by
+    s3fs's retry wrapper, as s3fs's ``_cat_file`` retries them."""
+    from s3fs.core import _error_wrapper, version_id_kw
+
+    bucket, key, version = fs.split_path(path)
+    size = buffer.nbytes
+    if not size:
+        return 0
+
+    async def once() -> int:
+        resp = await fs._call_s3(
+            "get_object",
+            Bucket=bucket,
+            Key=key,
+            Range=f"bytes={offset}-{offset + size - 1}",
+            **version_id_kw(version),
+        )
+        body = resp["Body"]
+        try:
+            pos = 0
+            while pos < size:
+                n = await body.readinto(buffer[pos:])
+                if not n:
+                    break
+                pos += n
+            return pos
+        finally:
+            body.close()
+
+    return int(await _error_wrapper(once, retries=fs.retries))
 
 
-def _problem(rel: str, span: Span, views: list[memoryview]) -> VerifyProblem | None:
-    """What is wrong with ``views``, read as ``rel``, or None if it is what ``span`` records."""
+def _own(data: bytearray | memoryview) -> bytearray:
+    """``data`` as a private, writable buffer (a view's bytes copied once)."""
+    return data if isinstance(data, bytearray) else bytearray(data)
+
+
+def _problem(rel: str, span: Span, data: bytearray | memoryview) -> VerifyProblem | None:
+    """What is wrong with ``data``, read as ``rel``, or None if it is what ``span`` records."""
     kind: ProblemKind
-    size = sum(len(v) for v in views)
+    size = len(data)
     if size != span.size:
         kind = "short" if size < span.size else "long"
         return VerifyProblem(rel, span.key, kind, f"{span.size} bytes", f"{size} bytes")
@@ -443,8 +544,7 @@ def _problem(rel: str, span: Span, views: list[memoryview]) -> VerifyProblem | N
         return None
     algorithm, _, digest = span.checksum.partition(":")
     hasher = new_hasher(algorithm)
-    for view in views:
-        hasher.update(view)
+    hasher.update(data)
     found = hasher.hexdigest()
     if found == digest:
         return None

@@ -19,6 +19,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -46,6 +47,8 @@ from tdckpt.schema import MANIFEST_NAME
 from tdckpt.warnings import TdckptWarning
 
 __all__ = [
+    "Admitted",
+    "admit",
     "load_local",
     "load_memmap",
     "load_memmap_",
@@ -141,6 +144,84 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+@dataclass
+class Admitted:
+    """A prefix opened and validated as a restore reads it, nothing mapped yet.
+
+    :func:`admit` makes one; :func:`load_local` (``opened=``) restores from it without
+    reading the prefix again, and closes it. ``from_lane``: read by the current-form lane
+    (its tree holds TensorDict levels and tensors only). ``identity``: what the prefix named
+    when it was opened (a restore that fails because it was replaced reads it again).
+    """
+
+    opened: OpenedCheckpoint
+    from_lane: bool
+    identity: _Identity | None
+
+    def close(self) -> None:
+        self.opened.close()
+
+
+def admit(
+    prefix: str | os.PathLike[str] | Storage,
+    *,
+    robust_key: bool | None,
+    manifest_checked: bool = False,
+) -> Admitted:
+    """Open and validate ``prefix`` as a restore does, mapping nothing.
+
+    The current-form lane first (``robust_key=True`` on a directory), else the general read
+    with leaf files listed without a stat (their sizes are checked when mapped). A
+    checkpoint with problems is refused, every problem listed.
+
+    Raises:
+        ValidationError: the checkpoint has problems (all listed, as ``tdckpt validate``).
+    """
+    identity = _identity(prefix)
+    if robust_key is True and not isinstance(prefix, Storage):
+        opened = open_current(prefix, robust_key=robust_key, manifest_checked=manifest_checked)
+        if opened is not None:  # TensorDict levels and tensors only: nothing pickled
+            return Admitted(opened, True, identity)
+    opened = _open_valid(
+        prefix,
+        robust_key=robust_key,
+        defer_leaf_sizes=not isinstance(prefix, Storage),
+        manifest_checked=manifest_checked,
+    )
+    return Admitted(opened, False, identity)
+
+
+def _open_valid(
+    prefix: str | os.PathLike[str] | Storage,
+    *,
+    robust_key: bool | None,
+    defer_leaf_sizes: bool,
+    manifest_checked: bool,
+) -> OpenedCheckpoint:
+    """The general read of ``prefix``, refused (every problem listed) unless it is valid."""
+    opened = open_checkpoint(
+        prefix,
+        robust_key=robust_key,
+        defer_leaf_sizes=defer_leaf_sizes,
+        manifest_checked=manifest_checked,
+    )
+    if defer_leaf_sizes and (opened.root is None or (opened.problems and opened.errors)):
+        # Refused: read it again with every size listed, so that the error lists short
+        # leaves too (every problem at once, as `tdckpt validate` reports them).
+        opened.close()
+        opened = open_checkpoint(prefix, robust_key=robust_key, manifest_checked=manifest_checked)
+    if opened.root is None or (opened.problems and opened.errors):
+        opened.close()
+        validation = ValidationReport(
+            prefix=opened.prefix,
+            problems=opened.problems,
+            generation=opened.generation,
+            key_encoding=opened.key_encoding,
+        )
+        raise ValidationError(_format_errors(opened), report=validation, prefix=opened.prefix)
+    return opened
+
+
 def open_for_restore(
     prefix: str | os.PathLike[str] | Storage,
     *,
@@ -159,27 +240,27 @@ def open_for_restore(
     it did goes into ``report``). The caller closes ``opened``; on any error it is closed
     here.
     """
-    opened = open_checkpoint(
+    opened = _open_valid(
         prefix,
         robust_key=robust_key,
         defer_leaf_sizes=defer_leaf_sizes,
         manifest_checked=manifest_checked,
     )
-    if defer_leaf_sizes and (opened.root is None or (opened.problems and opened.errors)):
-        # Refused: read it again with every size listed, so that the error lists short
-        # leaves too (every problem at once, as `tdckpt validate` reports them).
-        opened.close()
-        opened = open_checkpoint(prefix, robust_key=robust_key, manifest_checked=manifest_checked)
+    return opened, _policy(opened, allow_pickle, selection, strict, report)
+
+
+def _policy(
+    opened: OpenedCheckpoint,
+    allow_pickle: bool | None,
+    selection: Selection | None,
+    strict: bool,
+    report: RestoreReport | None,
+) -> bool:
+    """Prune ``opened`` to ``selection`` and apply the pickle policy: whether to unpickle.
+    On any error ``opened`` is closed."""
     try:
-        if opened.root is None or (opened.problems and opened.errors):
-            validation = ValidationReport(
-                prefix=opened.prefix,
-                problems=opened.problems,
-                generation=opened.generation,
-                key_encoding=opened.key_encoding,
-            )
-            raise ValidationError(_format_errors(opened), report=validation, prefix=opened.prefix)
         _select(opened, selection, strict, report)
+        assert opened.root is not None
         pickled = [
             (n.key, n.pickle.source or n.path) for n in pickled_nodes(opened.root) if n.pickle
         ]
@@ -197,7 +278,7 @@ def open_for_restore(
     except BaseException:
         opened.close()
         raise
-    return opened, bool(pickled)
+    return bool(pickled)
 
 
 def _select(
@@ -319,35 +400,41 @@ def load_local(
     selection: Selection | None = None,
     strict: bool = True,
     report: RestoreReport | None = None,
+    opened: Admitted | None = None,
 ) -> Any:
     """:func:`load_memmap` of a local prefix (arguments already checked).
 
     ``manifest_checked``: the caller validated the prefix's manifest (see
     :func:`open_checkpoint`). ``selection``: the keys to restore; what it kept and left out
-    is recorded into ``report``.
+    is recorded into ``report``. ``opened``: ``prefix`` already opened and validated by
+    :func:`admit` (with the same ``robust_key`` and ``manifest_checked``): restored from as
+    it is, not read again (only a read that fails reads ``prefix`` again, as any restore
+    does); closed here.
     """
     dev = torch.device(device) if device is not None else None
     reading = _Reading(prefix, robust_key, allow_pickle, manifest_checked, selection, strict)
+    reading.given = opened
     if report is not None:
         reading.report = report
     with gc_paused():
         while True:  # inline: warnings keep their stack level
             try:
-                opened, unpickle = reading.open()
+                current, unpickle = reading.open()
                 try:
-                    assert opened.root is not None
-                    check_map_budget(opened, dev)
+                    assert current.root is not None
+                    check_map_budget(current, dev)
                     if dev is None or dev.type != "meta":
-                        _read_ahead(opened)
-                    builder = Builder(opened, Mapper(opened.storage, mode, dev), unpickle)  # type: ignore[arg-type]
+                        _read_ahead(current)
+                    mapper = Mapper(current.storage, mode, dev)  # type: ignore[arg-type]
+                    builder = Builder(current, mapper, unpickle)
                     try:
-                        return builder.build(opened.root)
+                        return builder.build(current.root)
                     except (TdckptError, MemoryError) as exc:
-                        del builder  # what was mapped so far is freed before it is counted
-                        refuse_if_out_of_mappings(opened, dev, exc)
+                        del builder, mapper  # what was mapped so far is freed before it is counted
+                        refuse_if_out_of_mappings(current, dev, exc)
                         raise
                 finally:
-                    opened.close()
+                    current.close()
             except TdckptError:
                 if not reading.again():
                     raise
@@ -396,43 +483,50 @@ class _Reading:
         self.identity: _Identity | None = None
         self.opened: OpenedCheckpoint | None = None
         self.from_lane = False
+        #: the prefix as :func:`admit` opened it, taken by the first read
+        self.given: Admitted | None = None
 
     def open(self) -> tuple[OpenedCheckpoint, bool]:
         """Read and validate the prefix: (opened, may_unpickle). The caller closes it."""
-        self.identity = _identity(self.prefix)
-        self.opened = None
-        self.from_lane = False
-        if self.lane:
-            assert not isinstance(self.prefix, Storage)
-            opened = open_current(
+        given, self.given = self.given, None
+        if given is not None:
+            self.identity, self.opened, self.from_lane = given.identity, None, given.from_lane
+            opened = given.opened
+        else:
+            self.identity = _identity(self.prefix)
+            self.opened = None
+            self.from_lane = False
+            opened = None
+            if self.lane:
+                assert not isinstance(self.prefix, Storage)
+                opened = open_current(
+                    self.prefix,
+                    robust_key=self.robust_key,
+                    manifest_checked=self.manifest_checked,
+                    selection=self.selection if _narrows(self.selection) else None,
+                )
+                self.from_lane = opened is not None
+        if opened is not None and self.from_lane:  # TensorDict levels and tensors only
+            self.opened = opened
+            try:
+                _select(opened, self.selection, self.strict, self.report)
+            except BaseException:
+                opened.close()
+                # A pattern that selects nothing is decided by the keys, which the lane
+                # reads as the general read does: final, not read again (the general read
+                # could only add problems outside the selection).
+                self.from_lane = False
+                raise
+            return opened, False  # nothing pickled
+        if opened is None:
+            opened = _open_valid(
                 self.prefix,
                 robust_key=self.robust_key,
+                defer_leaf_sizes=self.defer,
                 manifest_checked=self.manifest_checked,
-                selection=self.selection if _narrows(self.selection) else None,
             )
-            if opened is not None:  # TensorDict levels and tensors only: nothing pickled
-                self.opened, self.from_lane = opened, True
-                try:
-                    _select(opened, self.selection, self.strict, self.report)
-                except BaseException:
-                    opened.close()
-                    # A pattern that selects nothing is decided by the keys, which the lane
-                    # reads as the general read does: final, not read again (the general read
-                    # could only add problems outside the selection).
-                    self.from_lane = False
-                    raise
-                return opened, False
-        opened, unpickle = open_for_restore(
-            self.prefix,
-            robust_key=self.robust_key,
-            allow_pickle=self.allow_pickle,
-            defer_leaf_sizes=self.defer,
-            manifest_checked=self.manifest_checked,
-            selection=self.selection,
-            strict=self.strict,
-            report=self.report,
-        )
         self.opened = opened
+        unpickle = _policy(opened, self.allow_pickle, self.selection, self.strict, self.report)
         return opened, unpickle
 
     def again(self) -> bool:

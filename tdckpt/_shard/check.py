@@ -3,30 +3,39 @@
 The step manifest says which global rows each shard holds; the shards are plain tensordict
 prefixes with metadata of their own (a ``meta.json`` per level, or - in a step the manifest
 records as ``layout="consolidated"`` - one consolidated data file per shard, whose layout is
-checked too). Nothing a restore returns may rest on the manifest
-alone: :func:`check_shards` reads every shard's validated metadata (no leaf is mapped, no
-value unpickled; ``build.StructureBuilder`` builds ``device="meta"`` stand-ins) and
-refuses, naming the shard's file and the key, a shard whose real row count is not the rows
-the manifest gives it, whose dims after dim 0 are not the manifest's, or whose keys, dtypes
-or shapes differ from shard 0's; and a replicated entry that the replicated prefix does not
+checked too). Nothing a restore returns may rest on the manifest alone: :func:`open_checked`
+opens every shard once, as a restore opens it, and reads its validated metadata (no leaf is
+mapped, no value unpickled; a shard of TensorDict levels and tensors is described from its
+nodes, any other by ``build.StructureBuilder``'s ``device="meta"`` stand-ins). It refuses,
+naming the shard's file and the key, a shard whose real row count is not the rows the
+manifest gives it, whose dims after dim 0 are not the manifest's, or whose keys, dtypes or
+shapes differ from shard 0's; and a replicated entry that the replicated prefix does not
 hold. Rows shifted in the manifest would otherwise give the wrong rows silently, a huge
 batch size would "restore", and shards that disagree would be promoted or raise
 tensordict's bare KeyError.
 
 Every shard is checked, not only those whose rows are read: the global row numbers of a
-shard rest on every shard before it. The cost is one metadata read per shard.
+shard rest on every shard before it. The cost is one metadata read per shard. The shards a
+restore reads stay open (:class:`CheckedShards`), and the restore maps them as checked: their
+metadata is read once, and a shard whose files are replaced after the check is not read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tdckpt._read.nodes import LeafNode, Node, TensorDictNode
 from tdckpt.errors import MetadataError, TdckptError
 from tdckpt.schema import MANIFEST_NAME, ShardedManifest
 
-__all__ = ["ShardStructure", "check_shards", "shard_problems", "shard_structure"]
+if TYPE_CHECKING:
+    from tdckpt._read.pipeline import OpenedCheckpoint
+    from tdckpt._restore.engine import Admitted
+
+__all__ = ["CheckedShards", "ShardStructure", "check_shards", "open_checked", "shard_problems"]
 
 Key = tuple[str, ...]
 #: ``(kind, dtype, shape after the root's batch dims)`` of a leaf; kind is "tensor" or
@@ -50,38 +59,23 @@ def _root_kind(node: Any) -> str:
     return f"{name} {detail}".strip()
 
 
-def shard_structure(prefix: Path) -> ShardStructure:
-    """The structure of the plain prefix ``prefix`` from its validated metadata.
-
-    Raises:
-        ValidationError: the prefix has problems (all listed), as a restore would raise.
-    """
+def _structure(opened: OpenedCheckpoint) -> ShardStructure:
+    """The structure of a validated prefix: from its nodes alone where it holds TensorDict
+    levels of dense tensors (the usual shard), else from stand-ins built with
+    ``device="meta"`` leaves (``build.StructureBuilder``: nothing read, unpickled or run)."""
+    assert opened.root is not None
+    plain = _plain_structure(opened.root)
+    if plain is not None:
+        return plain
     import torch
 
-    from tdckpt._read.pipeline import open_checkpoint
-    from tdckpt._report import ValidationReport
     from tdckpt._restore.build import StructureBuilder
-    from tdckpt._restore.engine import _format_errors
     from tdckpt._restore.keys import saved_structure
     from tdckpt._restore.plan import Mapper
-    from tdckpt.errors import ValidationError
 
-    opened = open_checkpoint(prefix, robust_key=True)
-    try:
-        if opened.root is None or (opened.problems and opened.errors):
-            report = ValidationReport(
-                prefix=opened.prefix,
-                problems=opened.problems,
-                generation=opened.generation,
-                key_encoding=opened.key_encoding,
-            )
-            raise ValidationError(_format_errors(opened), report=report, prefix=opened.prefix)
-        saved = saved_structure(opened)
-        meta = Mapper(opened.storage, "r", torch.device("meta"))
-        built = StructureBuilder(opened, meta, False).build(opened.root)
-        root = _root_kind(opened.root)
-    finally:
-        opened.close()
+    saved = saved_structure(opened)
+    meta = Mapper(opened.storage, "r", torch.device("meta"))
+    built = StructureBuilder(opened, meta, False).build(opened.root)
     batch = tuple(int(d) for d in getattr(built, "batch_size", ()))
     leaves: dict[Key, Leaf] = {}
     if hasattr(built, "items"):
@@ -93,7 +87,42 @@ def shard_structure(prefix: Path) -> ShardStructure:
                 leaves[k] = ("tensor", str(value.dtype), tuple(value.shape[len(batch) :]))
     for key in saved.opaque:  # non-tensor data of a level that is itself non-tensor
         leaves.setdefault(key, ("non-tensor", "", ()))
-    return ShardStructure(root=root, batch_size=batch, leaves=leaves, keys=frozenset(saved.keys))
+    return ShardStructure(
+        root=_root_kind(opened.root), batch_size=batch, leaves=leaves, keys=frozenset(saved.keys)
+    )
+
+
+def _plain_structure(root: Node) -> ShardStructure | None:
+    """The structure of a tree of TensorDict levels and dense tensors, read off its nodes
+    (what the stand-ins would show, without making one); None for any other tree."""
+    from tdckpt._restore.plan import has_tensordict
+
+    if type(root) is not TensorDictNode or not has_tensordict():
+        return None
+    batch = tuple(root.batch_size)
+    dims = len(batch)
+    leaves: dict[Key, Leaf] = {}
+    keys: set[Key] = set()
+    stack: list[tuple[TensorDictNode, Key]] = [(root, ())]
+    while stack:
+        level, prefix = stack.pop()
+        for name, sub in level.entries.items():
+            key = (*prefix, name)
+            keys.add(key)
+            kind = type(sub)
+            if kind is LeafNode:
+                assert isinstance(sub, LeafNode)
+                if sub.is_nested:
+                    return None
+                leaves[key] = ("tensor", str(sub.dtype), tuple(sub.shape[dims:]))
+            elif kind is TensorDictNode:
+                assert isinstance(sub, TensorDictNode)
+                stack.append((sub, key))
+            else:
+                return None
+    return ShardStructure(
+        root=_root_kind(root), batch_size=batch, leaves=leaves, keys=frozenset(keys)
+    )
 
 
 def _show(key: Key) -> str:
@@ -115,6 +144,42 @@ def _refuse(where: Path, step_path: Path, problem: str, key: Key | None = None) 
     )
 
 
+@dataclass
+class CheckedShards:
+    """The shards of a step, each opened and checked once; those a restore reads kept open.
+
+    ``structures``: each shard's structure, in rank order. ``opened``: the shards kept open
+    (by rank) and ``replicated``, the replicated entries kept open: a restore maps them as
+    they were checked (:func:`~tdckpt._restore.engine.load_local` with ``opened=``), never
+    reading their metadata again. Whatever is not taken is closed by :meth:`close`.
+    """
+
+    structures: list[ShardStructure]
+    opened: dict[int, Admitted] = field(default_factory=dict)
+    replicated: Admitted | None = None
+
+    def take(self, rank: int) -> Admitted | None:
+        """Shard ``rank`` as it was checked (the caller closes it), or None if not kept."""
+        return self.opened.pop(rank, None)
+
+    def take_replicated(self) -> Admitted | None:
+        """The replicated entries as they were checked (the caller closes them)."""
+        rep, self.replicated = self.replicated, None
+        return rep
+
+    def close(self) -> None:
+        held = [*self.opened.values(), *([self.replicated] if self.replicated else [])]
+        self.opened, self.replicated = {}, None
+        for admitted in held:
+            admitted.close()
+
+    def __enter__(self) -> CheckedShards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def check_shards(
     step_path: Path, manifest: ShardedManifest, prefix_of: Any = None
 ) -> list[ShardStructure]:
@@ -122,23 +187,77 @@ def check_shards(
 
     ``prefix_of(prefix)`` gives a shard's folder (default ``step_path / prefix``; the
     restore passes its link-refusing resolver). Returns each shard's structure in rank
-    order.
+    order. Raises as :func:`open_checked`.
+    """
+    with open_checked(step_path, manifest, prefix_of) as checked:
+        return checked.structures
+
+
+def open_checked(
+    step_path: Path,
+    manifest: ShardedManifest,
+    prefix_of: Any = None,
+    *,
+    keep: Collection[int] = (),
+    keep_replicated: bool = False,
+) -> CheckedShards:
+    """Open every shard (and the replicated entries) of ``manifest`` once and check it.
+
+    Each shard is opened and validated as a restore opens it
+    (:func:`~tdckpt._restore.engine.admit`); the shards whose rank is in ``keep`` (and the
+    replicated entries, with ``keep_replicated``) stay open for the restore, the others are
+    closed once checked. ``prefix_of(prefix)``: as :func:`check_shards`. On any error
+    every shard opened so far is closed.
 
     Raises:
         MetadataError: naming the shard's ``meta.json`` and the key that disagrees.
         ValidationError: a shard's own metadata has problems.
         RestoreError, UnsafePathError: a shard folder is missing or not a folder.
     """
+    checked = CheckedShards(structures=[])
+    try:
+        _open_checked(step_path, manifest, prefix_of, set(keep), keep_replicated, checked)
+    except BaseException:
+        checked.close()
+        raise
+    return checked
+
+
+def _open(folder: Path, hold: bool, into: dict[Any, Admitted], slot: Any) -> ShardStructure:
+    """Open and validate ``folder``; its structure. Held in ``into[slot]`` if ``hold``."""
+    from tdckpt._restore.engine import admit
+
+    admitted = admit(folder, robust_key=True)
+    try:
+        got = _structure(admitted.opened)
+    except BaseException:
+        admitted.close()
+        raise
+    if hold:
+        into[slot] = admitted
+    else:
+        admitted.close()
+    return got
+
+
+def _open_checked(
+    step_path: Path,
+    manifest: ShardedManifest,
+    prefix_of: Any,
+    keep: set[int],
+    keep_replicated: bool,
+    checked: CheckedShards,
+) -> None:
     resolve = prefix_of if prefix_of is not None else (lambda p: step_path / p)
     _check_layout(step_path, manifest)
     tail = tuple(manifest.batch_size[1:])
-    structures: list[ShardStructure] = []
+    structures = checked.structures
     first: ShardStructure | None = None
     for shard in manifest.shards:
         folder = resolve(shard.prefix)
         where = _check_shard_layout(folder, manifest.layout, shard.rank, step_path)
         try:
-            got = shard_structure(folder)
+            got = _open(folder, shard.rank in keep, checked.opened, shard.rank)
         except TdckptError as exc:
             if manifest.layout == "consolidated":
                 _check_consolidated(where, shard.rank, step_path, exc)
@@ -176,17 +295,21 @@ def check_shards(
         structures.append(got)
     if manifest.replicated is not None:
         folder = resolve(manifest.replicated.prefix)
-        rep = shard_structure(folder)
+        held: dict[str, Admitted] = {}
+        try:
+            rep = _open(folder, keep_replicated, held, "replicated")
+        finally:
+            checked.replicated = held.get("replicated")
         assert first is not None
         named = [tuple(key) for key in manifest.replicated.keys]
-        for held in sorted(rep.leaves):
-            if not any(held[: len(k)] == k for k in named):
+        for leaf in sorted(rep.leaves):
+            if not any(leaf[: len(k)] == k for k in named):
                 raise _refuse(
                     folder / "meta.json",
                     step_path,
-                    f"the replicated entries hold {_show(held)}, which the step manifest does "
+                    f"the replicated entries hold {_show(leaf)}, which the step manifest does "
                     "not name as replicated",
-                    held,
+                    leaf,
                 )
         for k in named:
             if k not in rep.keys:
@@ -205,7 +328,6 @@ def check_shards(
                     "replace each other",
                     k,
                 )
-    return structures
 
 
 def _check_shard_layout(folder: Path, layout: str, rank: int, step_path: Path) -> Path:
@@ -299,6 +421,8 @@ def _check_layout(step_path: Path, manifest: ShardedManifest) -> None:
 
 
 def _agree(first: ShardStructure, got: ShardStructure, rank: int, where: Path, step: Path) -> None:
+    if got.root == first.root and got.keys == first.keys and got.leaves == first.leaves:
+        return  # the usual answer, in three comparisons; else find what differs, below
     if got.root != first.root:
         raise _refuse(where, step, f"shard {rank} holds a {got.root}, shard 0 a {first.root}")
     missing = sorted(first.keys - got.keys)

@@ -105,21 +105,30 @@ class ShardGroup:
             raise self._fail(phase, exc) from exc
         return out
 
-    def agree(self, operation: str, step: Any, error: BaseException | None = None) -> None:
+    def agree(
+        self,
+        operation: str,
+        step: Any,
+        error: BaseException | None = None,
+        *,
+        payload: Any = None,
+    ) -> list[Any]:
         """Check that every rank called ``operation`` with ``step``, before anything else.
 
-        One ``all_gather`` of ``(operation, step, this rank's error)``. Ranks that called
-        different operations or steps all raise the same :class:`CollectiveError` listing
-        every rank's call; else a rank whose ``error`` is set raises it and the others a
-        CollectiveError naming that rank. Either way, before anything is written or
-        restored.
+        One ``all_gather`` of ``(operation, step, this rank's error, payload)``. Ranks that
+        called different operations or steps all raise the same :class:`CollectiveError`
+        listing every rank's call; else a rank whose ``error`` is set raises it and the
+        others a CollectiveError naming that rank. Either way, before anything is written
+        or restored. Returns every rank's ``payload`` (rank order): what a caller would
+        otherwise exchange in a collective of its own (rank 0's pick of the step, the
+        targets' rows).
         """
         phase = "agree on the operation and step"
         shown: Any = repr(step)[:80]
         if isinstance(step, int) and not isinstance(step, bool):
             shown = step if abs(step) < 10**30 else f"<an int of {step.bit_length()} bits>"
-        mine = (operation, shown, None if error is None else f"{type(error).__name__}: {error}")
-        everyone = self.all_gather(mine, phase)
+        err = None if error is None else f"{type(error).__name__}: {error}"
+        everyone = self.all_gather((operation, shown, err, payload), phase)
         calls = [(str(c[0]), c[1]) for c in everyone]
         if any(call != calls[0] for call in calls):
             listing = ", ".join(f"rank {r}: {op}(step={st})" for r, (op, st) in enumerate(calls))
@@ -133,6 +142,7 @@ class ShardGroup:
                 calls=calls,
             )
         self.settle(operation, step, error, everyone=[c[2] for c in everyone])
+        return [c[3] for c in everyone]
 
     def settle(
         self,

@@ -36,17 +36,25 @@ if TYPE_CHECKING:
 __all__ = ["restore_into_rows", "restore_rows"]
 
 
-def _agreed_step(mgr: ShardSteps, step: int | None) -> int | None:
+def _pick(mgr: ShardSteps, step: int | None) -> int | str | None:
+    """Rank 0's pick of the step to restore (the latest when ``step`` is None), or the error
+    that refused it as ``"Class: message"``; None on the other ranks and outside a group.
+    Exchanged in the :meth:`~tdckpt._shard.group.ShardGroup.agree` that opens the restore
+    (no collective of its own)."""
+    group = mgr.group
+    if group is None or group.rank != 0:
+        return None
+    try:
+        return mgr.resolve(step)[0]
+    except Exception as exc:  # every rank raises the same error in _agreed_step
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _agreed_step(mgr: ShardSteps, step: int | None, agreed: int | str | None) -> int | None:
+    """The step every rank restores: rank 0's pick ``agreed`` (see :func:`_pick`)."""
     group = mgr.group
     if group is None:
         return step
-    picked: int | str | None = None
-    if group.rank == 0:
-        try:
-            picked = mgr.resolve(step)[0]
-        except Exception as exc:  # every rank raises the same error below
-            picked = f"{type(exc).__name__}: {exc}"
-    agreed = group.broadcast(picked, "agree on the step")
     if isinstance(agreed, str):
         if group.rank == 0:
             mgr.resolve(step)  # raise the real error here
@@ -62,7 +70,7 @@ def _agreed_step(mgr: ShardSteps, step: int | None) -> int | None:
             "must restore the same step.",
             step=step,
         )
-    return int(agreed)
+    return None if agreed is None else int(agreed)
 
 
 def _read(
@@ -154,8 +162,8 @@ def restore_rows(
     """
     group = mgr.group
     if group is not None:
-        group.agree("restore", step)
-    step = _agreed_step(mgr, step)
+        (picked, *_) = group.agree("restore", step, payload=_pick(mgr, step))
+        step = _agreed_step(mgr, step, picked)
     rank, world = (group.rank, group.size) if group is not None else (0, 1)
     part: Any = None
     error: BaseException | None = None
@@ -217,13 +225,15 @@ def restore_into_rows(
             f"restore_into of a sharded or collective restore takes td.batch_size[0] rows; "
             f"the target is a {type(td).__name__} without a batch dimension.",
         )
+    mine = int(td.batch_size[0]) if refused is None else 0
+    counts = [mine]
     if group is not None:  # every rank restores the same step, or no target is touched
-        group.agree("restore_into", step, refused)
+        # the targets' rows and rank 0's pick of the step travel with the agreement
+        everyone = group.agree("restore_into", step, refused, payload=(mine, _pick(mgr, step)))
+        counts = [rows for rows, _ in everyone]
+        step = _agreed_step(mgr, step, everyone[0][1])
     elif refused is not None:
         raise refused
-    mine = int(td.batch_size[0])
-    counts = group.all_gather(mine, "gather the targets' rows") if group else [mine]
-    step = _agreed_step(mgr, step)
     rank, world = (group.rank, group.size) if group is not None else (0, 1)
     error: BaseException | None = None
     try:

@@ -23,6 +23,7 @@ from tdckpt.errors import MetadataError, RestoreError, UnsafePathError
 from tdckpt.schema import ShardedManifest, ShardRecord
 
 if TYPE_CHECKING:
+    from tdckpt._restore.engine import Admitted
     from tdckpt._restore.select import RestoreReport, Selection
 
 __all__ = [
@@ -134,25 +135,33 @@ def load_selected(
     *,
     allow_pickle: bool | None,
     mode: str | None,
+    opened: Admitted | None = None,
 ) -> tuple[Any, RestoreReport | None]:
     """One prefix (a shard, the replicated entries, a plain step) restored whole or in part.
 
     With a ``selection`` only its leaves are mapped; a pattern that selects nothing here is
     not an error yet (it may select the replicated entries): see :func:`merge_reports`.
+    ``opened``: ``path`` as :func:`~tdckpt._shard.check.open_checked` opened and checked it
+    (restored from as it is, and closed).
     """
-    from tdckpt._restore.engine import load_memmap
+    from tdckpt._restore.engine import load_local
+    from tdckpt._restore.select import RestoreReport, Selection
 
     if selection is None:
-        return load_memmap(path, robust_key=True, allow_pickle=allow_pickle, mode=mode), None
-    loaded, report = load_memmap(
+        loaded = load_local(
+            path, robust_key=True, allow_pickle=allow_pickle, mode=mode, opened=opened
+        )
+        return loaded, None
+    report = RestoreReport()
+    loaded = load_local(
         path,
         robust_key=True,
         allow_pickle=allow_pickle,
         mode=mode,
-        keys=selection.keys,
-        exclude=selection.exclude,
+        selection=Selection.of_report(selection.keys, selection.exclude, True),
         strict=False,
-        report=True,
+        report=report,
+        opened=opened,
     )
     return loaded, report
 
@@ -229,41 +238,54 @@ def read_rows(
     import torch
 
     from tdckpt._restore.engine import gc_paused
-    from tdckpt._shard.check import check_shards
+    from tdckpt._shard.check import open_checked
 
-    # The manifest's rows, keys and dtypes are checked against every shard first (the
-    # collector paused: its full passes over every shard's metadata cost more than the check).
-    with gc_paused():
-        check_shards(step_path, manifest, lambda prefix: _shard_path(step_path, prefix))
     plan = plan_rows(manifest.shards, start, stop)
     if not plan:  # no rows: the structure, from the first shard
         plan = [(manifest.shards[0], 0, 0)]
-    pieces = []
-    reports: list[RestoreReport | None] = []
-    for shard, lo, hi in plan:
-        loaded, done = load_selected(
-            _shard_path(step_path, shard.prefix), selection, allow_pickle=allow_pickle, mode=mode
+    # The manifest's rows, keys and dtypes are checked against every shard first; the shards
+    # read here stay open, and are mapped as they were checked. The collector is paused
+    # throughout (its full passes over every shard's metadata cost more than the check).
+    with gc_paused():
+        checked = open_checked(
+            step_path,
+            manifest,
+            lambda prefix: _shard_path(step_path, prefix),
+            keep={shard.rank for shard, _, _ in plan},
+            keep_replicated=True,
         )
-        if not reports:  # every shard holds the same keys: one's report says it
-            reports.append(done)
-        _check_loaded_rows(loaded, shard, step_path)
-        whole = lo == 0 and hi == shard.stop - shard.start
-        pieces.append(loaded if whole else loaded[lo:hi])
-        if stats is not None:
-            stats.shards_opened += 1
-            stats.bytes_requested += _leaf_bytes(pieces[-1])
-    out: Any = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
-    if manifest.replicated is not None:
-        rep, done = load_selected(
-            _shard_path(step_path, manifest.replicated.prefix),
-            selection,
-            allow_pickle=allow_pickle,
-            mode=mode,
-        )
-        reports.append(done)
-        present = {(k,) if isinstance(k, str) else k for k in rep.keys(True)}
-        for key in manifest.replicated.keys:
-            if tuple(key) in present:  # a selective restore may have left it out
-                out.set(tuple(key), rep.get(tuple(key)))
+        with checked:
+            pieces = []
+            reports: list[RestoreReport | None] = []
+            for shard, lo, hi in plan:
+                loaded, done = load_selected(
+                    _shard_path(step_path, shard.prefix),
+                    selection,
+                    allow_pickle=allow_pickle,
+                    mode=mode,
+                    opened=checked.take(shard.rank),
+                )
+                if not reports:  # every shard holds the same keys: one's report says it
+                    reports.append(done)
+                _check_loaded_rows(loaded, shard, step_path)
+                whole = lo == 0 and hi == shard.stop - shard.start
+                pieces.append(loaded if whole else loaded[lo:hi])
+                if stats is not None:
+                    stats.shards_opened += 1
+                    stats.bytes_requested += _leaf_bytes(pieces[-1])
+            out: Any = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
+            if manifest.replicated is not None:
+                rep, done = load_selected(
+                    _shard_path(step_path, manifest.replicated.prefix),
+                    selection,
+                    allow_pickle=allow_pickle,
+                    mode=mode,
+                    opened=checked.take_replicated(),
+                )
+                reports.append(done)
+                present = {(k,) if isinstance(k, str) else k for k in rep.keys(True)}
+                for key in manifest.replicated.keys:
+                    if tuple(key) in present:  # a selective restore may have left it out
+                        out.set(tuple(key), rep.get(tuple(key)))
     merge_reports(reports, report, where=step_path, strict=strict)
     return out

@@ -528,10 +528,10 @@ class ObjectStepStore:
             if problems:
                 raise storage.damage(problems[0])
             everything = (f.path for f in record.manifest.files)
-            for rel, views in storage.stream(everything, read_ahead=True):
+            for rel, data in storage.stream(everything, read_ahead=True):
                 (part / "step" / rel).parent.mkdir(parents=True, exist_ok=True)
                 with open(part / "step" / rel, "xb") as fh:
-                    fh.writelines(views)
+                    fh.write(data)
             (part / "step" / MANIFEST_NAME).write_bytes(storage.read_bytes(MANIFEST_NAME))
             try:
                 (part / "step").rename(cached)
