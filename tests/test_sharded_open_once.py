@@ -193,3 +193,32 @@ def test_a_refused_step_leaves_no_shard_open(tmp_path: Path, opens: Opens) -> No
         CheckpointManager(tmp_path).restore(1)
     assert opens.per_prefix() == _shard_prefixes(folder)
     assert not opens.live
+
+
+@pytest.mark.parametrize("batch", [[4], [4, 3]])
+def test_a_plain_shard_s_structure_read_off_its_nodes_is_the_stand_ins(
+    tmp_path: Path, batch: list[int]
+) -> None:
+    """The shard check describes a shard of TensorDict levels and dense tensors from its
+    nodes (no stand-in tensors); that description is the one the stand-ins give, for every
+    dtype, nested levels and batch dims past the rows."""
+    from tdckpt._read.pipeline import open_checkpoint
+    from tdckpt._shard.check import _built_structure, _plain_structure
+
+    dtypes = [torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.bool]
+    td = TensorDict(
+        {f"d{i}": torch.zeros(*batch, 2, dtype=dt) for i, dt in enumerate(dtypes)},
+        batch_size=batch,
+    )
+    td["inner", "deep", "v"] = torch.ones(*batch, 5, 1, dtype=torch.complex64)
+    td["inner", "s"] = torch.zeros(*batch, dtype=torch.int64)
+    td.memmap(tmp_path / "shard")
+    opened = open_checkpoint(tmp_path / "shard", robust_key=True)
+    try:
+        assert opened.root is not None
+        plain = _plain_structure(opened.root)
+        assert plain is not None  # a plain shard: read off its nodes
+        assert plain == _built_structure(opened)
+        assert plain.leaves[("inner", "deep", "v")] == ("tensor", "torch.complex64", (5, 1))
+    finally:
+        opened.close()

@@ -177,18 +177,9 @@ def admit(
     Raises:
         ValidationError: the checkpoint has problems (all listed, as ``tdckpt validate``).
     """
-    identity = _identity(prefix)
-    if robust_key is True and not isinstance(prefix, Storage):
-        opened = open_current(prefix, robust_key=robust_key, manifest_checked=manifest_checked)
-        if opened is not None:  # TensorDict levels and tensors only: nothing pickled
-            return Admitted(opened, True, identity)
-    opened = _open_valid(
-        prefix,
-        robust_key=robust_key,
-        defer_leaf_sizes=not isinstance(prefix, Storage),
-        manifest_checked=manifest_checked,
-    )
-    return Admitted(opened, False, identity)
+    reading = _Reading(prefix, robust_key, None, manifest_checked)
+    opened = reading.read()
+    return Admitted(opened, reading.from_lane, reading.identity)
 
 
 def _open_valid(
@@ -486,48 +477,50 @@ class _Reading:
         #: the prefix as :func:`admit` opened it, taken by the first read
         self.given: Admitted | None = None
 
-    def open(self) -> tuple[OpenedCheckpoint, bool]:
-        """Read and validate the prefix: (opened, may_unpickle). The caller closes it."""
+    def read(self) -> OpenedCheckpoint:
+        """The prefix opened and validated, not yet pruned: by the lane where it takes it
+        (``from_lane``), else by the general read (refused, every problem listed)."""
         given, self.given = self.given, None
         if given is not None:
-            self.identity, self.opened, self.from_lane = given.identity, None, given.from_lane
-            opened = given.opened
-        else:
-            self.identity = _identity(self.prefix)
-            self.opened = None
-            self.from_lane = False
-            opened = None
-            if self.lane:
-                assert not isinstance(self.prefix, Storage)
-                opened = open_current(
-                    self.prefix,
-                    robust_key=self.robust_key,
-                    manifest_checked=self.manifest_checked,
-                    selection=self.selection if _narrows(self.selection) else None,
-                )
-                self.from_lane = opened is not None
-        if opened is not None and self.from_lane:  # TensorDict levels and tensors only
-            self.opened = opened
-            try:
-                _select(opened, self.selection, self.strict, self.report)
-            except BaseException:
-                opened.close()
-                # A pattern that selects nothing is decided by the keys, which the lane
-                # reads as the general read does: final, not read again (the general read
-                # could only add problems outside the selection).
-                self.from_lane = False
-                raise
-            return opened, False  # nothing pickled
-        if opened is None:
-            opened = _open_valid(
+            self.identity, self.from_lane = given.identity, given.from_lane
+            return given.opened
+        self.identity = _identity(self.prefix)
+        self.from_lane = False
+        if self.lane:
+            assert not isinstance(self.prefix, Storage)
+            opened = open_current(
                 self.prefix,
                 robust_key=self.robust_key,
-                defer_leaf_sizes=self.defer,
                 manifest_checked=self.manifest_checked,
+                selection=self.selection if _narrows(self.selection) else None,
             )
-        self.opened = opened
-        unpickle = _policy(opened, self.allow_pickle, self.selection, self.strict, self.report)
-        return opened, unpickle
+            if opened is not None:  # TensorDict levels and tensors only
+                self.from_lane = True
+                return opened
+        return _open_valid(
+            self.prefix,
+            robust_key=self.robust_key,
+            defer_leaf_sizes=self.defer,
+            manifest_checked=self.manifest_checked,
+        )
+
+    def open(self) -> tuple[OpenedCheckpoint, bool]:
+        """Read and validate the prefix: (opened, may_unpickle). The caller closes it."""
+        self.opened = None  # until this read succeeds (again() looks at it)
+        opened = self.opened = self.read()
+        if not self.from_lane:
+            unpickle = _policy(opened, self.allow_pickle, self.selection, self.strict, self.report)
+            return opened, unpickle
+        try:
+            _select(opened, self.selection, self.strict, self.report)
+        except BaseException:
+            opened.close()
+            # A pattern that selects nothing is decided by the keys, which the lane reads as
+            # the general read does: final, not read again (the general read could only add
+            # problems outside the selection).
+            self.from_lane = False
+            raise
+        return opened, False  # nothing pickled
 
     def again(self) -> bool:
         """After a TdckptError: whether to read again (else the caller raises it)."""

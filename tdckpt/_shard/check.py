@@ -61,12 +61,15 @@ def _root_kind(node: Any) -> str:
 
 def _structure(opened: OpenedCheckpoint) -> ShardStructure:
     """The structure of a validated prefix: from its nodes alone where it holds TensorDict
-    levels of dense tensors (the usual shard), else from stand-ins built with
-    ``device="meta"`` leaves (``build.StructureBuilder``: nothing read, unpickled or run)."""
+    levels of dense tensors (the usual shard), else from stand-ins."""
     assert opened.root is not None
-    plain = _plain_structure(opened.root)
-    if plain is not None:
-        return plain
+    return _plain_structure(opened.root) or _built_structure(opened)
+
+
+def _built_structure(opened: OpenedCheckpoint) -> ShardStructure:
+    """The structure of a validated prefix from stand-ins built with ``device="meta"``
+    leaves (``build.StructureBuilder``: nothing read, unpickled or run): any tree."""
+    assert opened.root is not None
     import torch
 
     from tdckpt._restore.build import StructureBuilder
@@ -223,8 +226,9 @@ def open_checked(
     return checked
 
 
-def _open(folder: Path, hold: bool, into: dict[Any, Admitted], slot: Any) -> ShardStructure:
-    """Open and validate ``folder``; its structure. Held in ``into[slot]`` if ``hold``."""
+def _open(folder: Path, hold: bool) -> tuple[Admitted | None, ShardStructure]:
+    """Open and validate ``folder``: (the opened prefix if ``hold``, else None: closed; its
+    structure)."""
     from tdckpt._restore.engine import admit
 
     admitted = admit(folder, robust_key=True)
@@ -233,11 +237,9 @@ def _open(folder: Path, hold: bool, into: dict[Any, Admitted], slot: Any) -> Sha
     except BaseException:
         admitted.close()
         raise
-    if hold:
-        into[slot] = admitted
-    else:
+    if not hold:
         admitted.close()
-    return got
+    return (admitted if hold else None), got
 
 
 def _open_checked(
@@ -257,11 +259,13 @@ def _open_checked(
         folder = resolve(shard.prefix)
         where = _check_shard_layout(folder, manifest.layout, shard.rank, step_path)
         try:
-            got = _open(folder, shard.rank in keep, checked.opened, shard.rank)
+            admitted, got = _open(folder, shard.rank in keep)
         except TdckptError as exc:
             if manifest.layout == "consolidated":
                 _check_consolidated(where, shard.rank, step_path, exc)
             raise
+        if admitted is not None:
+            checked.opened[shard.rank] = admitted
         if not got.batch_size:
             raise _refuse(
                 where,
@@ -295,11 +299,7 @@ def _open_checked(
         structures.append(got)
     if manifest.replicated is not None:
         folder = resolve(manifest.replicated.prefix)
-        held: dict[str, Admitted] = {}
-        try:
-            rep = _open(folder, keep_replicated, held, "replicated")
-        finally:
-            checked.replicated = held.get("replicated")
+        checked.replicated, rep = _open(folder, keep_replicated)
         assert first is not None
         named = [tuple(key) for key in manifest.replicated.keys]
         for leaf in sorted(rep.leaves):
