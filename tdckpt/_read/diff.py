@@ -35,7 +35,6 @@ from tdckpt._read.nodes import (
 )
 from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
 from tdckpt._read.storage import MAX_JSON_BYTES
-from tdckpt._report import ValidationReport
 from tdckpt.errors import ValidationError
 
 __all__ = ["DiffEntry", "DiffReport", "diff", "key_text"]
@@ -201,12 +200,7 @@ class _opened:
         opened = open_checkpoint(self.prefix, robust_key=self.robust_key)
         if opened.errors or opened.root is None:
             opened.close()
-            report = ValidationReport(
-                prefix=opened.prefix,
-                problems=opened.problems,
-                generation=opened.generation,
-                key_encoding=opened.key_encoding,
-            )
+            report = opened.validation_report()
             first = report.errors[0] if report.errors else None
             raise ValidationError(
                 f"{opened.prefix}: cannot be compared: {len(report.errors)} error(s), the "

@@ -25,7 +25,7 @@ from tdckpt._read.opener import open_storage
 from tdckpt._read.storage import Storage
 from tdckpt._read.tree import VDir, VFile, read_tree
 from tdckpt._read.validate import build_nodes
-from tdckpt._report import Problem
+from tdckpt._report import Problem, ValidationReport
 from tdckpt.errors import TdckptError
 
 __all__ = ["OpenedCheckpoint", "open_checkpoint", "read_manifest"]
@@ -59,6 +59,15 @@ class OpenedCheckpoint:
     @property
     def errors(self) -> list[Problem]:
         return [p for p in self.problems if p.severity == "error"]
+
+    def validation_report(self) -> ValidationReport:
+        """What reading found, as ``tdckpt validate`` reports it."""
+        return ValidationReport(
+            prefix=self.prefix,
+            problems=self.problems,
+            generation=self.generation,
+            key_encoding=self.key_encoding,
+        )
 
     def close(self) -> None:
         self.storage.close()

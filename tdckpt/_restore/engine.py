@@ -32,7 +32,6 @@ from tdckpt._read.object_storage import open_source
 from tdckpt._read.pipeline import OpenedCheckpoint, open_checkpoint
 from tdckpt._read.storage import MapMode, Storage
 from tdckpt._remote.urls import is_url
-from tdckpt._report import ValidationReport
 from tdckpt._restore.apply import restore_into_target
 from tdckpt._restore.budget import check_map_budget, leaf_sources, refuse_if_out_of_mappings
 from tdckpt._restore.build import Builder
@@ -203,13 +202,9 @@ def _open_valid(
         opened = open_checkpoint(prefix, robust_key=robust_key, manifest_checked=manifest_checked)
     if opened.root is None or (opened.problems and opened.errors):
         opened.close()
-        validation = ValidationReport(
-            prefix=opened.prefix,
-            problems=opened.problems,
-            generation=opened.generation,
-            key_encoding=opened.key_encoding,
+        raise ValidationError(
+            _format_errors(opened), report=opened.validation_report(), prefix=opened.prefix
         )
-        raise ValidationError(_format_errors(opened), report=validation, prefix=opened.prefix)
     return opened
 
 
