@@ -2,8 +2,8 @@
 
     spawn_ranks(command, world, args)   # from a test
 
-starts ``world`` ranks (forkserver children), each joins a gloo group on 127.0.0.1 and a
-free port, runs <command> and writes ``{"ok": ...}`` or
+starts ``world`` ranks (forkserver children), each joins a gloo group through the test
+process's TCP store on 127.0.0.1 (it outlives every rank), runs <command> and writes ``{"ok": ...}`` or
 ``{"error": [type, message]}`` to ``<args.out>/rank<rank>.json``. ``args["manager"]``: more
 keyword arguments of each rank's CheckpointManager (e.g. ``{"layout": "consolidated"}``).
 The cases' global TensorDicts (:func:`make_case`) are deterministic, so the test process
@@ -138,9 +138,10 @@ def rank_main(command: str, rank: int, world: int, port: int, args: dict[str, An
 
     result: dict[str, Any]
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
+        # The rendezvous store is the parent's (spawn_ranks): it outlives every rank, so a
+        # rank that is done may exit while a peer still joins a group through it.
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         mgr = CheckpointManager(
             args["root"], timeout=args.get("timeout", 60), **args.get("manager", {})
         )
@@ -166,14 +167,6 @@ def _command(command: str) -> Any:
     return COMMANDS[command]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 _CTX: Any = None
 
 
@@ -196,7 +189,10 @@ def spawn_ranks(
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.json"):
         old.unlink()
-    port = free_port()
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [
         _CTX.Process(target=rank_main, args=(command, r, world, port, args), daemon=True)
         for r in range(world)
