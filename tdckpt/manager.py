@@ -51,7 +51,7 @@ from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
 from tdckpt._progress import ProgressArg, progress_bar
 from tdckpt._shard.group import DEFAULT_TIMEOUT as _SHARD_TIMEOUT
-from tdckpt._shard.group import resolve_group
+from tdckpt._shard.group import resolve_group, wants_group
 from tdckpt._state import holds_live_objects, is_state_mapping, to_tensordict
 from tdckpt._store import StepRecord, StepStore, open_step_store
 from tdckpt._write import atomic as _atomic
@@ -249,10 +249,10 @@ class CheckpointManager:
         # One write (save, retention, gc) at a time within this process.
         self._writing = threading.Lock()
         self._in_use: Counter[int] = Counter()
-        timeout = _SHARD_TIMEOUT if timeout is None else timeout
-        # None: a single-process manager
-        self._shard = resolve_group(group, timeout) if caps.collective else None
-        if self._shard is not None and self.archive:
+        # The arguments are refused before the group is made (a collective): every rank
+        # refuses alike, and no group is left behind by a manager that never was.
+        collective = caps.collective and wants_group(group)
+        if collective and self.archive:
             raise ValueError("a collective manager saves sharded steps as folders: archive=False")
         if self.layout == "consolidated" and self.archive:
             raise ValueError(
@@ -263,6 +263,9 @@ class CheckpointManager:
         self.incremental = check_incremental(
             incremental, where=str(self.root), archive=self.archive, layout=self.layout
         )
+        timeout = _SHARD_TIMEOUT if timeout is None else timeout
+        # None: a single-process manager
+        self._shard = resolve_group(group, timeout) if collective else None
         # save_async: one save in flight on one background thread, staged into buffers
         # reused across saves (tdckpt._manage.background, tdckpt._write.snapshot).
         self._background = BackgroundSaver(self.root)

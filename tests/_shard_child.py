@@ -3,9 +3,10 @@
     spawn_ranks(command, world, args)   # from a test
 
 starts ``world`` ranks (forkserver children), each joins a gloo group through the test
-process's TCP store on 127.0.0.1 (it outlives every rank), runs <command> and writes ``{"ok": ...}`` or
-``{"error": [type, message]}`` to ``<args.out>/rank<rank>.json``. ``args["manager"]``: more
-keyword arguments of each rank's CheckpointManager (e.g. ``{"layout": "consolidated"}``).
+process's TCP store on 127.0.0.1 (it outlives every rank), runs <command> and writes
+``{"ok": ...}`` or ``{"error": [type, message]}`` to ``<args.out>/rank<rank>.json``.
+``args["manager"]``: more keyword arguments of each rank's CheckpointManager (e.g.
+``{"layout": "consolidated"}``).
 The cases' global TensorDicts (:func:`make_case`) are deterministic, so the test process
 rebuilds the same reference and every rank cuts its own shard from it.
 
@@ -444,6 +445,16 @@ def cmd_close(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
         w.save(1, shard_of("nested", world, rank))
         pg = w.tdckpt_group
     out["with_freed"] = pg not in c10d._world.pg_map
+    groups = len(c10d._world.pg_map)
+    out["refused"] = [
+        _outcome(lambda: CheckpointManager(Path(args["root"]) / "b1", archive=True)),
+        _outcome(
+            lambda: CheckpointManager(
+                Path(args["root"]) / "b2", layout="consolidated", incremental=True
+            )
+        ),
+    ]
+    out["refused_groups"] = len(c10d._world.pg_map) - groups
     return out
 
 

@@ -68,6 +68,11 @@ def test_close_frees_the_managers_own_group_only(tmp_path: Path) -> None:
         assert out["after"] == out["before"], (rank, out)
         assert out["given_kept"] and out["given_works"], (rank, out)
         assert out["with_freed"], (rank, out)
+        # arguments a collective manager refuses are refused before it makes a group
+        assert [kind for kind, _ in out["refused"]] == ["ValueError", "ValueError"], out
+        assert "archive=False" in out["refused"][0][1], out
+        assert "incremental" in out["refused"][1][1], out
+        assert out["refused_groups"] == 0, (rank, out)
         for what in ("after_close", "restore_after_close"):
             kind, message = out[what]
             assert kind == "CollectiveError", (rank, what, out[what])

@@ -20,7 +20,7 @@ from typing import Any
 
 from tdckpt.errors import CollectiveError, TdckptError
 
-__all__ = ["DEFAULT_TIMEOUT", "ShardGroup", "rank0_refusal", "resolve_group"]
+__all__ = ["DEFAULT_TIMEOUT", "ShardGroup", "rank0_refusal", "resolve_group", "wants_group"]
 
 #: Seconds a collective of the save or restore protocol waits for the other ranks (the
 #: slowest rank's shard write happens inside one of them).
@@ -189,6 +189,34 @@ class ShardGroup:
             dist.destroy_process_group(self.pg)
 
 
+def wants_group(group: Any) -> bool:
+    """Whether :func:`resolve_group` makes a group for ``group``, decided with no
+    collective (alike on every rank): a manager refuses its arguments before making one.
+
+    Raises:
+        CollectiveError: ``group`` given while torch.distributed is not initialized.
+    """
+    if group is False:  # explicitly a single-process manager, even under torch.distributed
+        return False
+    try:
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+    except ImportError:  # pragma: no cover - torch without distributed support
+        initialized = False
+    if group is None and not initialized:
+        return False
+    if not initialized:
+        raise CollectiveError(
+            f"group={group!r} was given but torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group first, or pass group=None for a "
+            "single-process manager.",
+            rank=None,
+            phase="init",
+        )
+    return True
+
+
 def resolve_group(group: Any, timeout: float) -> ShardGroup | None:
     """The manager's ShardGroup: None unless torch.distributed is initialized or ``group``.
 
@@ -201,23 +229,10 @@ def resolve_group(group: Any, timeout: float) -> ShardGroup | None:
     Raises:
         CollectiveError: ``group`` given while torch.distributed is not initialized.
     """
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch without distributed support
-        dist = None  # type: ignore[assignment]
-    if group is False:  # explicitly a single-process manager, even under torch.distributed
+    if not wants_group(group):
         return None
-    initialized = dist is not None and dist.is_available() and dist.is_initialized()
-    if group is None and not initialized:
-        return None
-    if not initialized:
-        raise CollectiveError(
-            f"group={group!r} was given but torch.distributed is not initialized; call "
-            "torch.distributed.init_process_group first, or pass group=None for a "
-            "single-process manager.",
-            rank=None,
-            phase="init",
-        )
+    import torch.distributed as dist
+
     if not (isinstance(timeout, (int, float)) and 0 < timeout < 10**7):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     delta = datetime.timedelta(seconds=float(timeout))
