@@ -15,7 +15,9 @@ batch size would "restore", and shards that disagree would be promoted or raise
 tensordict's bare KeyError.
 
 Every shard is checked, not only those whose rows are read: the global row numbers of a
-shard rest on every shard before it. The cost is one metadata read per shard. The shards a
+shard rest on every shard before it. The cost is one metadata read per shard - per group
+in a collective restore, where the ranks share the check out (:class:`SplitCheck`) and
+compare what they found in the all_gather that closes the restore. The shards a
 restore reads stay open (:class:`CheckedShards`), and the restore maps them as checked: their
 metadata is read once, and a shard whose files are replaced after the check is not read.
 """
@@ -35,7 +37,15 @@ if TYPE_CHECKING:
     from tdckpt._read.pipeline import OpenedCheckpoint
     from tdckpt._restore.engine import Admitted
 
-__all__ = ["CheckedShards", "ShardStructure", "check_shards", "open_checked", "shard_problems"]
+__all__ = [
+    "CheckedShards",
+    "ShardStructure",
+    "SplitCheck",
+    "check_shards",
+    "open_checked",
+    "shard_problems",
+    "structure_digest",
+]
 
 Key = tuple[str, ...]
 #: ``(kind, dtype, shape after the root's batch dims)`` of a leaf; kind is "tensor" or
@@ -183,6 +193,55 @@ class CheckedShards:
         self.close()
 
 
+@dataclass
+class SplitCheck:
+    """A collective restore's share of the shard check.
+
+    Alone, a reader checks every shard. In a group of ``world`` ranks, rank ``rank`` checks
+    the shards it reads and each shard ``i`` with ``i % world == rank``: every shard is still
+    checked (rows, trailing dims, its own metadata) by some rank, and each shard's metadata
+    is read about once per group instead of once per rank. Whether the shards agree with one
+    another is then decided across the ranks: ``digest`` sums up the structure this rank's
+    shards share, and the restore's closing all_gather compares every rank's
+    :meth:`outcome`. Where a rank's check ``refused`` a shard or the digests differ, every
+    rank checks every shard (:func:`check_shards`) and raises the same error, naming the
+    shard and key - as when each rank checked every shard itself.
+    """
+
+    rank: int
+    world: int
+    digest: str | None = None
+    refused: bool = False
+
+    def wants(self, index: int) -> bool:
+        """Whether this rank checks the shard at ``index`` (besides those it reads)."""
+        return index % self.world == self.rank
+
+    def outcome(self) -> tuple[bool, str | None]:
+        """What this rank's share of the check found, for the ranks to compare."""
+        return self.refused, self.digest
+
+    @staticmethod
+    def settled(outcomes: list[Any]) -> bool:
+        """Whether the ranks' :meth:`outcome` values show every shard checked and alike:
+        no rank refused one, and every digest (None: a rank that checked none) is one."""
+        digests = {digest for _, digest in outcomes if digest is not None}
+        return not any(refused for refused, _ in outcomes) and len(digests) <= 1
+
+
+def structure_digest(structure: ShardStructure) -> str:
+    """What every shard of a step must share (all but its row count), as one string."""
+    import hashlib
+
+    shared = (
+        structure.root,
+        structure.batch_size[1:],
+        sorted(structure.leaves.items()),
+        sorted(structure.keys),
+    )
+    return hashlib.sha256(repr(shared).encode()).hexdigest()
+
+
 def check_shards(
     step_path: Path, manifest: ShardedManifest, prefix_of: Any = None
 ) -> list[ShardStructure]:
@@ -203,14 +262,17 @@ def open_checked(
     *,
     keep: Collection[int] = (),
     keep_replicated: bool = False,
+    split: SplitCheck | None = None,
 ) -> CheckedShards:
     """Open every shard (and the replicated entries) of ``manifest`` once and check it.
 
     Each shard is opened and validated as a restore opens it
     (:func:`~tdckpt._restore.engine.admit`); the shards whose rank is in ``keep`` (and the
     replicated entries, with ``keep_replicated``) stay open for the restore, the others are
-    closed once checked. ``prefix_of(prefix)``: as :func:`check_shards`. On any error
-    every shard opened so far is closed.
+    closed once checked. ``prefix_of(prefix)``: as :func:`check_shards`. ``split``: in a
+    group, only this rank's share of the shards is checked (see :class:`SplitCheck`), and
+    the digest of their structure left in it. On any error every shard opened so far is
+    closed.
 
     Raises:
         MetadataError: naming the shard's ``meta.json`` and the key that disagrees.
@@ -219,7 +281,7 @@ def open_checked(
     """
     checked = CheckedShards(structures=[])
     try:
-        _open_checked(step_path, manifest, prefix_of, set(keep), keep_replicated, checked)
+        _open_checked(step_path, manifest, prefix_of, set(keep), keep_replicated, checked, split)
     except BaseException:
         checked.close()
         raise
@@ -249,13 +311,17 @@ def _open_checked(
     keep: set[int],
     keep_replicated: bool,
     checked: CheckedShards,
+    split: SplitCheck | None = None,
 ) -> None:
     resolve = prefix_of if prefix_of is not None else (lambda p: step_path / p)
     _check_layout(step_path, manifest)
     tail = tuple(manifest.batch_size[1:])
     structures = checked.structures
     first: ShardStructure | None = None
-    for shard in manifest.shards:
+    first_rank = 0
+    for index, shard in enumerate(manifest.shards):
+        if split is not None and shard.rank not in keep and not split.wants(index):
+            continue  # another rank of the group checks it
         folder = resolve(shard.prefix)
         where = _check_shard_layout(folder, manifest.layout, shard.rank, step_path)
         try:
@@ -293,10 +359,12 @@ def _open_checked(
                 "manifest says [rows]",
             )
         if first is None:
-            first = got
+            first, first_rank = got, shard.rank
         else:
-            _agree(first, got, shard.rank, where, step_path)
+            _agree(first, got, shard.rank, where, step_path, first_rank)
         structures.append(got)
+    if split is not None and first is not None:
+        split.digest = structure_digest(first)
     if manifest.replicated is not None:
         folder = resolve(manifest.replicated.prefix)
         checked.replicated, rep = _open(folder, keep_replicated)
@@ -322,10 +390,10 @@ def _open_checked(
                 )
             if k in first.keys:
                 raise _refuse(
-                    resolve(manifest.shards[0].prefix) / "meta.json",
+                    resolve(manifest.shards[first_rank].prefix) / "meta.json",
                     step_path,
-                    f"the replicated entry {_show(k)} is also in shard 0: the two would "
-                    "replace each other",
+                    f"the replicated entry {_show(k)} is also in shard {first_rank}: the two "
+                    "would replace each other",
                     k,
                 )
 
@@ -420,17 +488,20 @@ def _check_layout(step_path: Path, manifest: ShardedManifest) -> None:
         )
 
 
-def _agree(first: ShardStructure, got: ShardStructure, rank: int, where: Path, step: Path) -> None:
+def _agree(
+    first: ShardStructure, got: ShardStructure, rank: int, where: Path, step: Path, of: int = 0
+) -> None:
+    """Refuse shard ``rank`` (structure ``got``) unless it holds what shard ``of`` does."""
     if got.root == first.root and got.keys == first.keys and got.leaves == first.leaves:
         return  # the usual answer, in three comparisons; else find what differs, below
     if got.root != first.root:
-        raise _refuse(where, step, f"shard {rank} holds a {got.root}, shard 0 a {first.root}")
+        raise _refuse(where, step, f"shard {rank} holds a {got.root}, shard {of} a {first.root}")
     missing = sorted(first.keys - got.keys)
     if missing:
         raise _refuse(
             where,
             step,
-            f"shard {rank} has no key {_show(missing[0])}, which shard 0 has",
+            f"shard {rank} has no key {_show(missing[0])}, which shard {of} has",
             missing[0],
         )
     extra = sorted(got.keys - first.keys)
@@ -438,7 +509,7 @@ def _agree(first: ShardStructure, got: ShardStructure, rank: int, where: Path, s
         raise _refuse(
             where,
             step,
-            f"shard {rank} has the key {_show(extra[0])}, which shard 0 has not",
+            f"shard {rank} has the key {_show(extra[0])}, which shard {of} has not",
             extra[0],
         )
     for key in sorted(first.leaves.keys() | got.leaves.keys()):
@@ -448,7 +519,7 @@ def _agree(first: ShardStructure, got: ShardStructure, rank: int, where: Path, s
                 where,
                 step,
                 f"the key {_show(key)} is {_leaf(b) if b else 'a level'} in shard {rank} and "
-                f"{_leaf(a) if a else 'a level'} in shard 0",
+                f"{_leaf(a) if a else 'a level'} in shard {of}",
                 key,
             )
 

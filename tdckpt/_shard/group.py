@@ -26,6 +26,10 @@ __all__ = ["DEFAULT_TIMEOUT", "ShardGroup", "rank0_refusal", "resolve_group", "w
 #: slowest rank's shard write happens inside one of them).
 DEFAULT_TIMEOUT = 1800.0
 
+#: Bytes of a pickled object that :meth:`ShardGroup.all_gather` sends in its one fixed-size
+#: round (an agreement, an outcome, a digest); larger objects take a second round.
+INLINE_BYTES = 2048
+
 
 @dataclass
 class ShardGroup:
@@ -93,17 +97,46 @@ class ShardGroup:
         return out
 
     def all_gather(self, obj: Any, phase: str) -> list[Any]:
-        """Every rank's ``obj`` on every rank (in rank order)."""
+        """Every rank's ``obj`` on every rank (in rank order).
+
+        One gloo all_gather of a fixed-size buffer carries each rank's pickled ``obj`` and
+        its length, where torch's ``all_gather_object`` always takes two (the sizes, then
+        the data): a restore's agreement and outcome are one round each. An object larger
+        than :data:`INLINE_BYTES` pickled (a save's list of leaves) takes a second round,
+        sized to the largest.
+        """
+        import pickle
+
+        import numpy as np
+        import torch
         import torch.distributed as dist
 
         if self.closed:
             raise self._closed(phase)
-        out: list[Any] = [None] * self.size
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        first = np.zeros(8 + INLINE_BYTES, dtype=np.uint8)
+        first[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
+        inline = data[:INLINE_BYTES]
+        first[8 : 8 + len(inline)] = np.frombuffer(inline, dtype=np.uint8)
         try:
-            dist.all_gather_object(out, obj, group=self.pg)
+            mine = torch.from_numpy(first)
+            got = [torch.empty_like(mine) for _ in range(self.size)]
+            dist.all_gather(got, mine, group=self.pg)
+            rows = [g.numpy() for g in got]
+            sizes = [int.from_bytes(row[:8].tobytes(), "little") for row in rows]
+            longest = max(sizes)
+            if longest <= INLINE_BYTES:
+                blobs = [row[8 : 8 + n].tobytes() for row, n in zip(rows, sizes, strict=True)]
+            else:
+                whole = np.zeros(longest, dtype=np.uint8)
+                whole[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+                mine = torch.from_numpy(whole)
+                got = [torch.empty_like(mine) for _ in range(self.size)]
+                dist.all_gather(got, mine, group=self.pg)
+                blobs = [g.numpy()[:n].tobytes() for g, n in zip(got, sizes, strict=True)]
         except Exception as exc:
             raise self._fail(phase, exc) from exc
-        return out
+        return [pickle.loads(blob) for blob in blobs]
 
     def agree(
         self,
@@ -151,17 +184,22 @@ class ShardGroup:
         error: BaseException | None,
         *,
         everyone: list[Any] | None = None,
-    ) -> None:
-        """Raise on every rank if any rank failed (its own error there), else return.
+        payload: Any = None,
+    ) -> list[Any]:
+        """Raise on every rank if any rank failed (its own error there), else return every
+        rank's ``payload`` (rank order).
 
-        ``everyone``: the ranks' error strings when already gathered (by :meth:`agree`);
-        else one ``all_gather`` of them. A restore calls it after reading and checking,
-        before the first target is changed, so a rank's refusal leaves every rank's target
-        untouched.
+        ``everyone``: the ranks' error strings when already gathered (by :meth:`agree`;
+        then no payload travels); else one ``all_gather`` of them, each with its rank's
+        ``payload``. A restore calls it after reading and checking, before the first target
+        is changed, so a rank's refusal leaves every rank's target untouched.
         """
+        payloads: list[Any] = []
         if everyone is None:
             mine = None if error is None else f"{type(error).__name__}: {error}"
-            everyone = self.all_gather(mine, f"agree on the outcome of {operation}")
+            gathered = self.all_gather((mine, payload), f"agree on the outcome of {operation}")
+            everyone = [g[0] for g in gathered]
+            payloads = [g[1] for g in gathered]
         if error is not None:
             raise error
         failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
@@ -174,6 +212,7 @@ class ShardGroup:
                 phase=operation,
                 failed=[r for r, _ in failed],
             )
+        return payloads
 
     def destroy(self) -> None:
         """Free the gloo group (best effort: a broken group cannot be torn down cleanly).

@@ -17,9 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tdckpt._shard.check import SplitCheck
 from tdckpt._shard.group import rank0_refusal
 from tdckpt._shard.rows import (
     ReadStats,
+    check_every_shard,
     even_part,
     load_selected,
     merge_reports,
@@ -27,7 +29,7 @@ from tdckpt._shard.rows import (
     row_range,
 )
 from tdckpt._shard.steps import ShardSteps
-from tdckpt.errors import RestoreError
+from tdckpt.errors import MetadataError, RestoreError
 from tdckpt.schema import Manifest, ShardedManifest
 
 if TYPE_CHECKING:
@@ -87,6 +89,7 @@ def _read(
     selection: Selection | None = None,
     strict: bool = True,
     report: RestoreReport | None = None,
+    split: SplitCheck | None = None,
 ) -> Any:
     if isinstance(manifest, ShardedManifest):
         total = manifest.batch_size[0]
@@ -135,6 +138,39 @@ def _read(
         selection=selection,
         strict=strict,
         report=report,
+        split=split,
+    )
+
+
+def _settle(
+    mgr: ShardSteps,
+    operation: str,
+    step: int | None,
+    error: BaseException | None,
+    split: SplitCheck,
+) -> None:
+    """Agree on the outcome of a collective restore, before any target is changed.
+
+    A rank whose share of the shard check refused a shard, or ranks whose shards differ
+    (:class:`~tdckpt._shard.check.SplitCheck`): every rank checks every shard and raises
+    the same error, naming the shard and key. Any other failure: that rank's error there,
+    a CollectiveError naming it elsewhere.
+    """
+    assert mgr.group is not None
+    own = None if split.refused else error  # a refused shard is every rank's error
+    outcomes = mgr.group.settle(operation, step, own, payload=split.outcome())
+    if split.settled(outcomes):
+        return
+    with mgr.using(step) as (_resolved, path, manifest):
+        assert isinstance(manifest, ShardedManifest)
+        check_every_shard(path, manifest)
+    if error is not None:  # pragma: no cover - the shard changed back since it was refused
+        raise error
+    raise MetadataError(  # pragma: no cover - the shards changed while they were checked
+        f"{path}: the ranks found shards that disagree, but every shard agrees when read "
+        "again: the step was changed while it was restored. Nothing was restored; restore "
+        "it again when nothing is writing it.",
+        path=str(path),
     )
 
 
@@ -165,6 +201,7 @@ def restore_rows(
         (picked, *_) = group.agree("restore", step, payload=_pick(mgr, step))
         step = _agreed_step(mgr, step, picked)
     rank, world = (group.rank, group.size) if group is not None else (0, 1)
+    split = SplitCheck(rank, world) if group is not None else None
     part: Any = None
     error: BaseException | None = None
     try:
@@ -186,6 +223,7 @@ def restore_rows(
                 selection=selection,
                 strict=strict,
                 report=report,
+                split=split,
             )
             if transform is not None:
                 part = transform(part)
@@ -193,8 +231,8 @@ def restore_rows(
         if group is None:
             raise
         error = exc
-    if group is not None:
-        group.settle("restore", step, error)
+    if split is not None:
+        _settle(mgr, "restore", step, error, split)
     return part
 
 
@@ -235,6 +273,7 @@ def restore_into_rows(
     elif refused is not None:
         raise refused
     rank, world = (group.rank, group.size) if group is not None else (0, 1)
+    split = SplitCheck(rank, world) if group is not None else None
     error: BaseException | None = None
     try:
         with mgr.using(step) as (resolved, path, manifest):
@@ -253,6 +292,7 @@ def restore_into_rows(
                 selection=selection,
                 strict=strict,
                 report=report,
+                split=split,
             )
             missing = _check_target(
                 td, part, path, resolved, strict=strict, selection=selection, report=report
@@ -261,8 +301,8 @@ def restore_into_rows(
         if group is None:
             raise
         error = exc
-    if group is not None:  # a rank that refused leaves every rank's target untouched
-        group.settle("restore_into", step, error)
+    if split is not None:  # a rank that refused leaves every rank's target untouched
+        _settle(mgr, "restore_into", step, error, split)
     if selection is not None:  # within the selection the step decides; outside, the target
         from tensordict import is_tensorclass
 

@@ -19,15 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tdckpt.errors import MetadataError, RestoreError, UnsafePathError
+from tdckpt.errors import MetadataError, RestoreError, TdckptError, UnsafePathError
 from tdckpt.schema import ShardedManifest, ShardRecord
 
 if TYPE_CHECKING:
     from tdckpt._restore.engine import Admitted
     from tdckpt._restore.select import RestoreReport, Selection
+    from tdckpt._shard.check import SplitCheck
 
 __all__ = [
     "ReadStats",
+    "check_every_shard",
     "even_part",
     "load_selected",
     "merge_reports",
@@ -224,11 +226,14 @@ def read_rows(
     selection: Selection | None = None,
     strict: bool = True,
     report: RestoreReport | None = None,
+    split: SplitCheck | None = None,
 ) -> Any:
     """The global rows ``start .. stop`` of a sharded step (replicated entries put back).
 
     ``selection``: only these keys (each shard and the replicated entries read in part,
     only the selected leaves mapped); what was loaded and skipped goes into ``report``.
+    ``split``: in a group, this rank's share of the shard check (the caller compares the
+    ranks' digests, :func:`tdckpt._shard.restore.restore_rows`).
 
     Raises:
         MetadataError: the step manifest and its shards disagree (see
@@ -243,17 +248,24 @@ def read_rows(
     plan = plan_rows(manifest.shards, start, stop)
     if not plan:  # no rows: the structure, from the first shard
         plan = [(manifest.shards[0], 0, 0)]
-    # The manifest's rows, keys and dtypes are checked against every shard first; the shards
-    # read here stay open, and are mapped as they were checked. The collector is paused
-    # throughout (its full passes over every shard's metadata cost more than the check).
+    # The manifest's rows, keys and dtypes are checked against every shard first (in a
+    # group, this rank's share of them: SplitCheck); the shards read here stay open, and
+    # are mapped as they were checked. The collector is paused throughout (its full passes
+    # over every shard's metadata cost more than the check).
     with gc_paused():
-        checked = open_checked(
-            step_path,
-            manifest,
-            lambda prefix: _shard_path(step_path, prefix),
-            keep={shard.rank for shard, _, _ in plan},
-            keep_replicated=True,
-        )
+        try:
+            checked = open_checked(
+                step_path,
+                manifest,
+                lambda prefix: _shard_path(step_path, prefix),
+                keep={shard.rank for shard, _, _ in plan},
+                keep_replicated=True,
+                split=split,
+            )
+        except TdckptError:
+            if split is not None:  # every rank then checks every shard (see SplitCheck)
+                split.refused = True
+            raise
         with checked:
             pieces = []
             reports: list[RestoreReport | None] = []
@@ -289,3 +301,11 @@ def read_rows(
                         out.set(tuple(key), rep.get(tuple(key)))
     merge_reports(reports, report, where=step_path, strict=strict)
     return out
+
+
+def check_every_shard(step_path: Path, manifest: ShardedManifest) -> None:
+    """Check every shard of a step here (after the ranks of a group found that theirs
+    differ): raises the MetadataError naming the shard and key that disagree."""
+    from tdckpt._shard.check import check_shards
+
+    check_shards(step_path, manifest, lambda prefix: _shard_path(step_path, prefix))
