@@ -40,6 +40,7 @@ from conftest import copy_case, subprocess_env, tree_digest
 from tensordict import TensorDict
 
 from tdckpt import CheckpointManager, cli
+from tdckpt._cli.output import _clean
 
 READ_ONLY = {"inspect", "validate", "ls", "verify"}  # anything else gets a fresh input per run
 
@@ -103,7 +104,7 @@ def check(res: Result, *, allow_internal: bool = False) -> None:
                 error = data["error"]
                 assert set(error) == {"type", "message", "path", "exit_code", "details"}, res
                 assert error["exit_code"] == res.code and error["message"], res
-                shown = cli._clean(error["message"].splitlines()[0])
+                shown = _clean(error["message"].splitlines()[0])
                 assert shown.encode("ascii", "backslashreplace").decode() in error_lines[0], res
             else:
                 assert data.get("ok") is False, res

@@ -14,8 +14,9 @@ from tensordict import TensorDict
 
 import tdckpt
 from tdckpt import CheckpointManager
+from tdckpt._cli.output import _progress
 from tdckpt._progress import Bar
-from tdckpt.cli import EXIT_INTERRUPTED, EXIT_OK, _progress, main
+from tdckpt.cli import EXIT_INTERRUPTED, EXIT_OK, main
 from tdckpt.schema import MANIFEST_NAME
 
 
