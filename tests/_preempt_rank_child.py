@@ -108,9 +108,9 @@ def mismatch(rank: int, root: str, out: str) -> None:
 
 def main() -> None:
     mode, rank, world, port, root, out = sys.argv[1:7]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=int(world)
-    )
+    # the rendezvous store is the test's (it outlives every rank)
+    store = dist.TCPStore("127.0.0.1", int(port), int(world), is_master=False)
+    dist.init_process_group("gloo", store=store, rank=int(rank), world_size=int(world))
     try:
         {"run": run, "resume": resume, "mismatch": mismatch}[mode](int(rank), root, out)
     finally:

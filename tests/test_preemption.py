@@ -111,17 +111,19 @@ def test_sigterm_saves_a_step_and_the_run_resumes_from_it_bit_exactly(
 RANK_CHILD = TESTS / "_preempt_rank_child.py"
 
 
-def _free_port() -> int:
-    import socket
+class _Ranks(list[subprocess.Popen[str]]):
+    """The rank processes, and the rendezvous store they join through: hosted here, so it
+    outlives every rank (a rank that is done may exit while a peer still uses it)."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    store: Any = None
 
 
-def _ranks(mode: str, root: Path, tmp_path: Path) -> list[subprocess.Popen[str]]:
-    port = _free_port()
-    return [
+def _ranks(mode: str, root: Path, tmp_path: Path) -> _Ranks:
+    import torch.distributed as dist
+
+    ranks = _Ranks()
+    ranks.store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    ranks.extend(
         subprocess.Popen(
             [
                 sys.executable,
@@ -129,7 +131,7 @@ def _ranks(mode: str, root: Path, tmp_path: Path) -> list[subprocess.Popen[str]]
                 mode,
                 str(rank),
                 "2",
-                str(port),
+                str(ranks.store.port),
                 str(root),
                 str(tmp_path / f"{mode}{rank}.out"),
             ],
@@ -139,7 +141,8 @@ def _ranks(mode: str, root: Path, tmp_path: Path) -> list[subprocess.Popen[str]]
             text=True,
         )
         for rank in range(2)
-    ]
+    )
+    return ranks
 
 
 def _finish(ranks: list[subprocess.Popen[str]]) -> list[str]:
