@@ -12,7 +12,7 @@ import os
 import pickle
 from collections.abc import Callable
 
-import tdckpt._read.storage as storage_module
+import tdckpt._read.directory as storage_module
 
 
 def run_unprivileged(func: Callable[[], object]) -> object:

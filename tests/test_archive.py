@@ -25,8 +25,8 @@ import tdckpt._read.archive as archive_mod
 import tdckpt._write.archive_write as archive_write_mod
 from tdckpt._keys import encode_key
 from tdckpt._read.archive import ArchiveStorage
+from tdckpt._read.directory import DirectoryStorage
 from tdckpt._read.opener import open_storage
-from tdckpt._read.storage import DirectoryStorage
 from tdckpt._write.archive_write import ALIGNMENT, write_archive
 from tdckpt.errors import (
     CheckpointExistsError,

@@ -763,9 +763,9 @@ def run_unprivileged(argv: list[str]) -> Result:
             os.close(read_fd)
             os.setgid(65534)
             os.setuid(65534)
-            from tdckpt._read import storage
+            from tdckpt._read import directory
 
-            cached = getattr(storage, "_effective_uid", None)
+            cached = getattr(directory, "_effective_uid", None)
             if cached is not None and hasattr(cached, "cache_clear"):
                 cached.cache_clear()
             outcome: object = run_cli(argv)

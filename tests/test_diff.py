@@ -14,7 +14,7 @@ from tensordict import NonTensorData, TensorDict
 
 import tdckpt
 from tdckpt import cli
-from tdckpt._read.storage import DirectoryStorage
+from tdckpt._read.directory import DirectoryStorage
 from tdckpt.errors import ValidationError
 
 FIXTURES = Path("/work/shared/fixtures")

@@ -36,8 +36,8 @@ from tensordict import MemoryMappedTensor, TensorDict  # noqa: E402
 
 import tdckpt  # noqa: E402
 from tdckpt._read.archive import ArchiveStorage  # noqa: E402
+from tdckpt._read.directory import DirectoryStorage  # noqa: E402
 from tdckpt._read.lane import open_current  # noqa: E402
-from tdckpt._read.storage import DirectoryStorage  # noqa: E402
 from tdckpt._restore import plan as plan_mod  # noqa: E402
 from tdckpt.errors import (  # noqa: E402
     CheckpointNotFoundError,

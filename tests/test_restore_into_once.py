@@ -31,8 +31,8 @@ import fixture_types  # noqa: E402
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 
 from tdckpt._read.archive import ArchiveStorage  # noqa: E402
+from tdckpt._read.directory import DirectoryStorage  # noqa: E402
 from tdckpt._read.pipeline import open_checkpoint  # noqa: E402
-from tdckpt._read.storage import DirectoryStorage  # noqa: E402
 from tdckpt._restore.engine import load_memmap, open_for_restore, restore_in_place  # noqa: E402
 from tdckpt._restore.keys import key_difference, saved_structure, target_structure  # noqa: E402
 from tdckpt.errors import RestoreError, TdckptError  # noqa: E402

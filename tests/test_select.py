@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict
 
 import tdckpt
-from tdckpt._read.storage import DirectoryStorage
+from tdckpt._read.directory import DirectoryStorage
 from tdckpt.errors import PickleNotAllowedError, RestoreError
 
 

@@ -25,8 +25,8 @@ from tensordict import TensorDict
 
 from tdckpt import CheckpointManager
 from tdckpt._read.consolidated import DATA_NAME, ConsolidatedStorage
+from tdckpt._read.directory import DirectoryStorage
 from tdckpt._read.pipeline import OpenedCheckpoint
-from tdckpt._read.storage import DirectoryStorage
 from tdckpt.errors import MetadataError
 
 BOUNDS = [(0, 4), (4, 9), (9, 12)]  # three shards of uneven rows

@@ -15,16 +15,9 @@ import torch
 from _unprivileged import run_unprivileged
 from conftest import tree_digest
 
+from tdckpt._read.directory import _MAX_DIR_FDS, DirectoryStorage
 from tdckpt._read.opener import open_storage
-from tdckpt._read.storage import (
-    _MAX_DIR_FDS,
-    MAX_JSON_BYTES,
-    UNKNOWN_SIZE,
-    DirectoryStorage,
-    check_component,
-    join,
-    parse_json,
-)
+from tdckpt._read.storage import MAX_JSON_BYTES, UNKNOWN_SIZE, check_component, join, parse_json
 from tdckpt.errors import (
     CheckpointNotFoundError,
     MetadataError,

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VALIDATE = "tdckpt/_read/validate.py"
 APPLY = "tdckpt/_restore/apply.py"
 LANE = "tdckpt/_read/lane.py"
-STORAGE = "tdckpt/_read/storage.py"
+STORAGE = "tdckpt/_read/directory.py"
 
 #: (id, file, original text, mutated text, what the mutant does)
 MUTANTS: list[tuple[str, str, str, str, str]] = [

@@ -32,14 +32,8 @@ import torch
 
 from tdckpt._read.archive_index import FLAG_LZMA_EOS, METHOD_NAMES, Entry, read_index, where
 from tdckpt._read.expected import check_read
-from tdckpt._read.storage import (
-    MAX_JSON_BYTES,
-    Listing,
-    MapMode,
-    Storage,
-    check_component,
-    map_reopened_writable,
-)
+from tdckpt._read.mapping import map_reopened_writable
+from tdckpt._read.storage import MAX_JSON_BYTES, Listing, MapMode, Storage, check_component
 from tdckpt.errors import CheckpointNotFoundError, MetadataError
 
 __all__ = ["ArchiveStorage"]

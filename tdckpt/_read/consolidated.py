@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from tdckpt._read.consolidated_parse import RESERVED, LeafExtent, Level, parse_consolidated
+from tdckpt._read.mapping import map_reopened_writable
 from tdckpt._read.nodes import LeafNode, TensorDictNode
 from tdckpt._read.storage import (
     MAX_JSON_BYTES,
@@ -63,7 +64,6 @@ from tdckpt._read.storage import (
     MapMode,
     Storage,
     check_component,
-    map_reopened_writable,
     parse_json,
 )
 from tdckpt.errors import CheckpointNotFoundError, MetadataError, UnsafePathError

@@ -35,11 +35,11 @@ import os
 
 from tdckpt import schema
 from tdckpt._read.detect import CURRENT_NAME, _marked_current, level_kind
+from tdckpt._read.directory import DirectoryStorage
 from tdckpt._read.lane_prune import Chooser, prune_tree
 from tdckpt._read.levels import exact_td_level
 from tdckpt._read.names import ROBUST, _already_robust
 from tdckpt._read.pipeline import OpenedCheckpoint, _read_manifest_model
-from tdckpt._read.storage import DirectoryStorage
 from tdckpt._read.tree import VDir, read_tree
 from tdckpt._read.validate import build_nodes
 from tdckpt.errors import TdckptError

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from tdckpt._read.archive import ArchiveStorage
 from tdckpt._read.consolidated import DATA_NAME, open_consolidated
-from tdckpt._read.storage import DirectoryStorage, Storage
+from tdckpt._read.directory import DirectoryStorage
+from tdckpt._read.storage import Storage
 from tdckpt.errors import CheckpointNotFoundError
 
 __all__ = ["open_storage"]

@@ -23,8 +23,9 @@ from typing import Any, cast
 import torch
 
 from tdckpt._read.classes import declared_fields, resolve_class
+from tdckpt._read.directory import DirectoryStorage
 from tdckpt._read.nodes import LeafNode, NonTensorNode, NonTensorStackNode, TensorClassNode
-from tdckpt._read.storage import DirectoryStorage, MapMode, Storage
+from tdckpt._read.storage import MapMode, Storage
 from tdckpt.errors import RestoreError, TdckptError
 
 __all__ = [

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import IO, BinaryIO
 
 from tdckpt._read.archive_index import LOCAL_HEADER
-from tdckpt._read.storage import DirectoryStorage, join
+from tdckpt._read.directory import DirectoryStorage
+from tdckpt._read.storage import join
 from tdckpt._write.atomic import (
     fsync_dir,
     rename_noreplace,
