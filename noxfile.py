@@ -24,6 +24,7 @@ virtualenvs with ``nox -r``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import tempfile
@@ -72,6 +73,12 @@ def _require_here(session: nox.Session, *requirements: str) -> None:
     session.log(f"in {HERE}: {', '.join(found)}")
 
 
+def _basetemp(session: nox.Session) -> Path:
+    """The test session's temporary root: ``<tmp>/tdckpt-<session>-<checkout hash>``."""
+    checkout = hashlib.sha256(str(ROOT).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"tdckpt-{session.name}-{checkout}"
+
+
 def _pytest(session: nox.Session, python: str, *, deselect: tuple[str, ...] = ()) -> None:
     # The suite starts a few hundred interpreters (crash children, CLI runs, ranks): each would
     # compile tdckpt (and, in tests-0.14, torch: installed --no-compile) from source again where
@@ -101,8 +108,10 @@ def _pytest(session: nox.Session, python: str, *, deselect: tuple[str, ...] = ()
         "worksteal",
         f"--junitxml={junit}",
         # its own temporary root, outside the checkout (tests/peer refuses test folders inside
-        # this repository): sessions (or checkouts) running at once never share one
-        f"--basetemp={tempfile.mkdtemp(prefix=f'tdckpt-{session.name}-')}",
+        # this repository), one per session and checkout: sessions (or checkouts) running at
+        # once never share one, and pytest empties it at the start of the next run, so a run
+        # leaves one folder to inspect (about 1 GiB) instead of one more per run
+        f"--basetemp={_basetemp(session)}",
         *(f"--deselect={test}" for test in deselect),
         *session.posargs,
         env=env,

@@ -8,7 +8,8 @@ of DTensors sharded along dim 0 (``Shard(0)``, fsync on) - and load it back on t
 ranks; then three ranks load what two saved (a 2 -> 3 reshard). Datasets: 5,000 leaves x 64
 floats and 4 leaves x 64 MiB (float32 ``[65536, 256]``).
 
-Timings: best of a few runs, the slowest rank's wall time between two barriers. "load" for
+Timings: best of a few runs, the slowest rank's wall time between two barriers; each save
+starts after an untimed ``os.sync()``, so none pays for an earlier one's writeback. "load" for
 tdckpt is ``restore()`` (mapped, zero-copy views of the rows); "load+read" also copies every
 restored byte (``clone()``), so it pays for reading what DCP's load reads; DCP's load reads
 into preallocated tensors.
@@ -55,11 +56,19 @@ def _global(name: str, quick: bool) -> dict[str, torch.Tensor]:
     return {k: torch.randn(*shape, generator=g) for k, shape in _data(name, quick).items()}
 
 
-def _timed(fn: Any, reps: int) -> float:
+def _timed(fn: Any, reps: int, *, settle: bool = False) -> float:
+    """Best of ``reps``: the slowest rank's wall time of ``fn`` between two barriers.
+
+    ``settle`` (the saves): rank 0 runs ``os.sync()`` first, untimed, so that no save pays
+    for the writeback of an earlier one (without it the 5,000-leaf save measured about 1.5 s
+    or about 2.4 s at random, whatever the code).
+    """
     import torch.distributed as dist
 
     best = float("inf")
     for _ in range(reps):
+        if settle and dist.get_rank() == 0:
+            os.sync()
         dist.barrier()
         start = time.perf_counter()
         fn()
@@ -99,7 +108,10 @@ def _same(name: str, rank: int, world: int, mesh: Any, work: Path, quick: bool) 
         dcp.save(sd, checkpoint_id=str(dcp_dir / str(runs["dcp"])))
 
     out: dict[str, Any] = {}
-    out[f"{name} save"] = (_timed(dcp_save, reps), _timed(ours_save, reps))
+    out[f"{name} save"] = (
+        _timed(dcp_save, reps, settle=True),
+        _timed(ours_save, reps, settle=True),
+    )
     dcp_time = _timed(lambda: dcp.load(target, checkpoint_id=str(dcp_dir / str(runs["dcp"]))), reps)
     out[f"{name} load"] = (dcp_time, _timed(lambda: mgr.restore(runs["ours"]), reps))
     out[f"{name} load+read"] = (
