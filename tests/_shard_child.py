@@ -171,6 +171,15 @@ def _command(command: str) -> Any:
 _CTX: Any = None
 
 
+def ok_results(results: list[dict[str, Any] | None], what: str) -> list[Any]:
+    """Each rank's result of :func:`spawn_ranks`, failing the test on a rank that died or
+    raised (its traceback shown)."""
+    for rank, res in enumerate(results):
+        assert res is not None, f"{what}: rank {rank} died"
+        assert "ok" in res, f"{what}: rank {rank} raised:\n{res['error'][2]}"
+    return [res["ok"] for res in results if res is not None]
+
+
 def spawn_ranks(
     command: str, world: int, args: dict[str, Any], *, timeout: float = 120
 ) -> list[dict[str, Any] | None]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _shard_child import CASES, LENGTHS, make_case, spawn_ranks, step_of
+from _shard_child import CASES, LENGTHS, make_case, ok_results, spawn_ranks, step_of
 from _shard_compare import assert_same
 from pydantic import ValidationError
 
@@ -27,13 +27,6 @@ from tdckpt.schema import ShardedManifest
 WORLDS = (1, 2, 3, 4)
 
 
-def _ok(results: list[dict[str, Any] | None], what: str) -> list[Any]:
-    for rank, res in enumerate(results):
-        assert res is not None, f"{what}: rank {rank} died"
-        assert "ok" in res, f"{what}: rank {rank} raised:\n{res['error'][2]}"
-    return [res["ok"] for res in results if res is not None]
-
-
 @pytest.fixture(scope="module")
 def saved_roots(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """One root per N = 1..4, every case saved by N ranks as its own step."""
@@ -41,7 +34,7 @@ def saved_roots(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     roots = {}
     for world in WORLDS:
         root = base / f"by{world}"
-        steps = _ok(
+        steps = ok_results(
             spawn_ranks("save", world, {"out": str(base / f"o{world}"), "root": str(root)}),
             f"save by {world}",
         )
@@ -55,7 +48,7 @@ def test_restore_n_to_m(saved_roots: dict[int, Path], world: int, tmp_path: Path
     """M ranks restore the steps saved by each N: their tensor_split part, a slice, into."""
     roots = [[n, str(root)] for n, root in saved_roots.items()]
     args = {"out": str(tmp_path), "root": str(saved_roots[1]), "roots": roots}
-    checked = _ok(spawn_ranks("restore", world, args), f"restore by {world}")
+    checked = ok_results(spawn_ranks("restore", world, args), f"restore by {world}")
     for per_rank in checked:
         assert len(per_rank) == len(WORLDS) * len(CASES)
 
@@ -254,7 +247,7 @@ def test_build_manifest_names_the_disagreeing_rank() -> None:
 def test_a_given_group_saves_on_its_ranks_only(tmp_path: Path) -> None:
     sub_root = tmp_path / "sub"
     args = {"out": str(tmp_path / "o"), "root": str(tmp_path / "world"), "sub_root": str(sub_root)}
-    results = _ok(spawn_ranks("subgroup", 3, args), "subgroup")
+    results = ok_results(spawn_ranks("subgroup", 3, args), "subgroup")
     assert results[0] == {"world_group": True}
     assert CheckpointManager(tmp_path / "world").steps() == [1]
     assert [r["sub_rank"] for r in results[1:]] == [0, 1]
@@ -389,7 +382,8 @@ def test_retention_and_gc_on_sharded_steps(saved_roots: dict[int, Path], tmp_pat
 
 def test_save_async_in_a_group_commits_the_values_at_the_call(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    results = _ok(spawn_ranks("async", 2, {"out": str(tmp_path / "o"), "root": str(root)}), "async")
+    args = {"out": str(tmp_path / "o"), "root": str(root)}
+    results = ok_results(spawn_ranks("async", 2, args), "async")
     steps = sorted(step_of(case) for case in CASES)
     assert results == [steps, steps]
     mgr = CheckpointManager(root)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from _shard_child import spawn_ranks
+from _shard_child import ok_results, spawn_ranks
 
 from tdckpt import CheckpointManager
 
@@ -21,13 +21,7 @@ WORLD = 2
 
 def _results(command: str, tmp_path: Path) -> list[dict[str, Any]]:
     args = {"out": str(tmp_path / "o"), "root": str(tmp_path / "root"), "timeout": 30}
-    results = spawn_ranks(command, WORLD, args, timeout=120)
-    out = []
-    for rank, res in enumerate(results):
-        assert res is not None, f"rank {rank} died"
-        assert "ok" in res, f"rank {rank} raised:\n{res['error'][2]}"
-        out.append(res["ok"])
-    return out
+    return ok_results(spawn_ranks(command, WORLD, args, timeout=120), command)
 
 
 def _same_error(results: list[dict[str, Any]], what: str, *needles: str) -> str:

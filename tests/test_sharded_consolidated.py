@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _shard_child import LENGTHS, spawn_ranks
+from _shard_child import LENGTHS, ok_results, spawn_ranks
 from _shard_compare import assert_same
 from _shard_local import edit_manifest, write_sharded
 from _shardcons_child import STEPS, reference
@@ -33,16 +33,9 @@ TOTAL = sum(LENGTHS[WORLD])  # shard 0 holds rows 0..4, shard 1 rows 4..13
 CONSOLIDATED = {"layout": "consolidated"}
 
 
-def _ok(results: list[dict[str, Any] | None], what: str) -> list[Any]:
-    for rank, res in enumerate(results):
-        assert res is not None, f"{what}: rank {rank} died"
-        assert "ok" in res, f"{what}: rank {rank} raised:\n{res['error'][2]}"
-    return [res["ok"] for res in results if res is not None]
-
-
 def _run(command: str, root: Path, out: Path, **extra: Any) -> list[Any]:
     args = {"out": str(out), "root": str(root), "manager": CONSOLIDATED, **extra}
-    return _ok(spawn_ranks(f"_shardcons_child:{command}", WORLD, args), command)
+    return ok_results(spawn_ranks(f"_shardcons_child:{command}", WORLD, args), command)
 
 
 @pytest.fixture(scope="module")

@@ -7,29 +7,21 @@ each rank opened are its own os.open calls (tests/_fs_access.py: OpenLog).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from _fs_access import needs_linux
-from _shard_child import LENGTHS, make_case, spawn_ranks, step_of
+from _shard_child import LENGTHS, make_case, ok_results, spawn_ranks, step_of
 
 from tdckpt import CheckpointManager
 from tdckpt.errors import RestoreError
 
 
-def _ok(results: list[dict[str, Any] | None], what: str) -> list[Any]:
-    for rank, res in enumerate(results):
-        assert res is not None, f"{what}: rank {rank} died"
-        assert "ok" in res, f"{what}: rank {rank} raised:\n{res['error'][2]}"
-    return [res["ok"] for res in results if res is not None]
-
-
 @needs_linux
 def test_two_ranks_restore_a_subset_of_a_sharded_step(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    _ok(spawn_ranks("save", 2, {"out": str(tmp_path / "o1"), "root": str(root)}), "save")
-    rank0, rank1 = _ok(
+    ok_results(spawn_ranks("save", 2, {"out": str(tmp_path / "o1"), "root": str(root)}), "save")
+    rank0, rank1 = ok_results(
         spawn_ranks("select", 2, {"out": str(tmp_path / "o2"), "root": str(root)}), "select"
     )
     assert LENGTHS[2] == [4, 9]  # 13 rows: rank 0 restores rows 0..7 (both shards), rank 1 7..13

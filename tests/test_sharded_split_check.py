@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _shard_child import spawn_ranks
+from _shard_child import ok_results, spawn_ranks
 from _shard_local import write_sharded
 from tensordict import TensorDict
 
@@ -30,16 +30,10 @@ def _rows(start: int, stop: int, dtype: torch.dtype = torch.float32) -> TensorDi
 
 def _restore(root: Path, out: Path, rows: list[int]) -> list[dict[str, Any]]:
     args = {"out": str(out), "root": str(root), "rows": rows}
-    results = spawn_ranks("_split_check_child:cmd_restore", WORLD, args)
-    done = []
-    for rank, res in enumerate(results):
-        assert res is not None, f"rank {rank} died"
-        assert "ok" in res, f"rank {rank} raised:\n{res['error'][2]}"
-        done.append(res["ok"])
-    return done
+    return ok_results(spawn_ranks("_split_check_child:cmd_restore", WORLD, args), "restore")
 
 
-def test_each_shard_is_checked_by_one_rank_not_every_rank(tmp_path: Path) -> None:
+def test_a_rank_checks_the_shards_it_reads_and_its_share_only(tmp_path: Path) -> None:
     write_sharded(tmp_path / "root", 1, [_rows(2 * i, 2 * i + 2) for i in range(4)])
     results = _restore(tmp_path / "root", tmp_path / "o", [4, 4])
     for rank, res in enumerate(results):
@@ -105,9 +99,7 @@ def test_all_gather_carries_any_size_in_one_or_two_rounds(tmp_path: Path) -> Non
     from tdckpt._shard.group import INLINE_BYTES
 
     args = {"out": str(tmp_path / "o"), "root": str(tmp_path / "root")}
-    results = spawn_ranks("_split_check_child:cmd_gather", WORLD, args)
+    results = ok_results(spawn_ranks("_split_check_child:cmd_gather", WORLD, args), "gather")
     sizes = (0, 1, INLINE_BYTES - 64, INLINE_BYTES, INLINE_BYTES + 1, 3 * INLINE_BYTES)
     expected = [[["x", 0, None], ["x" * size, 1, None]] for size in sizes]
-    for rank, res in enumerate(results):
-        assert res is not None and "ok" in res, (rank, res)
-        assert res["ok"] == expected, rank
+    assert results == [expected] * WORLD

@@ -88,12 +88,7 @@ def validate(
                         "--convert-pickles` stores plain values as JSON.",
                     )
                 )
-        return ValidationReport(
-            prefix=opened.prefix,
-            problems=problems,
-            generation=opened.generation,
-            key_encoding=opened.key_encoding,
-        )
+        return opened.validation_report(problems)
     finally:
         opened.close()
 

@@ -60,11 +60,12 @@ class OpenedCheckpoint:
     def errors(self) -> list[Problem]:
         return [p for p in self.problems if p.severity == "error"]
 
-    def validation_report(self) -> ValidationReport:
-        """What reading found, as ``tdckpt validate`` reports it."""
+    def validation_report(self, problems: list[Problem] | None = None) -> ValidationReport:
+        """What reading found (or ``problems``, when a caller found more), as ``tdckpt
+        validate`` reports it."""
         return ValidationReport(
             prefix=self.prefix,
-            problems=self.problems,
+            problems=self.problems if problems is None else problems,
             generation=self.generation,
             key_encoding=self.key_encoding,
         )

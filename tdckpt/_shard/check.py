@@ -318,7 +318,7 @@ def _open_checked(
     tail = tuple(manifest.batch_size[1:])
     structures = checked.structures
     first: ShardStructure | None = None
-    first_rank = 0
+    first_shard = manifest.shards[0]  # the shard ``first`` describes
     for index, shard in enumerate(manifest.shards):
         if split is not None and shard.rank not in keep and not split.wants(index):
             continue  # another rank of the group checks it
@@ -359,9 +359,9 @@ def _open_checked(
                 "manifest says [rows]",
             )
         if first is None:
-            first, first_rank = got, shard.rank
+            first, first_shard = got, shard
         else:
-            _agree(first, got, shard.rank, where, step_path, first_rank)
+            _agree(first, got, shard.rank, where, step_path, first_shard.rank)
         structures.append(got)
     if split is not None and first is not None:
         split.digest = structure_digest(first)
@@ -390,9 +390,9 @@ def _open_checked(
                 )
             if k in first.keys:
                 raise _refuse(
-                    resolve(manifest.shards[first_rank].prefix) / "meta.json",
+                    resolve(first_shard.prefix) / "meta.json",
                     step_path,
-                    f"the replicated entry {_show(k)} is also in shard {first_rank}: the two "
+                    f"the replicated entry {_show(k)} is also in shard {first_shard.rank}: the two "
                     "would replace each other",
                     k,
                 )
