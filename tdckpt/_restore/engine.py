@@ -90,7 +90,7 @@ def _generation(prefix: str | os.PathLike[str]) -> tuple[int, int, int, int] | N
     has no manifest (a plain ``td.memmap`` folder, which tdckpt never replaces without one).
     """
     try:
-        st = os.lstat(os.path.join(prefix, MANIFEST_NAME))  # never follows, never opens
+        st = os.lstat(f"{os.fspath(prefix)}/{MANIFEST_NAME}")  # never follows, never opens
     except (OSError, ValueError):
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
@@ -460,11 +460,11 @@ class _Reading:
         self.selection = selection
         self.strict = strict
         self.report = RestoreReport()
-        # the lane reads a local directory; an opened storage is read as it is
-        self.lane = robust_key is True and not isinstance(prefix, Storage)
         # listing leaves without a stat is a directory's shortcut; an opened storage is read
         # once, as it is (reading it again after closing it could not work)
         self.defer = not isinstance(prefix, Storage)
+        # the lane reads a local directory; an opened storage is read as it is
+        self.lane = robust_key is True and self.defer
         self.swaps = 0
         self.identity: _Identity | None = None
         self.opened: OpenedCheckpoint | None = None

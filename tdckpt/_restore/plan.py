@@ -63,8 +63,15 @@ def _memory_mapped_tensor() -> type[torch.Tensor] | None:
     return cast("type[torch.Tensor]", MemoryMappedTensor)
 
 
+#: The depth of this thread's dispatch-mode stack (infra modes such as FakeTensorMode
+#: included), from torch's C API: a restore asks it before listing the stack in Python.
+_dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
 def _fake_mode_active() -> bool:
     """Whether torch's FakeTensorMode is active on this thread (its dispatch-mode stack)."""
+    if _dispatch_depth is not None and not _dispatch_depth():
+        return False  # no mode at all: the usual restore
     try:
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
     except ImportError:  # a torch without the private API: no fake mode to honour

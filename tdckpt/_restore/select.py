@@ -126,6 +126,8 @@ class Selection:
         cls, keys: Any, exclude: Any, report: bool, *, in_place: bool = False
     ) -> Selection | None:
         """As :meth:`of`; a selection of everything when only a report is asked for."""
+        if keys is None and exclude is None and not report:
+            return None  # a whole restore, no report: every restore's first question
         selection = cls.of(keys, exclude)
         if selection is None:
             return cls(in_place=in_place) if report else None
