@@ -35,6 +35,7 @@ from tensordict import TensorDict
 from tdckpt._write import atomic as _atomic
 from tdckpt._write import incremental as _incremental
 from tdckpt._write import save as _save
+from tdckpt._write import writer as _writer
 from tdckpt.manager import CheckpointManager
 from tdckpt.retention import KeepLast
 
@@ -80,7 +81,7 @@ def _arm(stage: str) -> None:
     if stage in ("share", "shared"):
         _incremental._fault = lambda reached: _die() if reached == stage else None
     elif stage == "written":
-        _after(_save._Writer, "write_tensor")
+        _after(_writer.Writer, "write_tensor")
     elif stage == "manifest":
         _save.write_manifest_last = _die  # type: ignore[assignment]
     elif stage == "committing":

@@ -28,7 +28,7 @@ from tensordict import NonTensorData, TensorDict
 import tdckpt
 from tdckpt._write import atomic as _atomic
 from tdckpt._write import export as _export
-from tdckpt._write import save as _save
+from tdckpt._write import writer as _writer
 
 
 def make_td(value: int) -> Any:
@@ -63,13 +63,13 @@ def saver(prefix: str, stage: str, exchange: bool, value: int) -> None:
     if not exchange:
         _atomic._exchange = lambda a, b: False
     if stage == "partial":
-        original = _save._Writer.write_tensor
+        original = _writer.Writer.write_tensor
 
         def write_one_then_die(self: Any, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
             _die()
 
-        _save._Writer.write_tensor = write_one_then_die  # type: ignore[method-assign]
+        _writer.Writer.write_tensor = write_one_then_die  # type: ignore[method-assign]
     else:
         _export._fault = lambda reached: _die() if reached == stage else None
     tdckpt.save(make_td(value), prefix, overwrite=True)

@@ -102,9 +102,9 @@ def install_fault() -> None:
     if int(who) != int(os.environ["RANK"]):
         return
     if phase == "mid_leaf":
-        from tdckpt._write import save as write_save
+        from tdckpt._write import writer
 
-        real_write, real_bytes = write_save._write_all, write_save._as_bytes
+        real_write, real_bytes = writer.write_all, writer.as_bytes
         armed = []
 
         def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -117,8 +117,8 @@ def install_fault() -> None:
                 os._exit(9)
             real_write(fd, data)
 
-        write_save._as_bytes = tensor_bytes  # type: ignore[assignment]
-        write_save._write_all = half_then_die  # type: ignore[assignment]
+        writer.as_bytes = tensor_bytes  # type: ignore[assignment]
+        writer.write_all = half_then_die  # type: ignore[assignment]
         return
     from tdckpt._shard import save as shard_save
 

@@ -29,6 +29,7 @@ from tensordict import TensorDict
 import tdckpt
 from tdckpt._write import atomic as _atomic
 from tdckpt._write import save as _save
+from tdckpt._write import writer as _writer
 
 
 def make_state(value: int) -> dict[str, Any]:
@@ -66,11 +67,11 @@ def _die() -> None:
 def saver(root: str, step: int, stage: str, value: int) -> None:
     warnings.simplefilter("ignore")  # the killed saver's lock is taken over
     if stage.startswith("direct"):
-        _save._DIRECT_MIN = 4096
-        _save._DIRECT_CHUNK = 8192
+        _writer._DIRECT_MIN = 4096
+        _writer._DIRECT_CHUNK = 8192
     if stage == "direct":
         calls = []
-        pwrite = _save._Writer._pwrite_direct
+        pwrite = _writer.Writer._pwrite_direct
 
         def pwrite_then_die(self: Any, *args: Any) -> None:
             calls.append(None)
@@ -78,15 +79,15 @@ def saver(root: str, step: int, stage: str, value: int) -> None:
                 _die()
             pwrite(self, *args)
 
-        _save._Writer._pwrite_direct = pwrite_then_die  # type: ignore[method-assign]
+        _writer.Writer._pwrite_direct = pwrite_then_die  # type: ignore[method-assign]
     if stage == "partial":
-        original = _save._Writer.write_tensor
+        original = _writer.Writer.write_tensor
 
         def write_one_then_die(self: Any, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
             _die()
 
-        _save._Writer.write_tensor = write_one_then_die  # type: ignore[method-assign]
+        _writer.Writer.write_tensor = write_one_then_die  # type: ignore[method-assign]
     elif stage in ("manifest", "direct-manifest"):
         _save._write_small = lambda *a, **k: _die()  # type: ignore[assignment]
     elif stage in ("commit", "committed"):

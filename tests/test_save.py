@@ -33,9 +33,9 @@ from tensordict import (
 )
 
 import tdckpt
-from tdckpt._write import save as _save
+from tdckpt._write import writer as _writer
+from tdckpt._write.checksum import CHUNK_BYTES
 from tdckpt._write.save import (
-    CHUNK_BYTES,
     UnsupportedContentError,
     check_json_data,
     new_hasher,
@@ -692,7 +692,7 @@ def test_a_failed_write_removes_what_it_wrote(
     def boom(self: Any, rel: str, tensor: torch.Tensor, key: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_save._Writer, "write_tensor", boom)
+    monkeypatch.setattr(_writer.Writer, "write_tensor", boom)
     with pytest.raises(OSError, match="No space left"):
         write_checkpoint(nested_named(), tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
@@ -707,7 +707,7 @@ def test_large_strided_leaf_is_written_in_bounded_slices(tmp_path: Path) -> None
     sources = {t.untyped_storage().data_ptr() for t in td.values()}
     seen: list[int] = []
     copies: list[int] = []
-    real = _save._pieces
+    real = _writer.pieces
 
     def spy(t: torch.Tensor) -> Any:
         for piece in real(t):
@@ -717,11 +717,11 @@ def test_large_strided_leaf_is_written_in_bounded_slices(tmp_path: Path) -> None
                 copies.append(nbytes)
             yield piece
 
-    _save._pieces = spy  # type: ignore[assignment]
+    _writer.pieces = spy  # type: ignore[assignment]
     try:
         write_checkpoint(td, tmp_path / "ckpt", fsync=False)
     finally:
-        _save._pieces = real  # type: ignore[assignment]
+        _writer.pieces = real  # type: ignore[assignment]
     assert td["big"].numel() * 4 in seen  # contiguous: straight from the tensor's memory
     # The transposed leaf is copied a slice at a time; the expanded rows are contiguous
     # views, written without a copy.

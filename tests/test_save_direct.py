@@ -25,7 +25,7 @@ from tensordict import TensorDict
 
 from tdckpt import CheckpointManager
 from tdckpt._write import atomic as _atomic
-from tdckpt._write import save as _save
+from tdckpt._write import writer as _writer
 from tdckpt._write.save import write_checkpoint
 from tdckpt.schema import MANIFEST_NAME
 
@@ -36,9 +36,9 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 def small_direct(monkeypatch: pytest.MonkeyPatch) -> None:
     """O_DIRECT for leaves of 4 KiB and more, through 3 buffers of 16 KiB: small tests
     still cross buffer, block and file boundaries and reuse every buffer many times."""
-    monkeypatch.setattr(_save, "_DIRECT_MIN", 4096)
-    monkeypatch.setattr(_save, "_DIRECT_CHUNK", 16384)
-    monkeypatch.setattr(_save, "_DIRECT_BUFFERS", 3)
+    monkeypatch.setattr(_writer, "_DIRECT_MIN", 4096)
+    monkeypatch.setattr(_writer, "_DIRECT_CHUNK", 16384)
+    monkeypatch.setattr(_writer, "_DIRECT_BUFFERS", 3)
 
 
 def leaves() -> TensorDict:
@@ -98,7 +98,7 @@ def opened_flags(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
             flags[Path(path).name] = how
         return real_open(path, how, *args, **kwargs)
 
-    monkeypatch.setattr(_save.os, "open", open_)
+    monkeypatch.setattr(_writer.os, "open", open_)
     return flags
 
 
@@ -167,14 +167,14 @@ def test_o_direct_refused_at_open_falls_back_to_buffered(
             raise OSError(errno.EINVAL, "Invalid argument", str(path))
         return real_open(path, how, *args, **kwargs)
 
-    monkeypatch.setattr(_save.os, "open", open_)
+    monkeypatch.setattr(_writer.os, "open", open_)
     manifest = write_checkpoint(td, tmp_path / "ckpt")
     monkeypatch.undo()
     assert len(tried) <= 1  # refused once: no later file tries again
     assert tree_bytes(tmp_path / "ckpt") == tree_bytes(tmp_path / "tensordict")
     assert {f.path for f in manifest.files} >= {"odd.memmap", "nested/x.memmap"}
     with CheckpointManager(tmp_path / "run") as mgr:  # and a verified step, end to end
-        monkeypatch.setattr(_save.os, "open", open_)
+        monkeypatch.setattr(_writer.os, "open", open_)
         mgr.save(1, td)
         monkeypatch.undo()
         assert mgr.verify(1).ok
@@ -200,12 +200,12 @@ def test_o_direct_refused_at_write_falls_back_to_buffered(
         return real_pwrite(fd, data, offset)
 
     flags = opened_flags(monkeypatch)
-    monkeypatch.setattr(_save.os, "pwrite", pwrite)
+    monkeypatch.setattr(_writer.os, "pwrite", pwrite)
     write_checkpoint(td, tmp_path / "ckpt")
     monkeypatch.undo()
     assert refused  # the first direct write was refused...
     direct = [name for name, how in flags.items() if how & os.O_DIRECT]
-    assert len(direct) <= _save._DIRECT_THREADS  # ...and later files are not tried again
+    assert len(direct) <= _writer._DIRECT_THREADS  # ...and later files are not tried again
     assert tree_bytes(tmp_path / "ckpt") == tree_bytes(tmp_path / "tensordict")
 
 
@@ -223,7 +223,7 @@ def test_direct_write_error_fails_the_save_and_leaves_nothing(
         mgr.save(1, leaves())
         before = open_fds()
         calls: list[int] = []
-        real = _save._Writer._pwrite_direct
+        real = _writer.Writer._pwrite_direct
 
         def failing(self: Any, fd: int, data: Any, offset: int) -> None:
             calls.append(fd)
@@ -231,7 +231,7 @@ def test_direct_write_error_fails_the_save_and_leaves_nothing(
                 raise OSError(errno.EIO, "Input/output error")
             real(self, fd, data, offset)
 
-        monkeypatch.setattr(_save._Writer, "_pwrite_direct", failing)
+        monkeypatch.setattr(_writer.Writer, "_pwrite_direct", failing)
         with pytest.raises(OSError, match="Input/output error"):
             mgr.save(2, leaves())
         monkeypatch.undo()
@@ -269,8 +269,8 @@ def test_each_file_is_fsynced_after_all_its_writes(
             events.append(("fsync", name(fd), 0))
         real_fsync(fd)
 
-    monkeypatch.setattr(_save.os, "pwrite", pwrite)
-    monkeypatch.setattr(_save.os, "fsync", fsync)
+    monkeypatch.setattr(_writer.os, "pwrite", pwrite)
+    monkeypatch.setattr(_writer.os, "fsync", fsync)
     write_checkpoint(leaves(), tmp_path / "ckpt")
     monkeypatch.undo()
     written = {f for what, f, _ in events if what == "write"}
@@ -317,7 +317,7 @@ def record_hints(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int, i
 def test_buffered_files_get_the_writeback_hint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_save, "_WRITEBACK_BYTES", 4096)
+    monkeypatch.setattr(_writer, "_WRITEBACK_BYTES", 4096)
     calls = record_hints(monkeypatch)
     td = TensorDict(a=torch.zeros(2500), b=torch.ones(3), sub=TensorDict(c=torch.ones(5)))
     write_checkpoint(td, tmp_path / "ckpt")

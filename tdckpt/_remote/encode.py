@@ -17,12 +17,11 @@ from typing import Any
 
 from tdckpt._write.checksum import new_hasher
 from tdckpt._write.save import (
-    _as_bytes,
-    _pieces,
     check_save_options,
     new_manifest,
     prepare_checkpoint,
 )
+from tdckpt._write.writer import as_bytes, pieces
 from tdckpt.schema import (
     FileRecord,
     Manifest,
@@ -107,7 +106,7 @@ def encode_checkpoint(
             files.append(EncodedFile(op.rel, op.key, [memoryview(op.data)], len(op.data)))
         else:
             assert op.tensor is not None
-            parts = [_as_bytes(piece) for piece in _pieces(op.tensor)]
+            parts = [as_bytes(piece) for piece in pieces(op.tensor)]
             files.append(EncodedFile(op.rel, op.key, parts, sum(len(p) for p in parts)))
     return Encoded(
         files=files,

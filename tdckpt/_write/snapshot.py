@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from tdckpt._write.save import PreparedCheckpoint, _pieces
+from tdckpt._write.save import PreparedCheckpoint
 from tdckpt._write.save_plan import Op, Plan
+from tdckpt._write.writer import pieces
 
 __all__ = ["StagingBuffers"]
 
@@ -147,7 +148,7 @@ def _copy_leaf(src: torch.Tensor, dest: torch.Tensor) -> None:
     """Copy ``src``'s C-order bytes into the uint8 buffer slice ``dest``."""
     if src.is_nested:
         offset = 0
-        for piece in _pieces(src):  # components back to back, as the writer streams them
+        for piece in pieces(src):  # components back to back, as the writer streams them
             raw = piece.reshape(-1).view(torch.uint8)
             dest[offset : offset + raw.numel()].copy_(raw)
             offset += raw.numel()
