@@ -333,6 +333,10 @@ _OPTIM_EDITS: dict[str, tuple[Any, str]] = {
         lambda s: set_item(_pstate(s, 2), "exp_avg_sq", 0.5),
         "state[2]['exp_avg_sq'] is 0.5, expected a tensor",
     ),
+    "moment None": (  # found by the state fuzzer: the restore took it, the next step failed
+        lambda s: set_item(_pstate(s, 2), "exp_avg", None),
+        "state[2]['exp_avg'] is None, expected a tensor: the optimizer's next step reads it",
+    ),
     "moment missing": (
         lambda s: _del(_pstate(s, 1), "exp_avg_sq"),
         "state[1] lacks 'exp_avg_sq'",
@@ -439,6 +443,31 @@ def test_a_moment_of_a_non_floating_dtype_is_refused(step: Path) -> None:
     meta["state.0.exp_avg"]["dtype"] = "torch.int32"  # same item size: the file still fits
     rewrite(step, "optim/meta.json", json.dumps(meta).encode())
     _refused(step, "state[0]['exp_avg'] is a int32[4, 3] tensor, expected the parameter's kind")
+
+
+def test_a_required_entry_of_none_is_refused_for_a_trained_target_too(step: Path) -> None:
+    tamper(step, "optim", lambda s: set_item(_pstate(s, 1), "exp_avg_sq", None))
+    _refused(step, "state[1]['exp_avg_sq'] is None, expected a tensor", target=_train(seed=3))
+
+
+def test_an_optional_buffer_of_none_is_restored(tmp_path: Path) -> None:
+    # SGD's step starts a momentum buffer that is None (older torch saved it so): that None
+    # is the state, not damage.
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    for state in opt.state.values():
+        state["momentum_buffer"] = None
+    target_model = torch.nn.Linear(3, 2)
+    target = torch.optim.SGD(target_model.parameters(), lr=0.1, momentum=0.9)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
+        mgr.restore_into({"model": target_model, "optim": target})
+    assert [v["momentum_buffer"] for v in target.state_dict()["state"].values()] == [None, None]
+    target_model(torch.randn(4, 3)).sum().backward()
+    target.step()
+    assert all(isinstance(v["momentum_buffer"], torch.Tensor) for v in target.state.values())
 
 
 def test_a_trained_target_checks_the_state_against_its_own(step: Path) -> None:
