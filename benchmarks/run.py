@@ -226,15 +226,15 @@ def _stage_breakdown(prefix: Path, target: Callable[[], Any], base: float, reps:
     """
     import tdckpt
     from tdckpt._read import lane, pipeline
-    from tdckpt._restore import engine
+    from tdckpt._restore import engine, reading
 
     stages = {
-        "lane": (engine, "open_current"),
+        "lane": (reading, "open_current"),
         "lane validate": (lane, "build_nodes"),
         "read": (pipeline, "read_tree"),
         "names": (pipeline, "normalize_names"),
         "validate": (pipeline, "build_nodes"),
-        "open": (engine, "open_for_restore"),
+        "open": (reading, "open_for_restore"),
         "map+commit": (engine, "restore_into_target"),
     }
     spent: dict[str, float] = {}

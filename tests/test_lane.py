@@ -299,9 +299,9 @@ def test_a_plain_restore_takes_the_lane(tmp_path: Path, monkeypatch: pytest.Monk
         raise AssertionError("the general read ran")
 
     monkeypatch.setattr(pipeline_mod, "open_checkpoint", general)
-    import tdckpt._restore.engine as engine_mod
+    import tdckpt._restore.reading as reading_mod
 
-    monkeypatch.setattr(engine_mod, "open_checkpoint", general)
+    monkeypatch.setattr(reading_mod, "open_checkpoint", general)
     target = TensorDict(
         a=torch.zeros(3), n=TensorDict(b=torch.zeros(3, 2), batch_size=[3]), batch_size=[3]
     )

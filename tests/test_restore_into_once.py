@@ -33,8 +33,9 @@ from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, Ten
 from tdckpt._read.archive import ArchiveStorage  # noqa: E402
 from tdckpt._read.directory import DirectoryStorage  # noqa: E402
 from tdckpt._read.pipeline import open_checkpoint  # noqa: E402
-from tdckpt._restore.engine import load_memmap, open_for_restore, restore_in_place  # noqa: E402
+from tdckpt._restore.engine import load_memmap, restore_in_place  # noqa: E402
 from tdckpt._restore.keys import key_difference, saved_structure, target_structure  # noqa: E402
+from tdckpt._restore.reading import open_for_restore  # noqa: E402
 from tdckpt.errors import RestoreError, TdckptError  # noqa: E402
 from tdckpt.manager import CheckpointManager  # noqa: E402
 from tdckpt.schema import MANIFEST_NAME  # noqa: E402

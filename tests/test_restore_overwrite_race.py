@@ -24,8 +24,8 @@ tensordict = pytest.importorskip("tensordict")
 from tensordict import TensorDict  # noqa: E402
 
 import tdckpt  # noqa: E402
-from tdckpt._restore import engine  # noqa: E402
 from tdckpt._restore import plan as plan_mod  # noqa: E402
+from tdckpt._restore import reading  # noqa: E402
 from tdckpt.errors import TdckptError  # noqa: E402
 
 #: Overwrites tried before concluding the file system does not hand the freed number out again.
@@ -54,7 +54,7 @@ def _replace_twice(monkeypatch: pytest.MonkeyPatch, prefix: Path) -> list[int | 
     again. B's files vanish under the restore. The value of the last tree is recorded."""
     ino = os.stat(prefix).st_ino
     replaced: list[int | None] = []
-    real_identity = engine._identity
+    real_identity = reading._identity
     real_leaves = plan_mod.Mapper.leaves
     noted: list[object] = []
 
@@ -70,7 +70,7 @@ def _replace_twice(monkeypatch: pytest.MonkeyPatch, prefix: Path) -> list[int | 
             replaced.append(_overwrite_until_the_inode_comes_back(prefix, ino))
         return real_leaves(self, nodes)
 
-    monkeypatch.setattr(engine, "_identity", identity)
+    monkeypatch.setattr(reading, "_identity", identity)
     monkeypatch.setattr(plan_mod.Mapper, "leaves", leaves)
     return replaced
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tensordict import NonTensorData, TensorDict, tensorclass
 
 import tdckpt
-import tdckpt._restore.engine as engine_mod
+import tdckpt._restore.reading as reading_mod
 from tdckpt.errors import RestoreError, ValidationError
 
 
@@ -44,7 +44,7 @@ def lane_only(monkeypatch: pytest.MonkeyPatch) -> None:
     def general(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the general read ran")
 
-    monkeypatch.setattr(engine_mod, "open_checkpoint", general)
+    monkeypatch.setattr(reading_mod, "open_checkpoint", general)
 
 
 def _damage_entry(level: Path, key: str, **fields: Any) -> None:

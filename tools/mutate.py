@@ -671,13 +671,13 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "S01",
         STORAGE,
-        "if st.st_size >= need and is_reg(st.st_mode):",
-        "if is_reg(st.st_mode):",
+        "st.st_size >= need\n                        and is_reg(st.st_mode)",
+        "is_reg(st.st_mode)",
         "deferred leaf size never checked",
     ),
     (
         "E01",
-        "tdckpt/_restore/engine.py",
+        "tdckpt/_restore/reading.py",
         "if self.from_lane or (opened is not None and _short_leaf(opened)):",
         "if False:",
         "no full read after a failed shortcut",
@@ -747,7 +747,7 @@ DEFAULT_TESTS = {
     LANE: ["tests/test_lane.py", "tests/test_restore_failures.py"],
     STORAGE: ["tests/test_storage.py", "tests/test_hardening_storage.py"],
     "tdckpt/_read/tree.py": ["tests/test_hardening_dos.py", "tests/test_hostile.py"],
-    "tdckpt/_restore/engine.py": [
+    "tdckpt/_restore/reading.py": [
         "tests/test_lane.py",
         "tests/test_hardening_storage.py",
         "tests/test_restore_failures.py",

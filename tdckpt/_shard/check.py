@@ -35,7 +35,7 @@ from tdckpt.schema import MANIFEST_NAME, ShardedManifest
 
 if TYPE_CHECKING:
     from tdckpt._read.pipeline import OpenedCheckpoint
-    from tdckpt._restore.engine import Admitted
+    from tdckpt._restore.reading import Admitted
 
 __all__ = [
     "CheckedShards",
@@ -267,7 +267,7 @@ def open_checked(
     """Open every shard (and the replicated entries) of ``manifest`` once and check it.
 
     Each shard is opened and validated as a restore opens it
-    (:func:`~tdckpt._restore.engine.admit`); the shards whose rank is in ``keep`` (and the
+    (:func:`~tdckpt._restore.reading.admit`); the shards whose rank is in ``keep`` (and the
     replicated entries, with ``keep_replicated``) stay open for the restore, the others are
     closed once checked. ``prefix_of(prefix)``: as :func:`check_shards`. ``split``: in a
     group, only this rank's share of the shards is checked (see :class:`SplitCheck`), and
@@ -291,7 +291,7 @@ def open_checked(
 def _open(folder: Path, hold: bool) -> tuple[Admitted | None, ShardStructure]:
     """Open and validate ``folder``: (the opened prefix if ``hold``, else None: closed; its
     structure)."""
-    from tdckpt._restore.engine import admit
+    from tdckpt._restore.reading import admit
 
     admitted = admit(folder, robust_key=True)
     try:

@@ -23,7 +23,7 @@ from tdckpt.errors import MetadataError, RestoreError, TdckptError, UnsafePathEr
 from tdckpt.schema import ShardedManifest, ShardRecord
 
 if TYPE_CHECKING:
-    from tdckpt._restore.engine import Admitted
+    from tdckpt._restore.reading import Admitted
     from tdckpt._restore.select import RestoreReport, Selection
     from tdckpt._shard.check import SplitCheck
 
@@ -242,7 +242,7 @@ def read_rows(
     """
     import torch
 
-    from tdckpt._restore.engine import gc_paused
+    from tdckpt._restore.reading import gc_paused
     from tdckpt._shard.check import open_checked
 
     plan = plan_rows(manifest.shards, start, stop)
