@@ -450,6 +450,36 @@ def test_a_required_entry_of_none_is_refused_for_a_trained_target_too(step: Path
     _refused(step, "state[1]['exp_avg_sq'] is None, expected a tensor", target=_train(seed=3))
 
 
+@pytest.mark.parametrize(
+    ("optimizer", "key", "value", "shown"),
+    [
+        (torch.optim.NAdam, "mu_product", "x", "'x'"),
+        (torch.optim.ASGD, "eta", None, "None"),
+        (torch.optim.ASGD, "mu", 1.0, "1.0"),
+        (torch.optim.Adagrad, "sum", [1.0, 2.0], "[1.0, 2.0]"),
+    ],
+    ids=["NAdam mu_product a str", "ASGD eta None", "ASGD mu a float", "Adagrad sum a list"],
+)
+def test_an_entry_the_step_reads_as_a_tensor_must_be_one(
+    tmp_path: Path, optimizer: Any, key: str, value: Any, shown: str
+) -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = optimizer(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    for state in opt.state.values():
+        state[key] = value  # what a damaged or hostile step holds after its metadata is read
+    target_model = torch.nn.Linear(3, 2)
+    target = optimizer(target_model.parameters(), lr=0.1)  # no state yet: nothing to compare
+    before = target.state_dict()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
+        with pytest.raises(RestoreError, match="nothing was changed") as info:
+            mgr.restore_into({"model": target_model, "optim": target})
+    assert f"state[0][{key!r}] is {shown}, expected a tensor" in str(info.value)
+    assert target.state_dict() == before
+
+
 def test_an_optional_buffer_of_none_is_restored(tmp_path: Path) -> None:
     # SGD's step starts a momentum buffer that is None (older torch saved it so): that None
     # is the state, not damage.

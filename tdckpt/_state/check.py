@@ -261,9 +261,12 @@ def _param_state_problems(
             if problem:
                 out.append(problem)
             continue
-        if value is None and key in required:
-            # (an optional buffer may be None: SGD's momentum_buffer without momentum)
-            out.append(f"{at} is None, expected a tensor: the optimizer's next step reads it")
+        if key in required and not isinstance(value, torch.Tensor):
+            # torch (>= 2.3) keeps every entry its step needs as a tensor; an optional one
+            # may be None (SGD's momentum_buffer, which its step starts)
+            out.append(
+                f"{at} is {_show(value)}, expected a tensor: the optimizer's next step reads it"
+            )
             continue
         mine = live.get(key) if isinstance(live, Mapping) else None
         if isinstance(mine, torch.Tensor) or (key in _PARAM_SHAPED and value is not None):
