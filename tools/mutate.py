@@ -1,7 +1,7 @@
 """A tiny mutation check for tdckpt's validation and apply stages (no mutmut needed).
 
 Each mutant replaces one exact, unique piece of source text (a negated condition, an
-off-by-one, a deleted check) in ``tdckpt/_read/validate.py`` or ``tdckpt/_restore/apply.py``,
+off-by-one, a deleted check) in validation, the apply and commit stages, the lane or storage,
 runs a selection of tests with ``-x``, and records whether the suite noticed (killed) and by
 which test. It works on a private copy of the package and tests (``--work``, default a
 temporary folder), so the worktree is never modified and other test runs are not disturbed.
@@ -28,6 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VALIDATE = "tdckpt/_read/validate.py"
 APPLY = "tdckpt/_restore/apply.py"
+COMMIT = "tdckpt/_restore/commit.py"
+KINDS = "tdckpt/_restore/kinds.py"
+BUILD = "tdckpt/_restore/build.py"
 LANE = "tdckpt/_read/lane.py"
 STORAGE = "tdckpt/_read/directory.py"
 
@@ -327,14 +330,14 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "A01",
         APPLY,
-        "if not _is_tensorclass(target) or _is_non_tensor_data(target):",
-        "if not _is_tensorclass(target):",
+        "if not is_tensorclass(target) or is_non_tensor_data(target):",
+        "if not is_tensorclass(target):",
         "NonTensorData taken for a tensorclass target",
     ),
     (
         "A02",
         APPLY,
-        "if not _is_tensorclass(target) or _is_non_tensor_data(target):",
+        "if not is_tensorclass(target) or is_non_tensor_data(target):",
         "if False:",
         "tensorclass kind check deleted",
     ),
@@ -356,7 +359,7 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "A05",
         APPLY,
-        "            if not _is_lazy_stack(target):\n",
+        "            if not is_lazy_stack(target):\n",
         "            if False:\n",
         "lazy-stack kind check deleted",
     ),
@@ -377,8 +380,8 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "A08",
         APPLY,
-        "if not _is_td(target) or _is_lazy_stack(target):",
-        "if not _is_td(target):",
+        "if not is_td(target) or is_lazy_stack(target):",
+        "if not is_td(target):",
         "lazy stack target for a TensorDict",
     ),
     (
@@ -419,15 +422,15 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "A14",
         APPLY,
-        "and _is_td(existing)\n                    and not _is_lazy_stack(existing)",
-        "and _is_td(existing)",
+        "and is_td(existing)\n                    and not is_lazy_stack(existing)",
+        "and is_td(existing)",
         "lazy stack reused for a TensorDict",
     ),
     (
         "A16",
         APPLY,
-        "and _is_tensorclass(existing)\n                    and str(type(existing)) == sub.type_str",
-        "and _is_tensorclass(existing)",
+        "and is_tensorclass(existing)\n                    and str(type(existing)) == sub.type_str",
+        "and is_tensorclass(existing)",
         "other tensorclass reused",
     ),
     (
@@ -440,8 +443,8 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "A19",
         APPLY,
-        "and _is_non_tensor_data(existing)\n                and type(existing).__name__ == sub.class_name\n",
-        "and _is_non_tensor_data(existing)\n",
+        "and is_non_tensor_data(existing)\n                and type(existing).__name__ == sub.class_name\n",
+        "and is_non_tensor_data(existing)\n",
         "MetaData/NonTensorData mixed up",
     ),
     (
@@ -502,121 +505,121 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     ),
     (
         "A28",
-        APPLY,
-        "if _is_td(inner) and inner.device is not None:",
+        COMMIT,
+        "if is_td(inner) and inner.device is not None:",
         "if False:",
         "target device ignored",
     ),
     (
         "A29",
-        APPLY,
+        COMMIT,
         "if was_locked and root_td is not None and not root_td.is_locked:",
         "if False:",
         "no relock on rollback",
     ),
     (
         "A30",
-        APPLY,
+        COMMIT,
         "            if mapper.records_prefix:",
         "            if True:",
         "memmap kept after an 'r' restore",
     ),
     (
         "A31",
-        APPLY,
+        COMMIT,
         "                    lvl._is_memmap = True\n",
         "                    lvl._is_memmap = False\n",
         "memmap flag not set",
     ),
     (
         "A32",
-        APPLY,
+        COMMIT,
         "                root_td.lock_()\n            else:",
         "                pass\n            else:",
         "memmap target not relocked",
     ),
     (
         "A33",
-        APPLY,
+        COMMIT,
         "    levels += _non_tensor_levels(levels)\n",
         "",
         "NonTensorData flags not snapshotted",
     ),
     (
         "A34",
-        APPLY,
+        COMMIT,
         "_all_td_levels(holder) if was_memmap else",
         "[lvl for lvl, _ in plan.prefixes] if was_memmap else",
         "only planned levels snapshotted",
     ),
     (
         "A35",
-        APPLY,
-        "        if _is_lazy_stack(cur):\n",
+        COMMIT,
+        "        if is_lazy_stack(cur):\n",
         "        if False:\n",
         "lazy-stack members not walked",
     ),
     (
         "A36",
-        APPLY,
-        "        if _is_tensorclass(cur) and not _is_non_tensor_data(cur):\n",
+        COMMIT,
+        "        if is_tensorclass(cur) and not is_non_tensor_data(cur):\n",
         "        if False:\n",
         "tensorclass levels not walked",
     ),
     (
         "A37",
         APPLY,
-        "    if isinstance(node, TensorClassNode) and _is_tensorclass(value):",
+        "    if isinstance(node, TensorClassNode) and is_tensorclass(value):",
         "    if False:",
         "NonTensorData in new tensorclass missed",
     ),
     (
         "A38",
         APPLY,
-        "    if isinstance(node, LazyStackNode) and _is_lazy_stack(value):",
+        "    if isinstance(node, LazyStackNode) and is_lazy_stack(value):",
         "    if False:",
         "NonTensorData in new stack missed",
     ),
     (
         "A39",
-        APPLY,
+        COMMIT,
         'ntd._tensordict._memmap_prefix = path / "_tensordict" if path is not None else None',
         "ntd._tensordict._memmap_prefix = None",
         "NonTensorData prefix not set",
     ),
     (
         "A40",
-        APPLY,
+        KINDS,
         "type(obj) is types[4] or isinstance(obj, types[0])",
         "type(obj) is types[4]",
         "TensorDict subclasses not TensorDicts",
     ),
     (
         "A41",
-        APPLY,
+        COMMIT,
         "            store.clear()\n            store.update(new)",
         "            store.update(new)",
         "stale keys kept",
     ),
     (
         "A42",
-        APPLY,
+        COMMIT,
         "        for store, items in snapshot_items:\n            store.clear()",
         "        for store, items in []:\n            store.clear()",
         "items not rolled back",
     ),
     (
         "A43",
-        APPLY,
+        COMMIT,
         "        for obj, fields in snapshot_fields:\n",
         "        for obj, fields in []:\n",
         "fields not rolled back",
     ),
     (
         "A44",
-        APPLY,
-        "        for lvl, prefix, is_memmap in snapshot_flags:\n",
-        "        for lvl, prefix, is_memmap in []:\n",
+        COMMIT,
+        "        for lvl, prefix, memmapped in snapshot_flags:\n",
+        "        for lvl, prefix, memmapped in []:\n",
         "flags not rolled back",
     ),
     (
@@ -649,14 +652,14 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     ),
     (
         "A45",
-        APPLY,
+        BUILD,
         "    for key in current:\n        if key in tensors:",
         "    for key in ():\n        if key in tensors:",
         "in place, keys lose the target's order",
     ),
     (
         "A46",
-        APPLY,
+        BUILD,
         "    for key, value in tensors.items():\n        ordered.setdefault(key, value)\n",
         "",
         "new saved tensors after the new sub-levels",
@@ -736,6 +739,33 @@ DEFAULT_TESTS = {
         "tests/test_hostile_metadata.py",
     ],
     APPLY: [
+        "tests/test_apply_checks.py",
+        "tests/test_restore_aliases.py",
+        "tests/test_restore_failures.py",
+        "tests/test_restore.py",
+        "tests/test_restore_tensorclass.py",
+        "tests/test_views.py",
+        "tests/test_hardening_fuzz.py",
+    ],
+    COMMIT: [
+        "tests/test_apply_checks.py",
+        "tests/test_restore_aliases.py",
+        "tests/test_restore_failures.py",
+        "tests/test_restore.py",
+        "tests/test_restore_tensorclass.py",
+        "tests/test_views.py",
+        "tests/test_hardening_fuzz.py",
+    ],
+    KINDS: [
+        "tests/test_apply_checks.py",
+        "tests/test_restore_aliases.py",
+        "tests/test_restore_failures.py",
+        "tests/test_restore.py",
+        "tests/test_restore_tensorclass.py",
+        "tests/test_views.py",
+        "tests/test_hardening_fuzz.py",
+    ],
+    BUILD: [
         "tests/test_apply_checks.py",
         "tests/test_restore_aliases.py",
         "tests/test_restore_failures.py",

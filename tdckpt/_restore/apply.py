@@ -1,19 +1,16 @@
-"""The apply stage: swap planned values into an existing target, all or nothing.
+"""The apply stage: what an existing target takes from a validated checkpoint, prepared in full
+before anything changes.
 
-``restore_into_target`` first *prepares*: it walks the target beside the validated
-checkpoint, decides for every level which object is reused and which value is new, builds
-and maps every new value, and checks that the target can hold them (kinds, batch sizes,
-tensorclass identity, lazy-stack member counts). The target is untouched so far.
-
-Then it *commits*: a list of plain assignments (a level's item dict, its memmap prefix,
-a tensorclass's non-tensor fields), followed by the lock and memmap state. A snapshot of
-everything it assigns is kept, and restored if anything fails while committing.
+:class:`Preparer` walks the target beside the validated checkpoint, decides for every level
+which object is reused and which value is new, builds and maps every new value, and checks
+that the target can hold them (kinds, batch sizes, tensorclass identity, lazy-stack member
+counts, views loaded through to their parent). What it decides is a plan of plain
+assignments; the target is untouched. The commit (``commit.py``) then swaps the plan in, all
+or nothing.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, cast
@@ -31,18 +28,27 @@ from tdckpt._read.nodes import (
     TensorDictNode,
 )
 from tdckpt._read.pipeline import OpenedCheckpoint
-from tdckpt._read.storage import MapMode
-from tdckpt._restore.budget import check_map_budget, refuse_if_out_of_mappings
+from tdckpt._restore.build import tensordict_order
+from tdckpt._restore.kinds import (
+    is_lazy_stack,
+    is_memmap,
+    is_non_tensor_data,
+    is_td,
+    is_tensorclass,
+    kind_name,
+    tensordict_types,
+    value_batch,
+    view_kind,
+)
 from tdckpt._restore.plan import (
     Mapper,
     check_tensorclass_fields,
-    has_tensordict,
     non_tensor_value,
     tensorclass_fields,
 )
-from tdckpt.errors import RestoreError, TdckptError
+from tdckpt.errors import RestoreError
 
-__all__ = ["restore_into_target", "tensordict_order"]
+__all__ = ["Preparer"]
 
 _IS_NESTED = attrgetter("is_nested")
 
@@ -62,88 +68,7 @@ class _Plan:
         self.non_tensors: list[tuple[Any, str]] = []  # (NTD, its directory)
 
 
-@functools.cache
-def _tensordict_types() -> tuple[type, type, type, Callable[[Any], bool], type] | None:
-    """tensordict's classes the engine tells apart, or None without tensordict (cached).
-
-    The last one is ``TensorDict`` itself: the usual target, answered by one ``type() is``
-    before the abstract-base-class checks.
-    """
-    if not has_tensordict():
-        return None
-    from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass
-    from tensordict.tensorclass import NonTensorDataBase
-
-    return TensorDictBase, LazyStackedTensorDict, NonTensorDataBase, is_tensorclass, TensorDict
-
-
-@functools.cache
-def _view_types() -> tuple[type, type] | None:
-    """tensordict's view classes: ``_SubTensorDict`` and the lazy views' ``_CustomOpTensorDict``."""
-    if not has_tensordict():
-        return None
-    from tensordict._lazy import _CustomOpTensorDict
-    from tensordict._td import _SubTensorDict
-
-    return _SubTensorDict, _CustomOpTensorDict
-
-
-def _view_kind(obj: Any) -> str | None:
-    """``"sub"`` (a ``_SubTensorDict``), ``"lazy"`` (a lazy view) or None (not a view)."""
-    types = _view_types()
-    if types is None or type(obj) is _tensordict_types()[4]:  # type: ignore[index]
-        return None
-    if isinstance(obj, types[0]):
-        return "sub"
-    if isinstance(obj, types[1]):
-        return "lazy"
-    return None
-
-
-def view_storage(obj: Any) -> Any:
-    """The tensordict that holds a view's data (through views of views); ``obj`` if no view."""
-    while _view_kind(obj) is not None:
-        obj = obj._source
-    return obj
-
-
-def _is_td(obj: Any) -> bool:
-    types = _tensordict_types()
-    return types is not None and (type(obj) is types[4] or isinstance(obj, types[0]))
-
-
-def _is_lazy_stack(obj: Any) -> bool:
-    types = _tensordict_types()
-    return types is not None and type(obj) is not types[4] and isinstance(obj, types[1])
-
-
-def _is_tensorclass(obj: Any) -> bool:
-    types = _tensordict_types()
-    return types is not None and type(obj) is not types[4] and types[3](obj)
-
-
-def _is_non_tensor_data(obj: Any) -> bool:
-    types = _tensordict_types()
-    return (
-        types is not None
-        and type(obj) is not types[4]
-        and isinstance(obj, types[2])
-        and not isinstance(obj, types[1])
-    )
-
-
-def _value_batch(value: Any) -> tuple[int, ...] | None:
-    """The batch size of a non-leaf entry's value (leaves are checked from their metadata)."""
-    if _is_td(value) or _is_tensorclass(value):
-        return tuple(value.batch_size)
-    return None
-
-
-def _kind(obj: Any) -> str:
-    return type(obj).__name__
-
-
-class _Preparer:
+class Preparer:
     def __init__(
         self, opened: OpenedCheckpoint, mapper: Mapper, builder: Any, unpickle: bool
     ) -> None:
@@ -172,7 +97,7 @@ class _Preparer:
         if len(claimed) == count:
             first, second = (".".join(k) or "<root>" for k in (other, node.key))
             raise RestoreError(
-                f"{self.where(node)}: the target holds the same {_kind(target)} object under "
+                f"{self.where(node)}: the target holds the same {kind_name(target)} object under "
                 f"{first!r} and {second!r}, so both saved levels would be loaded into one object "
                 "and the last would silently win; nothing was changed. Make them distinct "
                 f"objects before restoring (e.g. clone one of them: td[{second!r}] = "
@@ -182,26 +107,26 @@ class _Preparer:
             )
 
     def into(self, target: Any, node: Node) -> None:
-        if isinstance(node, LazyViewNode) and _tensordict_types() is not None:
+        if isinstance(node, LazyViewNode) and tensordict_types() is not None:
             # tensordict 0.15.3 loads a saved lazy view in place by loading the view's saved
             # source into the target itself (_CustomOpTensorDict._load_memmap passes ``out`` on).
             self.into(target, node.source)
             return
-        view = _view_kind(target)
+        view = view_kind(target)
         if view is not None:
             self._into_view(target, node, view)
             return
         self.claim(target, node)
-        types = _tensordict_types()
+        types = tensordict_types()
         if type(node) is TensorDictNode and types is not None and type(target) is types[4]:
             self._into_td(target, node)  # the usual case: a TensorDict level into a TensorDict
             return
         if isinstance(node, TensorClassNode):
-            if not _is_tensorclass(target) or _is_non_tensor_data(target):
+            if not is_tensorclass(target) or is_non_tensor_data(target):
                 raise RestoreError(
                     f"{self.where(node)}: the checkpoint holds a tensorclass {node.type_str}, the "
-                    f"target is a {_kind(target)}. Restore into an instance of that class, or use "
-                    "tdckpt.load_memmap to get a new object.",
+                    f"target is a {kind_name(target)}. Restore into an instance of that class, or "
+                    "use tdckpt.load_memmap to get a new object.",
                     key=node.key,
                 )
             if str(type(target)) != node.type_str:
@@ -216,10 +141,10 @@ class _Preparer:
             self.into(target._tensordict, node.inner)
             return
         if isinstance(node, LazyStackNode):
-            if not _is_lazy_stack(target):
+            if not is_lazy_stack(target):
                 raise RestoreError(
                     f"{self.where(node)}: the checkpoint holds a lazy stack of "
-                    f"{len(node.members)} tensordicts, the target is a {_kind(target)}. "
+                    f"{len(node.members)} tensordicts, the target is a {kind_name(target)}. "
                     "tensordict would silently load nothing into it; use tdckpt.load_memmap "
                     "to get a new LazyStackedTensorDict.",
                     key=node.key,
@@ -244,10 +169,10 @@ class _Preparer:
             if isinstance(target, dict):
                 self._into_dict(target, node, claimed=True)
                 return
-            if not _is_td(target) or _is_lazy_stack(target):
+            if not is_td(target) or is_lazy_stack(target):
                 raise RestoreError(
                     f"{self.where(node)}: the checkpoint holds a TensorDict, the target is a "
-                    f"{_kind(target)}.",
+                    f"{kind_name(target)}.",
                     key=node.key,
                 )
             self._into_td(target, node)
@@ -261,7 +186,7 @@ class _Preparer:
         )
         raise RestoreError(
             f"{self.where(node)}: the checkpoint holds {_node_what(node)}, which cannot be "
-            f"loaded in place into a {_kind(target)}{fix} nothing was changed. Use "
+            f"loaded in place into a {kind_name(target)}{fix} nothing was changed. Use "
             "tdckpt.load_memmap to get a new object.",
             key=node.key,
         )
@@ -271,8 +196,8 @@ class _Preparer:
     def _view_refusal(self, target: Any, node: Node, why: str, fix: str) -> RestoreError:
         return RestoreError(
             f"{self.where(node)}: cannot load {_node_what(node)} in place into the "
-            f"{_kind(target)} target (a view of a {_kind(target._source)}): {why}; nothing was "
-            f"changed. {fix}",
+            f"{kind_name(target)} target (a view of a {kind_name(target._source)}): {why}; "
+            f"nothing was changed. {fix}",
             key=node.key,
         )
 
@@ -293,7 +218,7 @@ class _Preparer:
         parent = target._source
         self.claim(target, node)
         if target.is_locked:
-            if not _is_memmap(parent):
+            if not is_memmap(parent):
                 raise self._view_refusal(
                     target,
                     node,
@@ -318,7 +243,7 @@ class _Preparer:
                     "Restore with mode='r', or into the unlocked parent.",
                 )
         if kind == "sub" and isinstance(node, SubTensorDictNode):
-            if _view_kind(parent) is None:
+            if view_kind(parent) is None:
                 self.into(parent, node.source)
                 return
             self._into_view(parent, node.source, "sub")  # a view of a view: one level down
@@ -332,10 +257,10 @@ class _Preparer:
                 else "only a saved TensorDict (or a saved view of one) loads through a view",
                 "Use tdckpt.load_memmap to get a new object.",
             )
-        types = _tensordict_types()
+        types = tensordict_types()
         assert types is not None
         chain = [target]  # a sub-tensordict of a sub-tensordict writes through both
-        while kind == "sub" and _view_kind(parent) == "sub":
+        while kind == "sub" and view_kind(parent) == "sub":
             chain.append(parent)
             parent = parent._source
         if type(parent) is not types[4]:
@@ -426,7 +351,7 @@ class _Preparer:
                     f"cannot be applied to the saved entry {key!r} ({type(exc).__name__}: {exc})",
                     "Use tdckpt.load_memmap to get a new object.",
                 ) from exc
-            shape = tuple(value.batch_size if _is_td(value) else value.shape)
+            shape = tuple(value.batch_size if is_td(value) else value.shape)
             if shape[: len(pbatch)] != pbatch:
                 self._batch_error(sub, shape, pbatch)
             new[key] = value
@@ -493,24 +418,24 @@ class _Preparer:
             reuse = existing is not None and (
                 (
                     isinstance(sub, TensorDictNode)
-                    and _is_td(existing)
-                    and not _is_lazy_stack(existing)
+                    and is_td(existing)
+                    and not is_lazy_stack(existing)
                 )
                 or (
                     isinstance(sub, TensorClassNode)
-                    and _is_tensorclass(existing)
+                    and is_tensorclass(existing)
                     and str(type(existing)) == sub.type_str
                 )
                 or (
                     isinstance(sub, LazyStackNode)
-                    and _is_lazy_stack(existing)
+                    and is_lazy_stack(existing)
                     and len(existing.tensordicts) == len(sub.members)
                 )
             )
             if reuse:
                 self.into(existing, sub)
                 value = existing
-            elif isinstance(sub, SubTensorDictNode) and _view_kind(existing) == "sub":
+            elif isinstance(sub, SubTensorDictNode) and view_kind(existing) == "sub":
                 # tensordict loads a saved sub-tensordict into the one the target holds:
                 # through it, into its source
                 self.into(existing, sub)
@@ -518,9 +443,9 @@ class _Preparer:
             elif (
                 isinstance(sub, LazyViewNode)
                 and existing is not None
-                and _is_td(existing)
-                and not _is_lazy_stack(existing)
-                and _view_kind(existing) is None
+                and is_td(existing)
+                and not is_lazy_stack(existing)
+                and view_kind(existing) is None
             ):
                 # tensordict loads the saved view's source into the target's collection at
                 # that key, then sets a new lazy view over it (_CustomOpTensorDict._load_memmap).
@@ -531,7 +456,7 @@ class _Preparer:
                 value = _lazy_view_over(existing, sub)
             elif (
                 isinstance(sub, NonTensorNode)
-                and _is_non_tensor_data(existing)
+                and is_non_tensor_data(existing)
                 and type(existing).__name__ == sub.class_name
             ):
                 self.claim(existing, sub)
@@ -543,9 +468,7 @@ class _Preparer:
                 value = self.builder.build(sub, node.batch_size)
                 if not isinstance(sub, NonTensorNode):
                     self.plan.non_tensors.extend(_built_non_tensors(value, sub))
-            vb = (
-                _value_batch(value) if not isinstance(sub, NonTensorNode) else tuple(sub.batch_size)
-            )
+            vb = value_batch(value) if not isinstance(sub, NonTensorNode) else tuple(sub.batch_size)
             if vb is not None and vb[:nb] != batch:
                 self._batch_error(sub, vb, batch)
             if isinstance(sub, NonTensorNode):
@@ -561,31 +484,6 @@ class _Preparer:
         )
         self.plan.prefixes.append((target, self.mapper.dir_path(node.path)))
         self.plan.levels.append(target)
-
-
-def tensordict_order(
-    current: dict[str, Any], tensors: dict[str, Any], levels: dict[str, Any]
-) -> dict[str, Any]:
-    """A level's items in the order tensordict leaves them: the target's keys where they were
-    (``current``; empty for a new object), then the saved tensors, then the saved sub-levels
-    and non-tensor data (each in saved order; ``tensors`` and ``levels`` are)."""
-    if not levels and current.keys() == tensors.keys():  # a level of leaves, the same keys
-        if list(current) == list(tensors):  # and in the same order: as they are
-            return tensors
-        return dict(zip(current, map(tensors.__getitem__, current), strict=True))
-    ordered = {}
-    for key in current:
-        if key in tensors:
-            ordered[key] = tensors[key]
-        elif key in levels:
-            ordered[key] = levels[key]
-    if len(ordered) == len(tensors) + len(levels):  # the usual restore: the same keys
-        return ordered
-    for key, value in tensors.items():
-        ordered.setdefault(key, value)
-    for key, value in levels.items():
-        ordered.setdefault(key, value)
-    return ordered
 
 
 def _node_what(node: Node) -> str:
@@ -638,34 +536,16 @@ def _batch_error_message(
     )
 
 
-def _all_td_levels(target: Any) -> list[Any]:
-    """Every TensorDict level under target (for the lock/memmap state)."""
-    out = []
-    stack = [target]
-    while stack:
-        cur = stack.pop()
-        if _is_tensorclass(cur) and not _is_non_tensor_data(cur):
-            cur = cur._tensordict
-        if _is_lazy_stack(cur):
-            stack.extend(cur.tensordicts)
-            continue
-        if not _is_td(cur):  # NonTensorData is a tensorclass, never a TensorDictBase
-            continue
-        out.append(cur)
-        stack.extend(v for v in cur._tensordict.values() if _is_td(v) or _is_tensorclass(v))
-    return out
-
-
 def _built_non_tensors(value: Any, node: Node) -> list[tuple[Any, str]]:
     """The NonTensorData objects inside a newly built ``value``, with their directories."""
     if isinstance(node, NonTensorNode):
-        return [(value, node.path)] if _is_non_tensor_data(value) else []
-    if isinstance(node, TensorClassNode) and _is_tensorclass(value):
+        return [(value, node.path)] if is_non_tensor_data(value) else []
+    if isinstance(node, TensorClassNode) and is_tensorclass(value):
         return _built_non_tensors(value._tensordict, node.inner)
-    if isinstance(node, LazyStackNode) and _is_lazy_stack(value):
+    if isinstance(node, LazyStackNode) and is_lazy_stack(value):
         pairs = zip(value.tensordicts, node.members, strict=False)
         return [nt for member, sub in pairs for nt in _built_non_tensors(member, sub)]
-    if isinstance(node, TensorDictNode) and _is_td(value) and not _is_lazy_stack(value):
+    if isinstance(node, TensorDictNode) and is_td(value) and not is_lazy_stack(value):
         return [
             nt
             for key, sub in node.entries.items()
@@ -673,109 +553,3 @@ def _built_non_tensors(value: Any, node: Node) -> list[tuple[Any, str]]:
             for nt in _built_non_tensors(value._tensordict[key], sub)
         ]
     return []
-
-
-def _non_tensor_levels(levels: list[Any]) -> list[Any]:
-    """The TensorDicts inside the NonTensorData entries of ``levels`` (they carry memmap flags)."""
-    tensor = torch.Tensor
-    return [
-        v._tensordict
-        for lvl in levels
-        # a level of tensors only (the large one) is skipped on the set of its value types
-        if not all(issubclass(t, tensor) for t in set(map(type, lvl._tensordict.values())))
-        for v in lvl._tensordict.values()
-        if not isinstance(v, tensor) and _is_non_tensor_data(v)
-    ]
-
-
-def _is_memmap(td: Any) -> bool:
-    try:
-        return bool(td.is_memmap())
-    except RuntimeError:  # a lazy stack whose members disagree
-        return False
-
-
-def restore_into_target(
-    target: Any,
-    opened: OpenedCheckpoint,
-    *,
-    mode: MapMode,
-    unpickle: bool,
-    builder_factory: Callable[..., Any],
-) -> None:
-    """Prepare everything, then commit the swap into ``target`` (or change nothing)."""
-    root = opened.root
-    assert root is not None
-    device = None
-    inner = target._tensordict if _is_tensorclass(target) else target
-    if _is_td(inner) and inner.device is not None:
-        device = inner.device
-    check_map_budget(opened, device)
-    mapper = Mapper(opened.storage, mode, device)
-    builder = builder_factory(opened, mapper, unpickle)
-    prep = _Preparer(opened, mapper, builder, unpickle)
-    try:
-        prep.into(target, root)
-    except (TdckptError, MemoryError) as exc:
-        del prep, builder, mapper  # what was mapped so far is freed before it is counted
-        refuse_if_out_of_mappings(opened, device, exc)
-        raise
-    plan = prep.plan
-
-    # Snapshot of everything the commit touches, to put back on failure. A view target's
-    # lock and memmap state are its parent's.
-    holder = view_storage(inner)
-    root_td = holder if _is_td(holder) else None
-    was_memmap = bool(root_td is not None and _is_memmap(root_td))
-    was_locked = bool(root_td is not None and root_td.is_locked)
-    # The commit sets every planned level's prefix; a memory-mapped target also has the
-    # memmap flags of all its levels changed.
-    levels = _all_td_levels(holder) if was_memmap else [lvl for lvl, _ in plan.prefixes]
-    levels += _non_tensor_levels(levels)
-    snapshot_items = [(store, dict(store)) for store, _ in plan.items]
-    snapshot_flags = [
-        (lvl, lvl._memmap_prefix, getattr(lvl, "_is_memmap", False)) for lvl in levels
-    ]
-    snapshot_fields = [(obj, dict(obj._non_tensordict)) for obj, _ in plan.fields]
-    try:
-        if was_memmap:
-            assert root_td is not None
-            root_td.unlock_()
-        for store, new in plan.items:
-            store.clear()
-            store.update(new)
-        for obj, fields in plan.fields:
-            obj._non_tensordict.clear()
-            obj._non_tensordict.update(fields)
-        for lvl, prefix in plan.prefixes:
-            lvl._memmap_prefix = prefix
-        if was_memmap:
-            # A NonTensorData is memory-mapped with its level, as tensordict's memmap_()
-            # leaves it: flagged, its (file-less) TensorDict under <its dir>/_tensordict.
-            for ntd, rel in plan.non_tensors:
-                path = mapper.dir_path(rel)
-                ntd._tensordict._memmap_prefix = path / "_tensordict" if path is not None else None
-            flagged = _all_td_levels(holder) + [ntd._tensordict for ntd, _ in plan.non_tensors]
-            if mapper.records_prefix:
-                for lvl in flagged:
-                    lvl._is_memmap = True
-                    lvl._is_shared = False
-                assert root_td is not None
-                root_td.lock_()
-            else:
-                for lvl in flagged:
-                    lvl._is_memmap = False
-                    lvl._memmap_prefix = None
-    except BaseException:
-        for store, items in snapshot_items:
-            store.clear()
-            store.update(items)
-        for obj, fields in snapshot_fields:
-            obj._non_tensordict.clear()
-            obj._non_tensordict.update(fields)
-        for lvl, prefix, is_memmap in snapshot_flags:
-            lvl._memmap_prefix = prefix
-            lvl._is_memmap = is_memmap
-        if was_locked and root_td is not None and not root_td.is_locked:
-            root_td.lock_()
-        raise

@@ -28,7 +28,6 @@ from tdckpt._read.nodes import (
 )
 from tdckpt._read.pipeline import OpenedCheckpoint
 from tdckpt._read.views import node_batch
-from tdckpt._restore.apply import tensordict_order
 from tdckpt._restore.plan import (
     Mapper,
     check_tensorclass_fields,
@@ -312,3 +311,28 @@ def _plain_apply(value: Any, fn: Any) -> Any:
 
 
 # -- public API ----------------------------------------------------------------------------
+
+
+def tensordict_order(
+    current: dict[str, Any], tensors: dict[str, Any], levels: dict[str, Any]
+) -> dict[str, Any]:
+    """A level's items in the order tensordict leaves them: the target's keys where they were
+    (``current``; empty for a new object), then the saved tensors, then the saved sub-levels
+    and non-tensor data (each in saved order; ``tensors`` and ``levels`` are)."""
+    if not levels and current.keys() == tensors.keys():  # a level of leaves, the same keys
+        if list(current) == list(tensors):  # and in the same order: as they are
+            return tensors
+        return dict(zip(current, map(tensors.__getitem__, current), strict=True))
+    ordered = {}
+    for key in current:
+        if key in tensors:
+            ordered[key] = tensors[key]
+        elif key in levels:
+            ordered[key] = levels[key]
+    if len(ordered) == len(tensors) + len(levels):  # the usual restore: the same keys
+        return ordered
+    for key, value in tensors.items():
+        ordered.setdefault(key, value)
+    for key, value in levels.items():
+        ordered.setdefault(key, value)
+    return ordered

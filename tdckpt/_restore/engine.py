@@ -25,9 +25,9 @@ from tdckpt._read.object_storage import open_source
 from tdckpt._read.pipeline import OpenedCheckpoint
 from tdckpt._read.storage import MapMode, Storage
 from tdckpt._remote.urls import is_url
-from tdckpt._restore.apply import restore_into_target
 from tdckpt._restore.budget import check_map_budget, leaf_sources, refuse_if_out_of_mappings
 from tdckpt._restore.build import Builder
+from tdckpt._restore.commit import restore_into_target
 from tdckpt._restore.plan import Mapper
 from tdckpt._restore.policy import check_allow_pickle
 from tdckpt._restore.reading import Admitted, Reading, gc_paused

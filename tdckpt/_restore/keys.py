@@ -32,6 +32,7 @@ from tdckpt._read.nodes import (
     TensorDictNode,
 )
 from tdckpt._read.pipeline import OpenedCheckpoint
+from tdckpt._restore.kinds import is_lazy_stack
 from tdckpt._restore.plan import Mapper, has_tensordict
 
 __all__ = [
@@ -127,21 +128,13 @@ class _Unstacked:
         obj: Any = self.target
         node: Node | None = self.root
         for name in key:
-            if _is_lazy_stack(obj) or isinstance(node, LazyStackNode):
+            if is_lazy_stack(obj) or isinstance(node, LazyStackNode):
                 index = int(name) if name.isdigit() else -1  # a member: no name of its own
                 obj, node = _member(obj, index), _node_member(node, index)
                 continue
             out.append(name)
             obj, node = _child(obj, name), _node_child(node, name)
         return tuple(out)
-
-
-def _is_lazy_stack(obj: Any) -> bool:
-    try:
-        from tensordict import LazyStackedTensorDict
-    except ImportError:  # without tensordict a target holds no lazy stack
-        return False
-    return isinstance(obj, LazyStackedTensorDict)
 
 
 def _member(obj: Any, index: int) -> Any:
