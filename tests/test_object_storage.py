@@ -21,7 +21,8 @@ from _remote_fixtures import Remote, _timeout, moto_s3, remote, s3_remote  # noq
 
 import tdckpt
 from tdckpt import CheckpointManager
-from tdckpt._read.object_storage import ObjectStorage, open_url_storage
+from tdckpt._read.object_open import open_url_storage
+from tdckpt._read.object_storage import ObjectStorage
 from tdckpt.errors import IntegrityError, TdckptError
 
 tensordict = pytest.importorskip("tensordict")

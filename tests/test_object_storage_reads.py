@@ -23,7 +23,8 @@ from _remote_fixtures import Remote, _timeout, moto_s3, remote, s3_remote  # noq
 
 import tdckpt
 from tdckpt._read import object_storage
-from tdckpt._read.object_storage import ObjectStorage, open_url_storage
+from tdckpt._read.object_open import open_url_storage
+from tdckpt._read.object_storage import ObjectStorage
 
 tensordict = pytest.importorskip("tensordict")
 TensorDict = tensordict.TensorDict

@@ -21,7 +21,7 @@ from tdckpt._read.nodes import (
     TensorDictNode,
     pickled_nodes,
 )
-from tdckpt._read.object_storage import open_source
+from tdckpt._read.object_open import open_source
 from tdckpt._read.pipeline import open_checkpoint
 from tdckpt._read.state_structure import state_problems
 from tdckpt._remote.urls import is_url

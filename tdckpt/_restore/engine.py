@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import torch
 
-from tdckpt._read.object_storage import open_source
+from tdckpt._read.object_open import open_source
 from tdckpt._read.pipeline import OpenedCheckpoint
 from tdckpt._read.storage import MapMode, Storage
 from tdckpt._remote.urls import is_url

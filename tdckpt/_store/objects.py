@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 from tdckpt._manage import background as _background
 from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
-from tdckpt._read.object_storage import ObjectStorage, open_step_storage
+from tdckpt._read.object_open import open_step_storage
+from tdckpt._read.object_storage import ObjectStorage
 from tdckpt._remote import layout
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
 from tdckpt._remote.shared import Protected, protected, remove_attempt
@@ -490,7 +491,7 @@ class ObjectStepStore:
     @contextlib.contextmanager
     def open(self, record: StepRecord, *, writes: bool = False) -> Iterator[Path | Storage]:
         """What a restore reads the step from, while the block runs: the step in the store
-        (:func:`~tdckpt._read.object_storage.open_step_storage`: ranged reads of only the
+        (:func:`~tdckpt._read.object_open.open_step_storage`: ranged reads of only the
         leaves restored, every file checked as it arrives, messages naming the URL), or,
         with ``cache_dir``, its verified copy there (file-backed leaves). Either is private:
         ``writes`` needs nothing more."""

@@ -205,7 +205,7 @@ def _plan_url(
             "use --dry-run to see the plan.",
             path=url,
         )
-    from tdckpt._read.object_storage import open_url_storage
+    from tdckpt._read.object_open import open_url_storage
 
     storage = open_url_storage(url, storage_options)
     plan = _plan(Path(url), convert_pickles=convert, keep_backup=backup, storage=storage)
