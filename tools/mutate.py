@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VALIDATE = "tdckpt/_read/validate.py"
+VALIDATE_LEAF = "tdckpt/_read/validate_leaf.py"
 APPLY = "tdckpt/_restore/apply.py"
 COMMIT = "tdckpt/_restore/commit.py"
 KINDS = "tdckpt/_restore/kinds.py"
@@ -106,87 +107,105 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     ),
     (
         "V12",
-        VALIDATE,
+        VALIDATE_LEAF,
         "if numel * max(dtype.itemsize, 1) > MAX_BYTES:",
         "if numel * max(dtype.itemsize, 1) >= MAX_BYTES:",
         "overflow bound off by one",
     ),
     (
         "V13",
-        VALIDATE,
+        VALIDATE_LEAF,
         "if numel * max(dtype.itemsize, 1) > MAX_BYTES:",
         "if False:",
         "overflow check deleted",
     ),
-    ("V14", VALIDATE, "if len(shape) != 2:", "if len(shape) < 2:", "size-table rank: 3-d accepted"),
+    (
+        "V14",
+        VALIDATE_LEAF,
+        "if len(shape) != 2:",
+        "if len(shape) < 2:",
+        "size-table rank: 3-d accepted",
+    ),
     (
         "V15",
-        VALIDATE,
+        VALIDATE_LEAF,
         "if leaf.shape_file.size < numel * 8:",
         "if leaf.shape_file.size < numel * 8 - 1:",
         "size table one byte short accepted",
     ),
     (
         "V16",
-        VALIDATE,
+        VALIDATE_LEAF,
         "if leaf.shape_file.size < numel * 8:",
         "if leaf.shape_file.size <= numel * 8:",
         "exact-size size table refused",
     ),
     (
         "V17",
-        VALIDATE,
+        VALIDATE_LEAF,
         "if sizes is None or (sizes < 0).any():",
         "if sizes is None:",
         "negative sizes accepted",
     ),
     (
         "V18",
-        VALIDATE,
+        VALIDATE_LEAF,
         "if any(d > MAX_BYTES for row in rows for d in row) or (",
         "if False or (",
         "huge nested dim accepted",
     ),
     (
         "V19",
-        VALIDATE,
+        VALIDATE_LEAF,
         "            leaf.numel * max(dtype.itemsize, 1) > MAX_BYTES\n",
         "            False\n",
         "huge nested total accepted",
     ),
     (
         "V20",
-        VALIDATE,
+        VALIDATE_LEAF,
         "if batch and shape[0] != batch[0]:",
         "if False:",
         "nested batch check deleted",
     ),
-    ("V21", VALIDATE, "if shape[: len(batch)] != batch:", "if False:", "dense batch check deleted"),
-    ("V22", VALIDATE, "        if need:\n", "        if True:\n", "zero-byte leaf needs a file"),
+    (
+        "V21",
+        VALIDATE_LEAF,
+        "if shape[: len(batch)] != batch:",
+        "if False:",
+        "dense batch check deleted",
+    ),
+    (
+        "V22",
+        VALIDATE_LEAF,
+        "        if need:\n",
+        "        if True:\n",
+        "zero-byte leaf needs a file",
+    ),
     (
         "V23",
-        VALIDATE,
+        VALIDATE_LEAF,
         "    elif 0 <= vfile.size < need:",
         "    elif 0 <= vfile.size < need - 1:",
         "leaf one byte short accepted",
     ),
     (
         "V24",
-        VALIDATE,
+        VALIDATE_LEAF,
         "    elif 0 <= vfile.size < need:",
         "    elif 0 <= vfile.size <= need:",
         "exact-size leaf refused",
     ),
     (
         "V25",
-        VALIDATE,
+        VALIDATE_LEAF,
         "    if need == 0 and not is_nested:\n",
         "    if False:\n",
         "zero-element leaf claims its file",
     ),
     (
         "V26",
-        VALIDATE,
+        VALIDATE_LEAF,
         "        if other != key:",
         "        if False:",
         "name-collision check deleted",
@@ -732,6 +751,13 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
 
 DEFAULT_TESTS = {
     VALIDATE: [
+        "tests/test_validate_checks.py",
+        "tests/test_validate.py",
+        "tests/test_views.py",
+        "tests/test_hostile.py",
+        "tests/test_hostile_metadata.py",
+    ],
+    VALIDATE_LEAF: [
         "tests/test_validate_checks.py",
         "tests/test_validate.py",
         "tests/test_views.py",

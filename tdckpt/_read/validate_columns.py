@@ -2,7 +2,7 @@
 
 A large checkpoint is a level of thousands of dense tensors, each under its robust name,
 each with its file: :func:`usual_leaves` checks such a level with C-level passes over its
-columns (dtypes, shapes, files, sizes) instead of one :func:`validate._build_leaf` call per
+columns (dtypes, shapes, files, sizes) instead of one :func:`validate_leaf.build_leaf` call per
 leaf, and builds the same :class:`~tdckpt._read.nodes.LeafNode` for each. It answers only
 where every leaf passes every check the per-leaf path applies to it - nothing to report -
 and returns None at anything else (a sub-level, a nested or zero-element tensor, a name that
