@@ -1,8 +1,8 @@
 """What an upgrade writes and what it reports: the data shared by planning and the journal.
 
 :mod:`tdckpt._upgrade.upgrade` builds an :class:`UpgradePlan` on the read path and
-:mod:`tdckpt._upgrade.journal` carries it out; both speak these types, so neither imports
-the other for them (imports run one way: upgrade -> journal -> plan).
+:mod:`tdckpt._upgrade.execute` carries it out; both speak these types, so neither imports
+the other for them (imports run one way: upgrade -> execute -> journal -> plan).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class UpgradeReport:
 
 @dataclass
 class UpgradePlan:
-    """What an upgrade writes, for :func:`tdckpt._upgrade.journal.execute` to carry out.
+    """What an upgrade writes, for :func:`tdckpt._upgrade.execute.execute` to carry out.
 
     The migrated tree, every ``meta.json`` and new file by its path in the new layout, the
     manifest, the directories (parents first), and the report whose ``operations`` list

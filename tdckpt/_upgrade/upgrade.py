@@ -7,7 +7,7 @@ written as tensordict 0.15.3 writes it (stdlib ``json.dumps`` defaults; NonTenso
 compact), every leaf's bytes as they are (copied or reflinked, so the backup stays
 independent; checksummed), tdckpt's manifest - and the list of file operations
 that materialize it beside the prefix and swap it in, crash-safely and with a backup
-(:mod:`tdckpt._upgrade.journal` carries the plan out, and finishes or undoes an interrupted
+(:mod:`tdckpt._upgrade.execute` carries the plan out, and finishes or undoes an interrupted
 upgrade first). Re-running on an upgraded prefix is a no-op.
 
 ``dry_run=True`` performs no write at all and returns the very operation list a real run
@@ -38,15 +38,13 @@ from tdckpt._read.tree import VDir, read_tree
 from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import Problem, ValidationReport
 from tdckpt._upgrade.convert import convert_tree_pickles
+from tdckpt._upgrade.execute import execute, recover, write_error
 from tdckpt._upgrade.journal import (
     BACKUP_MARK,
-    execute,
     journal_path,
     journal_tmp,
     read_journal,
-    recover,
     upgrade_lock,
-    write_error,
 )
 from tdckpt._upgrade.plan import FileOp, Progress, UpgradePlan, UpgradeReport
 from tdckpt._version import __version__
