@@ -32,8 +32,8 @@ import torch
 from tdckpt._manage.steps import StepIndex
 from tdckpt._manage.verify import verify_files
 from tdckpt._restore.engine import load_memmap
+from tdckpt._state.decode import to_state_dicts
 from tdckpt._state.encode import to_tensordict
-from tdckpt._state.restore import to_state_dicts
 from tdckpt._write.archive_write import write_archive
 from tdckpt._write.atomic import remove_tree
 from tdckpt._write.export import save

@@ -565,7 +565,7 @@ def test_docs_examples_run() -> None:
     import doctest
     import importlib
 
-    for name in ("tdckpt._state.rng", "tdckpt._state.restore"):
+    for name in ("tdckpt._state.rng", "tdckpt._state.decode"):
         failures, tried = doctest.testmod(importlib.import_module(name))
         assert tried > 0 and failures == 0, name
     failures, tried = doctest.testfile(

@@ -30,195 +30,22 @@ restore, or restore it in the same call.
 from __future__ import annotations
 
 import copy
-from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tdckpt._read.state_structure import structure_problem
 from tdckpt._state.check import optimizer_problems, scheduler_problems
-from tdckpt._state.encode import STRUCTURE_KEY, entry_kind, param_signature, type_name
+from tdckpt._state.decode import saved_structure
+from tdckpt._state.encode import entry_kind, param_signature, type_name
 from tdckpt.errors import RestoreError
 from tdckpt.schema import StateRecord
 
-__all__ = ["restore_state", "to_state_dicts"]
+__all__ = ["restore_state"]
 
 #: Lazy modules' parameters and buffers before their first forward (shapes not yet known).
 _UNINITIALIZED: type = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
-
-
-# -- decoding ---------------------------------------------------------------------------------
-
-_DICT_CLASSES: dict[str, type[dict[Any, Any]]] = {
-    "dict": dict,
-    "odict": OrderedDict,
-    "counter": Counter,
-}
-
-
-def _plain(tensor: Any) -> Any:
-    if isinstance(tensor, torch.Tensor) and type(tensor) is not torch.Tensor:
-        return tensor.as_subclass(torch.Tensor)  # a MemoryMappedTensor: same memory
-    return tensor
-
-
-class _Decoder:
-    def __init__(self, entry_td: Any, where: str) -> None:
-        self.td = entry_td
-        self.where = where
-        self.tensors: dict[str, Any] = {}
-
-    def _leaf(self, name: Any) -> Any:
-        if type(name) is not str or name not in self.td.keys():  # noqa: SIM118 (TensorDict has no 'in')
-            raise RestoreError(
-                f"{self.where}: the saved structure names the leaf {name!r:.100}, which the "
-                "step does not hold; the step is damaged (run verify).",
-                key=name,
-            )
-        return self.td.get(name)
-
-    def tensor(self, name: Any) -> Any:
-        if type(name) is not str or name not in self.tensors:
-            value = self._leaf(name)
-            if not isinstance(value, torch.Tensor):
-                raise RestoreError(
-                    f"{self.where}: the leaf {name!r} should be a tensor; the step is "
-                    "damaged (run verify).",
-                    key=name,
-                )
-            self.tensors[name] = _plain(value)
-        return self.tensors[name]
-
-    def decode(self, node: Any) -> Any:
-        if node is None or type(node) in (bool, int, str, float):
-            return node
-        if type(node) is list:
-            return [self.decode(v) for v in node]
-        if type(node) is dict and len(node) == 1:
-            ((tag, body),) = node.items()
-            if tag == "tuple" and type(body) is list:
-                return tuple(self.decode(v) for v in body)
-            if tag in _DICT_CLASSES and type(body) is list:
-                out: dict[Any, Any] = _DICT_CLASSES[tag]()
-                for pair in body:
-                    if type(pair) is not list or len(pair) != 2:
-                        break
-                    key = self.decode(pair[0])
-                    try:
-                        hash(key)
-                    except TypeError:
-                        break  # a key tdckpt cannot have written: refused below
-                    out[key] = self.decode(pair[1])
-                else:
-                    return out
-            if tag == "float" and body in ("nan", "inf", "-inf"):
-                return float(body)
-            if tag in ("tensor", "alias"):
-                return self.tensor(body)
-            if tag == "ndarray":
-                tensor = self.tensor(body)
-                if tensor.dtype not in _NUMPY_DTYPES:
-                    raise RestoreError(
-                        f"{self.where}: the leaf {body!r} should be a NumPy array, but its "
-                        f"dtype {tensor.dtype} has no NumPy equivalent; the step is damaged.",
-                        key=body,
-                    )
-                return tensor.numpy()
-            if tag == "td":
-                return self._leaf(body)
-            if tag == "pickle":
-                value = self._leaf(body)
-                return value.data if hasattr(value, "data") and _is_non_tensor(value) else value
-        raise RestoreError(
-            f"{self.where}: the saved structure holds {node!r:.100}, which is not what tdckpt "
-            "writes; the step is damaged or was not written by tdckpt.",
-        )
-
-
-#: The dtypes a NumPy array is saved as (``encode`` stores only bool, ints, uints, floats).
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-    }
-)
-
-
-def _is_non_tensor(value: Any) -> bool:
-    from tensordict import is_non_tensor
-
-    return bool(is_non_tensor(value))
-
-
-def _structure(entry_td: Any, where: str) -> dict[str, Any]:
-    from tensordict import is_tensor_collection
-
-    if not is_tensor_collection(entry_td) or STRUCTURE_KEY not in entry_td.keys():  # noqa: SIM118
-        raise RestoreError(
-            f"{where}: the step does not hold this entry's saved structure ({STRUCTURE_KEY!r}); "
-            "it is damaged or was not written by tdckpt.",
-        )
-    raw = entry_td[STRUCTURE_KEY]
-    decoded = _Decoder(entry_td, where)
-    if type(raw) is not dict or "state_dict" not in raw:
-        raise RestoreError(f"{where}: the saved structure is not a dict with a state_dict.")
-    beyond = structure_problem(raw)  # the encoder's budgets: depth, values, integer size
-    if beyond is not None:
-        raise RestoreError(
-            f"{where}: the saved structure {beyond}; tdckpt never writes that, so the step "
-            "is damaged or hostile. Restore the step from a backup.",
-        )
-    out = {key: decoded.decode(value) for key, value in raw.items()}
-    if out.get("metadata") is not None and isinstance(out["state_dict"], OrderedDict):
-        out["state_dict"]._metadata = out["metadata"]  # type: ignore[attr-defined]
-    return out
-
-
-def to_state_dicts(
-    td: Any, record: StateRecord | Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """The state dicts of a restored training-state step: ``{name: state_dict}``.
-
-    ``td`` is what :meth:`CheckpointManager.restore` returns for such a step; each entry
-    comes back as what its object's ``load_state_dict`` takes (a TensorDict entry as the
-    sub-TensorDict). Tensors are the step's memory-mapped ones, not copies.
-
-    Example:
-        >>> import tempfile, torch, tdckpt
-        >>> from tdckpt._state import to_state_dicts
-        >>> model = torch.nn.Linear(2, 1)
-        >>> with tempfile.TemporaryDirectory() as root:
-        ...     with tdckpt.CheckpointManager(root) as mgr:
-        ...         _ = mgr.save(1, {"model": model})
-        ...         sd = to_state_dicts(mgr.restore(1))["model"]
-        ...         torch.equal(sd["weight"], model.weight)
-        True
-    """
-    if isinstance(record, StateRecord):
-        kinds = {name: entry.kind for name, entry in record.entries.items()}
-    elif record is not None:
-        kinds = {name: entry["kind"] for name, entry in record["entries"].items()}
-    else:
-        kinds = {
-            name: "tensordict" if STRUCTURE_KEY not in td[name].keys() else "stateful"  # noqa: SIM118
-            for name in td.keys()  # noqa: SIM118
-        }
-    out: dict[str, Any] = {}
-    for name, kind in kinds.items():
-        if kind == "tensordict":
-            out[name] = td.get(name)
-        else:
-            out[name] = _structure(td.get(name), f"entry {name!r}")["state_dict"]
-    return out
 
 
 # -- checking ---------------------------------------------------------------------------------
@@ -615,7 +442,7 @@ def restore_state(
             action = _tensordict_action(name, target, entry_td, problems)
         else:
             try:
-                saved = _structure(entry_td, f"entry {name!r}")
+                saved = saved_structure(entry_td, f"entry {name!r}")
             except RestoreError as exc:  # damaged: reported with every other entry's problems
                 problems.append(str(exc))
                 continue
