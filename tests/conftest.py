@@ -20,12 +20,14 @@ pickles and tensorclass refer to) works in every test; :func:`subprocess_env` / 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
 import json
 import os
 import shutil
+import signal
 import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -361,18 +363,25 @@ def tiny_td(
     return td
 
 
-@pytest.fixture
-def no_hang() -> Iterator[None]:
-    """Fail (instead of hanging the suite) when the test body blocks for 10 s (SIGALRM)."""
-    import signal
+@contextlib.contextmanager
+def alarm(seconds: int, error: BaseException) -> Iterator[None]:
+    """Raise ``error`` in the body when it runs longer than ``seconds`` (SIGALRM), instead of
+    hanging the suite: a blocking open of a FIFO, a lock waited on, a hostile input's loop."""
 
-    def hung(signum: int, frame: object) -> None:
-        raise AssertionError("blocked for 10 s (a FIFO or a lock waited on?)")
+    def fire(signum: int, frame: object) -> None:
+        raise error
 
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(10)
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
     try:
         yield
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def no_hang() -> Iterator[None]:
+    """Fail (instead of hanging the suite) when the test body blocks for 10 s."""
+    with alarm(10, AssertionError("blocked for 10 s (a FIFO or a lock waited on?)")):
+        yield

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import copy_case
+from conftest import alarm, copy_case
 
 import tdckpt
 from tdckpt import cli, inspect, validate
@@ -468,18 +468,8 @@ def test_the_watch_sees_outside_access(tmp_path: Path, outside: Path, monkeypatc
 @contextmanager
 def _deadline(seconds: int) -> Iterator[None]:
     """Turn a blocking open() (a FIFO read) into an error instead of a hung test."""
-    import signal
-
-    def expire(signum: int, frame: Any) -> None:
-        raise TimeoutError("blocked: something opened a FIFO")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
+    with alarm(seconds, TimeoutError("blocked: something opened a FIFO")):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.mark.parametrize("name", ["f32.memmap", "meta.json"])

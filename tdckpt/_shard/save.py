@@ -297,7 +297,7 @@ def write_step_manifest(staging: Path, manifest: ShardedManifest, *, fsync: bool
     """Write the step manifest into ``staging``: a temporary file, fsync, ``os.replace``."""
     text = json.dumps(step_document(manifest), indent=1, allow_nan=False) + "\n"
     tmp = staging / f".{MANIFEST_NAME}.{uuid.uuid4().hex}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+    fd = os.open(tmp, _atomic.CREATE_NEW, 0o666)
     try:
         data = memoryview(text.encode("utf-8"))
         while data:

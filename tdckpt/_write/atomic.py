@@ -64,6 +64,14 @@ __all__ = [
     "tmp_name",
 ]
 
+#: Flags that create a new file for writing: never an existing one, never through a link.
+CREATE_NEW = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+)
 #: The suffix of an archive step (tensordict's archive suffix).
 ARCHIVE_SUFFIX = ".tdz"
 #: What every temporary name of a root holds after the step number.

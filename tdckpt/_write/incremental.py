@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tdckpt._write.atomic import CREATE_NEW
 from tdckpt._write.journal import clone
 from tdckpt.schema import MANIFEST_NAME, FileRecord, Manifest
 
@@ -62,13 +63,6 @@ __all__ = [
 
 #: Mode of the leaf files of an incremental save: read-only for everyone.
 LEAF_MODE = 0o444
-_OPEN_NEW = (
-    os.O_WRONLY
-    | os.O_CREAT
-    | os.O_EXCL
-    | getattr(os, "O_CLOEXEC", 0)
-    | getattr(os, "O_NOFOLLOW", 0)
-)
 
 
 #: Fault injection for the crash tests: called with each stage name ("share": before a leaf
@@ -242,7 +236,7 @@ def share_file(base: IncrementalBase, rel: str, dest: Path, *, fsync: bool) -> s
 def _reflink(src: Path, dest: Path, *, fsync: bool) -> bool:
     sfd = os.open(src, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
     try:
-        dfd = os.open(dest, _OPEN_NEW, LEAF_MODE)
+        dfd = os.open(dest, CREATE_NEW, LEAF_MODE)
         try:
             cloned = clone(dfd, sfd)
             if cloned and fsync:
@@ -309,7 +303,7 @@ def unshare_for_write(path: Path, manifest: Any, *, fsync: bool = True) -> list[
         tmp = target.with_name(f".{target.name}.tdckpt-unshare-{uuid.uuid4().hex}")
         try:
             with open(target, "rb") as src:
-                fd = os.open(tmp, _OPEN_NEW, 0o666)
+                fd = os.open(tmp, CREATE_NEW, 0o666)
                 with os.fdopen(fd, "wb") as dst:
                     shutil.copyfileobj(src, dst, 8 << 20)
                     dst.flush()

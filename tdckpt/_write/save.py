@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from tdckpt._version import __version__
+from tdckpt._write.atomic import CREATE_NEW
 from tdckpt._write.checksum import (
     CHECKSUM_ALGORITHMS,
     DEFAULT_CHECKSUM,
@@ -46,7 +47,7 @@ from tdckpt._write.checksum import (
 )
 from tdckpt._write.incremental import IncrementalSave
 from tdckpt._write.save_plan import Plan, class_id, plan_checkpoint
-from tdckpt._write.writer import OPEN_FLAGS, Writer, op_bytes, write_all
+from tdckpt._write.writer import Writer, op_bytes, write_all
 from tdckpt.errors import CheckpointExistsError, MetadataError, UnsupportedContentError
 from tdckpt.schema import (
     FORMAT_VERSION,
@@ -375,7 +376,7 @@ def discard_written(dest: Path, *, created: bool) -> None:
 
 
 def _write_small(path: Path, data: bytes, *, fsync: bool) -> None:
-    fd = os.open(path, OPEN_FLAGS, 0o666)
+    fd = os.open(path, CREATE_NEW, 0o666)
     try:
         write_all(fd, memoryview(data))
         if fsync:

@@ -28,7 +28,7 @@ from tdckpt._write.incremental import LEAF_MODE, IncrementalSave, share_file
 from tdckpt._write.save_plan import Op
 from tdckpt.schema import FileRecord
 
-__all__ = ["OPEN_FLAGS", "Writer", "as_bytes", "nbytes", "op_bytes", "pieces", "write_all"]
+__all__ = ["Writer", "as_bytes", "nbytes", "op_bytes", "pieces", "write_all"]
 
 #: The largest single write() (Linux caps one call just under 2 GiB).
 _MAX_WRITE = 1 << 30
@@ -105,15 +105,6 @@ def write_all(fd: int, data: memoryview) -> None:
     while data:
         written = os.write(fd, data[:_MAX_WRITE])
         data = data[written:]
-
-
-OPEN_FLAGS = (
-    os.O_WRONLY
-    | os.O_CREAT
-    | os.O_EXCL
-    | getattr(os, "O_CLOEXEC", 0)
-    | getattr(os, "O_NOFOLLOW", 0)
-)
 
 
 #: Threads that fsync written files while the next ones are written.
@@ -301,7 +292,7 @@ class Writer:
     def write_bytes(self, rel: str, data: bytes, key: tuple[str, ...] | None) -> None:
         hasher = new_hasher(self.algorithm)
         hasher.update(data)
-        fd = os.open(self._path(rel), OPEN_FLAGS, 0o666)
+        fd = os.open(self._path(rel), atomic.CREATE_NEW, 0o666)
         try:
             self._write(fd, 0, memoryview(data))
         except BaseException:
@@ -321,7 +312,7 @@ class Writer:
                 self._write_direct(fd, rel, tensor, hasher, key)
                 return
         size = 0
-        fd = os.open(self._path(rel), OPEN_FLAGS, self.leaf_mode)
+        fd = os.open(self._path(rel), atomic.CREATE_NEW, self.leaf_mode)
         try:
             for piece in pieces(tensor):
                 buf = as_bytes(piece)
@@ -402,7 +393,7 @@ class Writer:
     def _open_direct(self, rel: str) -> int | None:
         """Create ``rel`` for O_DIRECT writes; None (and no more tries) if refused."""
         try:
-            return os.open(self._path(rel), OPEN_FLAGS | _O_DIRECT, self.leaf_mode)
+            return os.open(self._path(rel), atomic.CREATE_NEW | _O_DIRECT, self.leaf_mode)
         except OSError as exc:
             if exc.errno != errno.EINVAL:  # EINVAL: this file system has no O_DIRECT
                 raise

@@ -29,7 +29,6 @@ import contextlib
 import hashlib
 import itertools
 import json
-import signal
 import struct
 import tempfile
 import warnings
@@ -39,6 +38,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import alarm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -262,17 +262,8 @@ def mutate(data: Any, raw: bytes) -> tuple[bytes, str]:
 @contextlib.contextmanager
 def watchdog(seconds: int, what: str) -> Iterator[None]:
     """Fail (instead of hanging) when the body runs longer than ``seconds``."""
-
-    def fire(signum: int, frame: Any) -> None:
-        raise AssertionError(f"hang: {what} took more than {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
+    with alarm(seconds, AssertionError(f"hang: {what} took more than {seconds} s")):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _leaves(obj: Any, key: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:

@@ -35,7 +35,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import warnings
@@ -46,7 +45,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import EXTRA_FIXTURES, copy_case, fixture_cases, tree_digest
+from conftest import EXTRA_FIXTURES, alarm, copy_case, fixture_cases, tree_digest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -884,20 +883,8 @@ def _tolerated_refusal(exc: RestoreError, prefix: Path) -> bool:
 @contextlib.contextmanager
 def watchdog(seconds: int, what: str) -> Iterator[None]:
     """Fail (instead of hanging) when the body runs longer than ``seconds``."""
-
-    def fire(signum: int, frame: Any) -> None:
-        raise AssertionError(f"hang: {what} took more than {seconds} s")
-
-    if not hasattr(signal, "SIGALRM"):  # pragma: no cover - not on Windows
+    with alarm(seconds, AssertionError(f"hang: {what} took more than {seconds} s")):
         yield
-        return
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def check_mutant(prefix: Path, pristine: Path, what: str) -> str:
