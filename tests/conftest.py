@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -361,6 +362,18 @@ def tiny_td(
     if non_tensor:
         td.set_non_tensor("s", "hello")
     return td
+
+
+def fuzz_settings(examples: int) -> hypothesis_settings:
+    """What every fuzzer runs with: ``examples`` examples (``--fuzz-examples``), no deadline
+    (a mutant may be slow to refuse), no example database, no health check on slow or large
+    draws (each example builds and reads a checkpoint)."""
+    return hypothesis_settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 @contextlib.contextmanager

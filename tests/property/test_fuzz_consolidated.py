@@ -38,8 +38,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import alarm
-from hypothesis import HealthCheck, given, settings
+from conftest import alarm, fuzz_settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 pytest.importorskip("tensordict")
@@ -356,12 +356,7 @@ def test_the_seeds_restore(pristine: dict[str, Path]) -> None:
 def test_fuzz_consolidated(fuzz_examples: int, pristine: dict[str, Path]) -> None:
     outcomes: dict[str, int] = {}
 
-    @settings(
-        max_examples=fuzz_examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @fuzz_settings(fuzz_examples)
     @given(data=st.data())
     def run(data: Any) -> None:
         seed = data.draw(st.sampled_from(sorted(pristine)), label="seed")

@@ -45,7 +45,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import EXTRA_FIXTURES, alarm, copy_case, fixture_cases, tree_digest
+from conftest import EXTRA_FIXTURES, alarm, copy_case, fixture_cases, fuzz_settings, tree_digest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -987,12 +987,7 @@ def test_fuzz_metadata(
     donors = _donors(pristine_dir)
     tally: dict[str, int] = {}
 
-    @settings(
-        max_examples=fuzz_examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @fuzz_settings(fuzz_examples)
     @given(data=st.data())
     def run(data: Any) -> None:
         seed = _BY_ID[data.draw(st.sampled_from(sorted(_BY_ID)), label="seed")]

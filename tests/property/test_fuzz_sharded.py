@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tree_digest
-from hypothesis import HealthCheck, event, given, settings
+from conftest import fuzz_settings, tree_digest
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 pytest.importorskip("tensordict")
@@ -247,12 +247,7 @@ def _check(root: Path, step: int, data: Any, strict: bool, what: str) -> str:
 def test_fuzz_sharded_manifests(fuzz_examples: int, sharded_root: Path) -> None:
     outcomes = {"refused": 0, "restored": 0}
 
-    @settings(
-        max_examples=fuzz_examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @fuzz_settings(fuzz_examples)
     @given(data=st.data())
     def run(data: Any) -> None:
         with tempfile.TemporaryDirectory(prefix="tdckpt-fuzz-sharded-") as tmp:

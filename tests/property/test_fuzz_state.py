@@ -38,7 +38,8 @@ import numpy as np
 import pytest
 import torch
 from _state_tamper import rewrite
-from hypothesis import HealthCheck, given, settings
+from conftest import fuzz_settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 pytest.importorskip("tensordict")
@@ -288,12 +289,7 @@ def _check_restored(target: dict[str, Any], root: Path, kind: int, what: str) ->
 
 
 def test_fuzz_training_state(fuzz_examples: int, pristine: Path) -> None:
-    @settings(
-        max_examples=fuzz_examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @fuzz_settings(fuzz_examples)
     @given(data=st.data())
     def run(data: Any) -> None:
         kind = data.draw(st.sampled_from(KINDS), "step")
