@@ -49,7 +49,7 @@ from tdckpt._manage.steps import StepIndex
 from tdckpt._manage.verify import verify_files
 from tdckpt._restore.engine import load_local
 from tdckpt._state.encode import to_tensordict
-from tdckpt._state.restore import _compare, restore_state
+from tdckpt._state.restore import compare_structure, restore_state
 from tdckpt._write.atomic import fsync_dir
 from tdckpt._write.export import save as _save_prefix
 from tdckpt._write.journal import fsync_file
@@ -294,7 +294,7 @@ class CheckedStateDictAdapter(StateDictCheckpointAdapter):  # type: ignore[misc,
                 path=str(path / self.schema_filename),
             ) from exc
         problems: list[str] = []
-        _compare(component.state_dict(), state, "", problems)
+        compare_structure(component.state_dict(), state, "", problems)
         if problems:
             raise RestoreError(
                 f"{where}: the saved state does not fit the live object; nothing was loaded:\n  "

@@ -42,7 +42,7 @@ from tdckpt._state.encode import entry_kind, param_signature, type_name
 from tdckpt.errors import RestoreError
 from tdckpt.schema import StateRecord
 
-__all__ = ["restore_state"]
+__all__ = ["compare_structure", "restore_state"]
 
 #: Lazy modules' parameters and buffers before their first forward (shapes not yet known).
 _UNINITIALIZED: type = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
@@ -55,8 +55,12 @@ def _describe(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
-def _compare(live: Any, saved: Any, path: str, problems: list[str], depth: int = 0) -> None:
-    """Keys of str-keyed dicts and tensor shapes/dtypes, where both sides have them."""
+def compare_structure(
+    live: Any, saved: Any, path: str, problems: list[str], depth: int = 0
+) -> None:
+    """Append to ``problems`` where ``saved`` cannot stand in for ``live``: the keys of
+    str-keyed dicts, and tensor shapes and dtypes, where both sides have them (a
+    ``state_dict`` against a saved one; TorchRL's adapter checks a component so too)."""
     if depth > 50:
         return
     if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
@@ -77,7 +81,9 @@ def _compare(live: Any, saved: Any, path: str, problems: list[str], depth: int =
             problems.append(f"{path or 'state_dict'}: keys the target lacks: {_list(unexpected)}")
         for k in live:
             if k in saved:
-                _compare(live[k], saved[k], f"{path}.{k}" if path else k, problems, depth + 1)
+                compare_structure(
+                    live[k], saved[k], f"{path}.{k}" if path else k, problems, depth + 1
+                )
 
 
 def _list(keys: list[Any], limit: int = 10) -> str:
@@ -331,7 +337,7 @@ def _stateful_action(
         mine = optimizer_problems(target, state, param_signature(target), saved.get("params"))
     else:
         live = target.state_dict()
-        _compare(live, state, "", mine)
+        compare_structure(live, state, "", mine)
         if kind == "scheduler" and not mine:
             mine += scheduler_problems(live, state)
     problems.extend(f"{where}: {p}" for p in mine)
