@@ -57,8 +57,11 @@ def test_save_killed_mid_upload_leaves_no_step(s3_remote: Remote, fault_trials: 
     or at a random time): the step is listed iff it was committed, and then restores
     bit-exactly; step 1 is intact; gc clears the rest."""
     rng = random.Random(15)
+    # A save of this state begins 7 uploads (put_file / put_bytes), so "upload:k" kills it
+    # when upload k + 1 begins for k < 7; "upload:7" would let the save finish (30 trials
+    # drew it, and the child was not killed).
     modes = ["commit", "upload:0"] + [
-        rng.choice([f"upload:{rng.randint(1, 7)}", f"timer:{rng.uniform(0.05, 1.5):.2f}"])
+        rng.choice([f"upload:{rng.randint(1, 6)}", f"timer:{rng.uniform(0.05, 1.5):.2f}"])
         for _ in range(max(0, fault_trials - 2))
     ]
     for trial, mode in enumerate(modes[: max(fault_trials, 2)]):
