@@ -28,7 +28,6 @@ from tensordict import TensorDict
 
 import tdckpt
 from tdckpt._write import atomic as _atomic
-from tdckpt._write import save as _save
 from tdckpt._write import writer as _writer
 
 
@@ -89,7 +88,7 @@ def saver(root: str, step: int, stage: str, value: int) -> None:
 
         _writer.Writer.write_tensor = write_one_then_die  # type: ignore[method-assign]
     elif stage in ("manifest", "direct-manifest"):
-        _save._write_small = lambda *a, **k: _die()  # type: ignore[assignment]
+        _writer.write_small = lambda *a, **k: _die()  # type: ignore[assignment]
     elif stage in ("commit", "committed"):
         rename = _atomic.rename_noreplace
 

@@ -583,10 +583,10 @@ def test_every_file_is_fsynced_before_the_manifest(
     if not os.path.isdir("/proc/self/fd"):
         pytest.skip("needs /proc/self/fd to name an fsynced descriptor")
     from tdckpt._write import atomic as _atomic
-    from tdckpt._write import save as _save
+    from tdckpt._write import writer as _writer
 
     events: list[str] = []
-    real_fsync, real_small, real_dir = os.fsync, _save._write_small, _atomic.fsync_dir
+    real_fsync, real_small, real_dir = os.fsync, _writer.write_small, _atomic.fsync_dir
 
     def fsync(fd: int) -> None:
         events.append("file " + os.readlink(f"/proc/self/fd/{fd}"))
@@ -600,8 +600,8 @@ def test_every_file_is_fsynced_before_the_manifest(
         events.append(f"dir {path}")
         real_dir(path)
 
-    monkeypatch.setattr(_save.os, "fsync", fsync)
-    monkeypatch.setattr(_save, "_write_small", write_small)
+    monkeypatch.setattr(_writer.os, "fsync", fsync)
+    monkeypatch.setattr(_writer, "write_small", write_small)
     monkeypatch.setattr(_atomic, "fsync_dir", fsync_dir)
     with CheckpointManager(tmp_path / "run") as mgr:
         path = mgr.save(1, trained())

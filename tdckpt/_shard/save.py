@@ -42,7 +42,8 @@ from tdckpt._shard.manifest import ShardResult, build_manifest, step_document
 from tdckpt._shard.steps import ShardSteps
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.incremental import IncrementalBase, IncrementalSave
-from tdckpt._write.save import _writer_versions, check_json_data, write_checkpoint
+from tdckpt._write.save import check_json_data, write_checkpoint, writer_versions
+from tdckpt._write.writer import write_small
 from tdckpt.errors import (
     CollectiveError,
     TdckptError,
@@ -248,7 +249,7 @@ def _write_shard(
         result.pickles = pickles
         result.leaves = _leaves(shard)
         result.replicated = rep_keys
-        result.writer = _writer_versions().model_dump(mode="json")
+        result.writer = writer_versions().model_dump(mode="json")
         return result, None
     except Exception as exc:  # reported to rank 0, so that every rank raises
         return ShardResult(rank=group.rank, error=(type(exc).__name__, str(exc))), exc
@@ -297,15 +298,7 @@ def write_step_manifest(staging: Path, manifest: ShardedManifest, *, fsync: bool
     """Write the step manifest into ``staging``: a temporary file, fsync, ``os.replace``."""
     text = json.dumps(step_document(manifest), indent=1, allow_nan=False) + "\n"
     tmp = staging / f".{MANIFEST_NAME}.{uuid.uuid4().hex}.tmp"
-    fd = os.open(tmp, _atomic.CREATE_NEW, 0o666)
-    try:
-        data = memoryview(text.encode("utf-8"))
-        while data:
-            data = data[os.write(fd, data) :]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_small(tmp, text.encode("utf-8"), fsync=fsync)
     os.replace(tmp, staging / MANIFEST_NAME)
     if fsync:
         _atomic.fsync_dir(staging)

@@ -74,7 +74,7 @@ from tdckpt._write.journal import (
     fsync_file,
     hash_fd,
 )
-from tdckpt._write.save import _write_small
+from tdckpt._write.writer import write_small
 from tdckpt.errors import (
     IncompleteCheckpointError,
     MigrationError,
@@ -207,13 +207,13 @@ def _build_staging(plan: UpgradePlan, staging: Path, runner: _Runner) -> None:
     try:
         for op in plan.report.operations:
             if op.kind == "write-meta":
-                _write_small(staging / op.path, metas[op.path], fsync=True)
+                write_small(staging / op.path, metas[op.path], fsync=True)
                 runner.step("write-meta")
             elif op.kind in ("link", "copy", "write") and op.path in files:
                 vfile = files[op.path]
                 dst = staging / op.path
                 if vfile.data is not None:
-                    _write_small(dst, vfile.data, fsync=True)
+                    write_small(dst, vfile.data, fsync=True)
                 else:
                     kept = plan.kept_checksums.get(op.path)
                     algorithm = kept.split(":", 1)[0] if kept else DEFAULT_CHECKSUM
@@ -239,7 +239,7 @@ def _build_staging(plan: UpgradePlan, staging: Path, runner: _Runner) -> None:
                         sums[op.path] = digest
                 runner.step(op.kind)
             elif op.kind == "write" and op.path == schema.MANIFEST_NAME:
-                _write_small(staging / schema.MANIFEST_NAME, plan.manifest_bytes(sums), fsync=True)
+                write_small(staging / schema.MANIFEST_NAME, plan.manifest_bytes(sums), fsync=True)
                 runner.step("write")
                 break
     finally:

@@ -28,7 +28,7 @@ from tdckpt._write.incremental import LEAF_MODE, IncrementalSave, share_file
 from tdckpt._write.save_plan import Op
 from tdckpt.schema import FileRecord
 
-__all__ = ["Writer", "as_bytes", "nbytes", "op_bytes", "pieces", "write_all"]
+__all__ = ["Writer", "as_bytes", "nbytes", "op_bytes", "pieces", "write_all", "write_small"]
 
 #: The largest single write() (Linux caps one call just under 2 GiB).
 _MAX_WRITE = 1 << 30
@@ -105,6 +105,18 @@ def write_all(fd: int, data: memoryview) -> None:
     while data:
         written = os.write(fd, data[:_MAX_WRITE])
         data = data[written:]
+
+
+def write_small(path: Path, data: bytes, *, fsync: bool) -> None:
+    """Create ``path`` (never an existing file, never through a link) holding ``data``:
+    a metadata file, a manifest; fsynced with ``fsync``."""
+    fd = os.open(path, atomic.CREATE_NEW, 0o666)
+    try:
+        write_all(fd, memoryview(data))
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 #: Threads that fsync written files while the next ones are written.
