@@ -25,7 +25,6 @@ The number of examples is ``--fuzz-examples=N`` (or ``TDCKPT_FUZZ_EXAMPLES``)::
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
@@ -259,13 +258,6 @@ def mutate(data: Any, raw: bytes) -> tuple[bytes, str]:
 # -- the contract ------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def watchdog(seconds: int, what: str) -> Iterator[None]:
-    """Fail (instead of hanging) when the body runs longer than ``seconds``."""
-    with alarm(seconds, AssertionError(f"hang: {what} took more than {seconds} s")):
-        yield
-
-
 def _leaves(obj: Any, key: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
     """Every entry under ``obj`` by key; a lazy stack member by member (their shapes may
     differ, so the stack's own ``items`` would try to stack them)."""
@@ -364,7 +356,7 @@ def test_fuzz_consolidated(fuzz_examples: int, pristine: dict[str, Path]) -> Non
         with tempfile.TemporaryDirectory(prefix="tdckpt-fuzz-cons-") as tmp:
             path = Path(tmp) / "mutant.bin"
             path.write_bytes(raw)
-            with watchdog(WATCHDOG_S, what):
+            with alarm(WATCHDOG_S, AssertionError(f"hang: {what} took over {WATCHDOG_S} s")):
                 outcome = check_mutant(path, seed, f"{seed}: {what}")
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
 
