@@ -135,6 +135,41 @@ def test_a_record_tdckpt_cannot_parse_protects_the_attempts_it_mentions(
         assert _equal(mgr.restore(2), td)
 
 
+@pytest.mark.parametrize("damage", ["deleted", "truncated", "misnamed in the record"])
+def test_a_base_whose_objects_are_damaged_never_makes_the_next_save_fail(
+    remote: Remote, damage: str
+) -> None:
+    # The base's record names objects the store lacks (or holds at another size): the next
+    # incremental save uploads those leaves again instead of referring to them, commits,
+    # and restores exactly. (It used to fail at the commit check, "Retry the save", and
+    # every later save with it.)
+    td = _td()
+    with _mgr(remote, incremental=True) as mgr:
+        mgr.save(1, td)
+    fs = remote.fs()
+    base = _attempt(remote, 1)
+    record = _record(remote, 1)
+    a_object = record["objects"][record["locations"]["a.memmap"]["object"]]["name"]
+    if damage == "deleted":
+        fs.rm(remote.path(f"{base}/{a_object}"))
+    elif damage == "truncated":
+        fs.pipe_file(remote.path(f"{base}/{a_object}"), b"\0" * 16)
+    else:  # the record names an object the attempt does not hold for "a"
+        record["objects"][record["locations"]["a.memmap"]["object"]]["name"] = "data-99"
+        fs.pipe_file(remote.path("1.tdckpt.json"), json.dumps(record).encode())
+    td["b"] += 1
+    with _mgr(remote, incremental=True) as mgr:
+        assert not mgr.verify(1).ok
+        mgr.save(2, td)
+        assert mgr.verify(2).ok
+        assert _equal(mgr.restore(2), td)
+    second = _record(remote, 2)
+    a_ref = second["objects"][second["locations"]["a.memmap"]["object"]]
+    assert "prefix" not in a_ref  # "a" was uploaded again, not referred to
+    c_ref = second["objects"][second["locations"]["c.memmap"]["object"]]
+    assert c_ref.get("prefix") == base  # the intact leaf is still shared
+
+
 def test_save_async_and_training_states_are_incremental_too(remote: Remote) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 2))
     model[0].requires_grad_(False)  # a frozen 1.44 MB weight

@@ -21,6 +21,7 @@ import os
 import re
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from tdckpt._remote.encode import EncodedFile
 from tdckpt._remote.layout import (
@@ -48,21 +49,26 @@ _ATTEMPT_TEXT = re.compile(rb"(?:0|[1-9][0-9]{0,3999})\.attempt-[0-9a-f]{32}")
 
 
 def share_objects(
+    store: Store,
     base: CommitRecord | None,
     files: list[EncodedFile],
     objects: list[ObjectRecord],
     members: list[list[str]],
     algorithm: str,
-) -> tuple[list[ObjectRecord], dict[str, str]]:
+) -> tuple[list[ObjectRecord], dict[str, str], dict[str, dict[str, Any]]]:
     """``objects`` with every object the ``base`` record already holds replaced by a
-    reference to it, and the checksums of the files of those objects (path -> checksum).
+    reference to it, the checksums of the files of those objects (path -> checksum), and
+    the listings of the prefixes that hold them (the commit checks them there again).
 
     An object qualifies when it holds one file, the base's file of the same path is a whole
-    object of its own, and the sizes and checksums (of the save's algorithm; computed here
-    over the bytes to upload, on one thread per core) are equal.
+    object of its own, the store holds that object with the size the base's record gives
+    (one listing per prefix), and the sizes and checksums (of the save's algorithm; computed
+    here over the bytes to upload, on one thread per core) are equal. An object the base
+    names but the store lacks (a damaged base) is uploaded again: a damaged step never
+    makes the saves after it fail.
     """
     if base is None:
-        return objects, {}
+        return objects, {}, {}
     old_files = {f.path: f for f in base.manifest.files}
     by_rel = {f.rel: f for f in files}
     prefix = f"{algorithm}:"
@@ -84,17 +90,24 @@ def share_objects(
         held = obj.prefix or attempt_name(base.step, base.attempt)
         candidates.append((index, rel, ObjectRecord(name=obj.name, size=obj.size, prefix=held)))
     if not candidates:
-        return objects, {}
+        return objects, {}, {}
     threads = max(1, min(len(candidates), os.cpu_count() or 1))
     with ThreadPoolExecutor(threads, thread_name_prefix="tdckpt-prehash") as pool:
         digests = list(pool.map(lambda c: by_rel[c[1]].checksum(algorithm), candidates))
+    equal = [
+        (c, digest)
+        for c, digest in zip(candidates, digests, strict=True)
+        if digest == old_files[c[1]].checksum
+    ]
+    # the objects the equal files would refer to, checked in the store (one listing each)
+    listings = {str(ref.prefix): store.find(str(ref.prefix)) for (_, _, ref), _ in equal}
     out = list(objects)
     sums: dict[str, str] = {}
-    for (index, rel, ref), digest in zip(candidates, digests, strict=True):
-        if digest == old_files[rel].checksum:
+    for (index, rel, ref), digest in equal:
+        if listings[str(ref.prefix)].get(ref.name, {}).get("size") == ref.size:
             out[index] = ref
             sums[rel] = digest
-    return out, sums
+    return out, sums, listings
 
 
 def referenced_objects(records: Iterable[CommitRecord]) -> dict[str, set[str]]:

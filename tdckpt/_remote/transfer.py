@@ -102,11 +102,18 @@ def _run_all(fn: Callable[[int], None], n: int) -> None:
         raise errors[0]
 
 
-def check_uploaded(store: Store, prefix: str, objects: list[ObjectRecord]) -> None:
+def check_uploaded(
+    store: Store,
+    prefix: str,
+    objects: list[ObjectRecord],
+    listed: dict[str, dict[str, dict[str, Any]]] | None = None,
+) -> None:
     """One listing per prefix: every object is there with its size (a store that
     acknowledged a short write, or an earlier step's object that is gone, is caught here,
-    before the commit)."""
-    listings: dict[str, dict[str, dict[str, Any]]] = {}
+    before the commit). ``listed``: listings of earlier steps' prefixes the save made
+    already, under the writer lock that keeps them (an incremental save's base)."""
+    listings: dict[str, dict[str, dict[str, Any]]] = dict(listed or {})
+    listings.pop(prefix, None)  # this attempt's own uploads: always listed now
     for obj in objects:
         where = obj.prefix or prefix
         if where not in listings:

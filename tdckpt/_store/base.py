@@ -15,7 +15,7 @@ asks :attr:`StepStore.capabilities` what a store can do; it never tests its type
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -72,6 +72,9 @@ class Attempt:
     where: Path | str
     overwrite: bool
     pending: Any = None
+    #: listings the write made that the commit's check may reuse (object storage: the
+    #: earlier steps' prefixes whose objects an incremental save refers to)
+    listed: dict[str, Any] = field(default_factory=dict)
 
 
 class StepStore(Protocol):

@@ -342,7 +342,9 @@ class ObjectStepStore:
         if incremental:  # refer to the latest step's equal objects instead of uploading them
             committed = self._scan()[0]
             base = committed[max(committed)] if committed else None
-            objects, shared = share_objects(base, encoded.files, objects, members, self.checksum)
+            objects, shared, attempt.listed = share_objects(
+                self.store, base, encoded.files, objects, members, self.checksum
+            )
         total = sum(f.size for f in encoded.files)
         if progress is not None:
             progress(0, total)
@@ -368,7 +370,7 @@ class ObjectStepStore:
         step, prefix, record = attempt.step, str(attempt.where), attempt.pending
         assert isinstance(record, layout.CommitRecord), "commit() before write()"
         commit = layout.commit_name(step)
-        check_uploaded(self.store, prefix, record.objects)
+        check_uploaded(self.store, prefix, record.objects, attempt.listed)
         self.lock()  # LockError if another writer took the root meanwhile
         try:
             self.store.create(commit, record.to_bytes())
