@@ -556,3 +556,86 @@ def test_a_leaf_written_after_its_commit_is_never_linked(tmp_path: Path) -> None
         assert _ino(two / "w1.memmap") == _ino(one / "w1.memmap")
         assert mgr.verify(2).ok and not mgr.verify(1).ok
         assert (mgr.restore(2) == td).all()
+
+
+_SAVE_AGAIN = """
+import sys, torch
+from tensordict import TensorDict
+from tdckpt import CheckpointManager
+td = TensorDict.load_memmap(sys.argv[2]).clone()  # the intended bytes, kept beside the root
+with CheckpointManager(sys.argv[1], incremental=True, fsync=False) as mgr:
+    mgr.save(2, td)
+"""
+
+
+def test_a_base_leaf_damaged_in_place_is_read_and_written_afresh_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Bit rot keeps a file's size, mode and modification time, so nothing but its bytes
+    tells. A process links a base file only once it has seen it hold its checksum - its own
+    saves' files, or read back before the first link - so the first incremental save after
+    a restart writes the damaged leaf afresh from memory (and still links the intact ones);
+    before, it linked the damaged file into the new step too."""
+    td = _state()
+    good = tmp_path / "good"
+    td.memmap(good)
+    root = tmp_path / "root"
+    with CheckpointManager(root, incremental=True, fsync=False) as mgr:
+        one = mgr.save(1, td)
+    leaf = one / "w0.memmap"
+    st = os.stat(leaf)
+    os.chmod(leaf, 0o644)
+    with open(leaf, "r+b") as fh:
+        fh.seek(8)
+        byte = fh.read(1)
+        fh.seek(8)
+        fh.write(bytes([byte[0] ^ 0x01]))  # one bit flipped
+    os.chmod(leaf, st.st_mode)
+    os.utime(leaf, ns=(st.st_atime_ns, st.st_mtime_ns))
+    run = subprocess.run(
+        [sys.executable, "-c", _SAVE_AGAIN, str(root), str(good)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    two = root / "2"
+    assert _ino(two / "w0.memmap") != _ino(leaf)  # written afresh
+    assert _ino(two / "w1.memmap") == _ino(one / "w1.memmap")  # read once, then linked
+    with CheckpointManager(root) as mgr:
+        assert mgr.verify(2).ok and not mgr.verify(1).ok
+        assert (mgr.restore(2) == td).all()
+
+
+def test_the_saves_of_one_process_link_their_own_files_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The files a process's incremental save wrote are noted as holding their checksums:
+    its next save links them without reading them back (a save's floor stays the hash of
+    the new bytes); so are the files a verify of the base read."""
+    from tdckpt._write import incremental
+
+    td = _state()
+    reads: list[int] = []
+    real = os.preadv
+
+    def counting(fd: int, buffers: list[memoryview], offset: int) -> int:
+        reads.append(fd)
+        return real(fd, buffers, offset)
+
+    with CheckpointManager(tmp_path, incremental=True, fsync=False) as mgr:
+        one = mgr.save(1, td)
+        monkeypatch.setattr(os, "preadv", counting)
+        two = mgr.save(2, td)
+        assert reads == []
+        assert all(_ino(two / f"w{i}.memmap") == _ino(one / f"w{i}.memmap") for i in range(4))
+        incremental._SEEN.clear()  # as in a new process: each base file is read once
+        three = mgr.save(3, td)
+        assert len(reads) == 5  # w0..w3 and nested/ids, one read each (small files)
+        assert all(_ino(three / f"w{i}.memmap") == _ino(one / f"w{i}.memmap") for i in range(4))
+        incremental._SEEN.clear()
+        assert mgr.verify(3).ok  # a verify of the base reads its files: the save need not
+        reads.clear()
+        four = mgr.save(4, td)
+        assert reads == []
+        assert all(_ino(four / f"w{i}.memmap") == _ino(one / f"w{i}.memmap") for i in range(4))

@@ -841,6 +841,36 @@ def test_a_record_whose_files_cannot_all_exist_is_damaged(clash: str) -> None:
         _no_local(info.value, f"{r.url}/1.tdckpt.json")
 
 
+def test_a_record_with_a_file_without_checksum_is_damaged() -> None:
+    """Where a file lies in object storage is the record's word, and only the file's
+    checksum checks it: a record whose manifest lists a file without one (tdckpt writes one
+    for every file) is damaged. Before, a record whose location of a file was moved onto
+    another file's bytes and whose checksum of it was deleted restored those bytes in its
+    place (found by tests/property/test_fuzz_steps.py)."""
+    import uuid
+
+    r = Remote("memory", f"memory://t{uuid.uuid4().hex[:12]}/run", None)
+    with _mgr(r) as mgr:
+        mgr.save(1, _td(1))
+        mgr.save(2, _td(2))
+    fs = r.fs()
+    path = r.path("2.tdckpt.json")
+    record = json.loads(fs.cat_file(path))
+    for f in record["manifest"]["files"]:
+        if f["path"] == "w.memmap":
+            del f["checksum"]
+    fs.pipe_file(path, json.dumps(record).encode())
+    with _mgr(r) as mgr:
+        assert mgr.steps() == [1]
+        (row,) = [row for row in mgr.list_steps() if row.kind == "remote" and row.step == 2]
+        assert row.status == "damaged"
+        assert "['w.memmap'] have no checksum" in row.detail, row.detail
+        with pytest.raises(IncompleteCheckpointError) as info:
+            mgr.restore(2)
+        _no_local(info.value, f"{r.url}/2.tdckpt.json")
+        assert _equal(mgr.restore(1), _td(1))
+
+
 def test_a_url_prefix_with_an_object_that_is_also_a_folder_is_refused(
     s3_remote: Remote, tmp_path: Any
 ) -> None:

@@ -26,6 +26,7 @@ from tdckpt._manage.steps import ZIP_READ_ERRORS
 from tdckpt._report import ProblemKind, VerifyProblem
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import CHUNK_BYTES, new_hasher
+from tdckpt._write.incremental import note_verified
 from tdckpt.schema import MANIFEST_NAME, LeafChecksumRecord, Manifest
 
 __all__ = [
@@ -300,7 +301,10 @@ def _verify_dir(
             continue
         try:
             with fh:
+                before = os.fstat(fh.fileno())
                 digest, _ = hashing.digest(fh, _algorithm(record.checksum))
+                if digest == record.checksum and os.fstat(fh.fileno()) == before:
+                    note_verified(before, digest)  # the next incremental save links it unread
         except OSError as exc:
             report.problems.append(VerifyProblem(rel, key, "unreadable", record.checksum, str(exc)))
             continue

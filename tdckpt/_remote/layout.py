@@ -135,6 +135,12 @@ class CommitRecord(_Model):
         clash = sorted(folders & set(files))[:5]
         if clash:
             raise ValueError(f"{clash} are listed as files and as folders of other files")
+        unchecked = sorted(path for path, f in files.items() if f.checksum is None)[:5]
+        if unchecked:  # where a file lies is the record's word: only its checksum checks it
+            raise ValueError(
+                f"{unchecked} have no checksum (tdckpt records one for every file of a step in "
+                "object storage)"
+            )
         if set(files) != set(self.locations):
             missing = sorted(set(files) - set(self.locations))[:5]
             extra = sorted(set(self.locations) - set(files))[:5]

@@ -30,6 +30,18 @@ the bytes another step still names. Retention and ``gc`` need no bookkeeping of 
 have equal checksums with probability 2**-32 per changed leaf; over a very long run of
 many leaves that is not negligible, and the stale bytes would be kept. Pass
 ``checksum="sha256"`` (or ``"sha1"``) to the manager for cryptographic equality.
+
+**A base file is read once per process before it is linked.** The base's manifest says
+what its files held when they were written; a file damaged since (bit rot that keeps its
+size and modification time) would otherwise be linked into every later step while the
+good bytes sit in memory. So a base file is linked only when this process has seen it
+hold its checksum: because one of its own saves wrote (or linked) it - noted by file
+identity, :func:`remember_files` - or a ``verify`` of its step read it
+(:func:`note_verified`), or it was read and hashed before its first link (:func:`holds`;
+on the prefetch threads, beside the hashing of the new bytes). A damaged one is written
+afresh. The first incremental save after a restart thus reads the base's unchanged leaves
+once, as a ``verify`` would (none, after a ``verify`` or a ``restore(verify=True)`` of
+that step); the saves after it read nothing.
 """
 
 from __future__ import annotations
@@ -39,13 +51,16 @@ import json
 import os
 import shutil
 import stat
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tdckpt._write.atomic import CREATE_NEW
+from tdckpt._write.checksum import CHUNK_BYTES, new_hasher
 from tdckpt._write.journal import clone
 from tdckpt.schema import MANIFEST_NAME, FileRecord, Manifest
 
@@ -55,6 +70,9 @@ __all__ = [
     "IncrementalSave",
     "check_incremental",
     "fault_point",
+    "holds",
+    "note_verified",
+    "remember_files",
     "share_file",
     "shared_bytes",
     "unshare_for_write",
@@ -78,6 +96,92 @@ def fault_point(stage: str) -> None:
 
 def _read_only(st: os.stat_result) -> bool:
     return stat.S_ISREG(st.st_mode) and not st.st_mode & 0o222
+
+
+#: Leaf files this process has seen hold a checksum - written or linked by one of its
+#: saves, or read back before their first link: (device, inode, size, mtime in ns) ->
+#: ``"<algorithm>:<hex>"``. Bounded: the entries least recently noted go first.
+_SEEN: OrderedDict[tuple[int, int, int, int], str] = OrderedDict()
+SEEN_MAX = 1 << 18
+_SEEN_LOCK = threading.Lock()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _note(seen: Iterable[tuple[tuple[int, int, int, int], str]]) -> None:
+    with _SEEN_LOCK:
+        for key, checksum in seen:
+            _SEEN[key] = checksum
+            _SEEN.move_to_end(key)
+        while len(_SEEN) > SEEN_MAX:
+            _SEEN.popitem(last=False)
+
+
+def note_verified(st: os.stat_result, checksum: str) -> None:
+    """Note a file just read whole and found to hold ``checksum`` (``st``: its ``fstat``
+    before and after the read) - a ``verify`` of a step - when it is a read-only leaf file an
+    incremental save may link."""
+    if _read_only(st):
+        _note([(_identity(st), checksum)])
+
+
+def remember_files(dest: Path, records: Iterable[FileRecord]) -> None:
+    """Note the read-only leaf files an incremental save just wrote or linked into
+    ``dest`` as holding their records' checksums (one ``lstat`` each): the next save of
+    this process links them without reading them back (:func:`holds`)."""
+    seen = []
+    for record in records:
+        if record.key is None or record.checksum is None:
+            continue
+        try:
+            st = os.lstat(dest / record.path)
+        except OSError:
+            continue
+        if _read_only(st):
+            seen.append((_identity(st), record.checksum))
+    _note(seen)
+
+
+def holds(path: Path, checksum: str) -> bool:
+    """Whether the regular file ``path`` holds bytes of ``checksum``
+    (``"<algorithm>:<hex>"``): known from this process's saves (:func:`remember_files`),
+    else read and hashed now, once per file and process. Never follows a link."""
+    algorithm, _, digest = checksum.partition(":")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        key = _identity(st)
+        with _SEEN_LOCK:
+            if _SEEN.get(key) == checksum:
+                return True
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        try:
+            hasher = new_hasher(algorithm)
+        except ValueError:
+            return False
+        # read, not mapped: a file truncated meanwhile must not be a SIGBUS
+        buffer = memoryview(bytearray(min(st.st_size, CHUNK_BYTES) or 1))
+        done = 0
+        while done < st.st_size:
+            n = os.preadv(fd, [buffer], done)
+            if n <= 0:
+                return False  # shorter than it was a moment ago
+            hasher.update(buffer[:n])
+            done += n
+        if hasher.hexdigest() != digest or _identity(os.fstat(fd)) != key:
+            return False  # other bytes, or changed while it was read
+    except (OSError, ValueError):
+        return False
+    finally:
+        os.close(fd)
+    _note([(key, checksum)])
+    return True
 
 
 @dataclass

@@ -45,7 +45,7 @@ from tdckpt._write.checksum import (
     DEFAULT_CHECKSUM,
     new_hasher,
 )
-from tdckpt._write.incremental import IncrementalSave
+from tdckpt._write.incremental import IncrementalSave, remember_files
 from tdckpt._write.save_plan import Plan, class_id, plan_checkpoint
 from tdckpt._write.writer import Writer, op_bytes
 from tdckpt.errors import CheckpointExistsError, MetadataError, UnsupportedContentError
@@ -350,6 +350,8 @@ def write_checkpoint(
         raise
     finally:
         writer.close()
+    if incremental is not None:  # the next save of this process links them unread
+        remember_files(dest, manifest.files)
     return manifest
 
 

@@ -24,7 +24,7 @@ import torch
 
 from tdckpt._write import atomic
 from tdckpt._write.checksum import CHUNK_BYTES, Hasher, new_hasher
-from tdckpt._write.incremental import LEAF_MODE, IncrementalSave, share_file
+from tdckpt._write.incremental import LEAF_MODE, IncrementalSave, holds, share_file
 from tdckpt._write.save_plan import Op
 from tdckpt.schema import FileRecord
 
@@ -202,7 +202,7 @@ class Writer:
         self.incremental = incremental
         self.leaf_mode = 0o666 if incremental is None else LEAF_MODE
         self._prehash_pool: ThreadPoolExecutor | None = None
-        self._prehashed: dict[str, Future[str]] = {}
+        self._prehashed: dict[str, Future[tuple[str, bool]]] = {}
         self.algorithm = algorithm
         self.fsync = fsync
         self.progress = progress
@@ -354,27 +354,32 @@ class Writer:
         thread per core, while the writer goes through the plan in order (the unchanged
         bytes are only hashed: the save's floor is that pass, spread over the cores)."""
         assert self.incremental is not None
+        base = self.incremental.base
         candidates = []
         for i in range(len(ops)):  # indexed: a staged plan's iteration runs a test hook
             op = ops[i]
             if op.kind != "tensor" or op.tensor is None or op.tensor.is_nested:
                 continue
-            if self.incremental.candidate(op.rel, nbytes(op.tensor), op.key) is not None:
-                candidates.append(op)
-        if not candidates:
+            record = self.incremental.candidate(op.rel, nbytes(op.tensor), op.key)
+            if record is not None:
+                candidates.append((op, record))
+        if not candidates or base is None:
             return
         threads = max(1, min(len(candidates), os.cpu_count() or 1))
         self._prehash_pool = ThreadPoolExecutor(threads, thread_name_prefix="tdckpt-prehash")
-        for op in candidates:
-            assert op.tensor is not None
-            self._prehashed[op.rel] = self._prehash_pool.submit(_digest, op.tensor, self.algorithm)
+        for op, record in candidates:
+            assert op.tensor is not None and record.checksum is not None
+            self._prehashed[op.rel] = self._prehash_pool.submit(
+                _linkable, op.tensor, self.algorithm, base.path / op.rel, record.checksum
+            )
 
     def _share(self, rel: str, tensor: torch.Tensor, key: tuple[str, ...] | None) -> bool:
         """Incremental: link the base's file when it holds exactly ``tensor``'s bytes.
 
         The candidate (same path, size, dtype, shape; a read-only file) is checked from
         metadata; then ``tensor`` is hashed at memory speed and compared with the base's
-        checksum. False: write the leaf as usual.
+        checksum, and the base's file is known to hold that checksum (read once per process,
+        :func:`~tdckpt._write.incremental.holds`). False: write the leaf as usual.
         """
         assert self.incremental is not None
         base = self.incremental.base
@@ -385,8 +390,12 @@ class Writer:
         if record is None:
             return False
         pending = self._prehashed.pop(rel, None)
-        checksum = pending.result() if pending is not None else _digest(tensor, self.algorithm)
-        if checksum != record.checksum:
+        if pending is not None:
+            checksum, linkable = pending.result()
+        else:
+            assert record.checksum is not None  # a candidate has one
+            checksum, linkable = _linkable(tensor, self.algorithm, base.path / rel, record.checksum)
+        if not linkable:
             return False
         how = share_file(base, rel, self._path(rel), fsync=self.fsync)
         if how is None:
@@ -517,6 +526,15 @@ def _digest(tensor: torch.Tensor, algorithm: str) -> str:
     for piece in pieces(tensor):
         hasher.update(as_bytes(piece))
     return f"{algorithm}:{hasher.hexdigest()}"
+
+
+def _linkable(
+    tensor: torch.Tensor, algorithm: str, base_file: Path, expected: str
+) -> tuple[str, bool]:
+    """``tensor``'s checksum, and whether the base's file may be linked in its place: the
+    checksums are equal and the file holds those bytes (read once per process)."""
+    digest = _digest(tensor, algorithm)
+    return digest, digest == expected and holds(base_file, expected)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

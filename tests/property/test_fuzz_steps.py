@@ -12,13 +12,16 @@ Each example copies one root and changes one step's manifest (local) or commit r
 (object storage): any value anywhere (the generic JSON mutations of
 ``test_fuzz_metadata.py``), or on purpose the fields that say where data lies - a file's
 path, size or key, a consolidated leaf's offset, a record's attempt, an object's name,
-size or prefix (another step's attempt, outside the root), a location's offset.
+size or prefix (another step's attempt, outside the root), a location's offset. Other
+examples damage one of the step's files or objects instead: deleted, truncated, a byte
+flipped with size, mode and modification time kept (bit rot), swapped for a symlink.
 
 For every mutant, through ``CheckpointManager``:
 
 - listing, ``verify``, ``restore`` and ``restore_into`` give a result or raise a
   :class:`~tdckpt.errors.TdckptError` - never another exception, never a hang;
 - a restore gives exactly the step that was saved, or refuses with the target unchanged;
+  where a file was damaged, ``verify=True`` restores of every step holding it refuse;
 - reading writes nothing to the root;
 - ``gc`` and then retention (``KeepLast(1)``) never delete or change what another step
   needs: every unchanged step that is still listed verifies and restores exactly, retention
@@ -38,6 +41,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 import uuid
@@ -174,33 +178,42 @@ class Root:
             if "/.tdckpt-lease/" not in path
         }
 
-    def check_step(self, mgr: CheckpointManager, step: int, what: str) -> None:
-        """``step`` restores exactly what was saved, or is refused (target unchanged)."""
+    def check_step(
+        self, mgr: CheckpointManager, step: int, what: str, *, damaged: bool = False
+    ) -> None:
+        """``step`` restores exactly what was saved, or is refused (target unchanged).
+
+        ``damaged``: a file of the step was damaged - restores verify first and must refuse.
+        """
+        kw = {"verify": True} if damaged else {}
         if step == STATE_STEP:
             target = _state(0)
             before = _state_digest(target)
             try:
-                mgr.restore_into(target, step)
+                mgr.restore_into(target, step, **kw)
             except TdckptError:
                 assert _state_digest(target) == before, f"{what}: a refused restore changed it"
             else:
+                assert not damaged, f"{what}: verify=True restored a damaged step"
                 assert _state_digest(target) == _state_digest(_state(STATE_STEP)), what
             return
         want = _td(step, self.big)
         try:
-            got = mgr.restore(step)
+            got = mgr.restore(step, **kw)
         except TdckptError:
             pass
         else:
+            assert not damaged, f"{what}: verify=True restored a damaged step"
             _same(got, want, f"{what}: restore")
         target = want.clone().apply(torch.zeros_like)
         target["s"] = "other"
         before = snapshot(target)
         try:
-            mgr.restore_into(target, step)
+            mgr.restore_into(target, step, **kw)
         except TdckptError:
             assert snapshot(target) == before, f"{what}: a refused restore_into changed it"
         else:
+            assert not damaged, f"{what}: verify=True restored a damaged step"
             _same(target, want, f"{what}: restore_into")
 
     def check_intact(self, mgr: CheckpointManager, step: int, what: str) -> None:
@@ -431,6 +444,75 @@ def _change_remote(data: Any, url: str, step: int) -> tuple[str, str]:
     return "; ".join(done), record
 
 
+def _damage_local(data: Any, root: Path, step: int, seeds: list[int]) -> tuple[str, set[int]]:
+    """Damage one file of ``step`` on disk; return what, and the steps that hold it (an
+    incremental step's leaf is a hard link: damaging its bytes damages every step)."""
+    folder = root / str(step)
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != MANIFEST_NAME and p.stat().st_size > 0
+    )
+    victim = data.draw(st.sampled_from(files), label="file")
+    st0 = victim.stat()
+    hit = {
+        s
+        for s in seeds
+        if any(p.stat().st_ino == st0.st_ino for p in (root / str(s)).rglob("*") if p.is_file())
+    }
+    op = data.draw(st.sampled_from(["delete", "truncate", "flip", "symlink"]), label="damage")
+    rel = victim.relative_to(root).as_posix()
+    if op in ("delete", "symlink"):
+        others = sorted(p for p in root.rglob("*") if p.is_file() and p != victim)
+        victim.unlink()  # one name of the inode: only this step loses it
+        if op == "symlink":  # to a file of this step or another
+            victim.symlink_to(data.draw(st.sampled_from(others), label="to"))
+        return f"{op} {rel}", {step}
+    os.chmod(victim, st0.st_mode | 0o200)  # an incremental leaf is read-only
+    with open(victim, "r+b") as fh:
+        if op == "truncate":
+            fh.truncate(st0.st_size // 2)
+        else:  # bit rot: the same size, mode and modification time
+            at = data.draw(st.integers(0, st0.st_size - 1), label="at")
+            fh.seek(at)
+            byte = fh.read(1)[0]
+            fh.seek(at)
+            fh.write(bytes([byte ^ 0xFF]))
+    os.chmod(victim, st0.st_mode)
+    os.utime(victim, ns=(st0.st_atime_ns, st0.st_mtime_ns))
+    return f"{op} {rel}", hit
+
+
+def _damage_remote(data: Any, url: str, step: int, seeds: list[int]) -> tuple[str, set[int]]:
+    """Damage one object of ``step``'s own attempt; return what, and the steps whose
+    records name it (an incremental record names an earlier step's objects)."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    base = fs._strip_protocol(url)
+    records = {s: json.loads(fs.cat_file(f"{base}/{s}.tdckpt.json")) for s in seeds}
+    own = f"{step}.attempt-{records[step]['attempt']}"
+    victim = data.draw(st.sampled_from(sorted(fs.find(f"{base}/{own}"))), label="object")
+    name = victim.rsplit("/", 1)[1]
+    hit = {
+        s
+        for s, rec in records.items()
+        for obj in rec["objects"]
+        if obj["name"] == name and obj.get("prefix", f"{s}.attempt-{rec['attempt']}") == own
+    }
+    op = data.draw(st.sampled_from(["delete", "truncate", "flip"]), label="damage")
+    raw = bytearray(fs.cat_file(victim))
+    if op == "delete":
+        fs.rm(victim)
+    elif op == "truncate":
+        fs.pipe_file(victim, bytes(raw[: len(raw) // 2]))
+    else:
+        at = data.draw(st.integers(0, len(raw) - 1), label="at")
+        raw[at] ^= 0xFF
+        fs.pipe_file(victim, bytes(raw))
+    return f"{op} {own}/{name}", hit
+
+
 def _exists(root: Root, entry: Path | str) -> bool:
     if not root.remote:
         return Path(entry).exists()
@@ -442,10 +524,18 @@ def _exists(root: Root, entry: Path | str) -> bool:
 # -- the contract ---------------------------------------------------------------------------
 
 
-def _check(root: Root, changed: int, entry: Path | str, seeds: list[int], what: str) -> str:
-    """The contract (module doc) on one root whose step ``changed`` was changed."""
+def _check(
+    root: Root,
+    changed: int,
+    entry: Path | str,
+    seeds: list[int],
+    what: str,
+    hit: set[int] | None = None,
+) -> str:
+    """The contract (module doc) on one root whose step ``changed`` was changed: its
+    manifest or record, or (``hit``: the steps that hold it) one of its files."""
     before = root.digest()
-    intact = [s for s in seeds if s != changed]
+    intact = [s for s in seeds if s != changed and s not in (hit or ())]
     with root.manager() as mgr:
         listed = mgr.steps()
         mgr.list_steps()
@@ -459,7 +549,12 @@ def _check(root: Root, changed: int, entry: Path | str, seeds: list[int], what: 
             assert hasattr(report, "ok"), what
         with contextlib.suppress(TdckptError):
             mgr.metadata(changed)
-        root.check_step(mgr, changed, what)
+        if hit is None:
+            root.check_step(mgr, changed, what)
+        else:
+            assert committed, f"{what}: a step whose manifest is intact is no longer listed"
+            for step in sorted(hit):
+                root.check_step(mgr, step, f"{what}, step {step}", damaged=True)
     assert root.digest() == before, f"{what}: reading wrote to the root"
     with root.manager() as mgr:
         mgr.gc(grace_period=0)
@@ -472,7 +567,7 @@ def _check(root: Root, changed: int, entry: Path | str, seeds: list[int], what: 
         newest = max(mgr.steps(), default=None)
         mgr.prune()
         assert mgr.steps() == ([] if newest is None else [newest]), f"{what}: retention"
-        if newest is not None and newest != changed:
+        if newest in intact:
             root.check_intact(mgr, newest, f"{what}, after retention")
         if not committed:
             assert _exists(root, entry), f"{what}: retention deleted a step it could not read"
@@ -481,9 +576,15 @@ def _check(root: Root, changed: int, entry: Path | str, seeds: list[int], what: 
         want = _td(new, root.big)
         mgr.save(new, want)
         report = mgr.verify(new)
-        got = mgr.restore(new)
-        if report.ok:
-            _same(got, want, f"{what}: a new step that verifies")
+        try:
+            got = mgr.restore(new)
+        except TdckptError:  # object storage checks what it reads: a damaged base shows
+            assert not report.ok, f"{what}: a new step that verifies does not restore"
+        else:
+            if report.ok:
+                _same(got, want, f"{what}: a new step that verifies")
+    if hit is not None:
+        return "data"
     return "committed" if committed else "damaged"
 
 
@@ -491,14 +592,20 @@ def _run(data: Any, make: Callable[[], tuple[Root, Callable[[], None]]], seeds: 
     root, drop = make()
     try:
         step = data.draw(st.sampled_from(seeds), label="step")
-        if root.remote:
+        hit: set[int] | None = None
+        entry: Path | str
+        if data.draw(st.integers(0, 3), label="damage data?") == 0:
+            damage = _damage_remote if root.remote else _damage_local
+            what, hit = damage(data, root.where, step, seeds)  # type: ignore[arg-type]
+            entry = root.where
+        elif root.remote:
             what, entry = _change_remote(data, str(root.where), step)
         else:
             what, entry = _change_local(data, Path(root.where), step)
         what = f"step {step}: {what}"
         with watchdog(WATCHDOG_S, what), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return _check(root, step, entry, seeds, what)
+            return _check(root, step, entry, seeds, what, hit)
     finally:
         drop()
 
@@ -515,42 +622,28 @@ def test_the_seeds_restore(local_root: Path, remote_root: str) -> None:
             assert mgr.shared_bytes()[mgr.steps()[-1]] > 0
 
 
-def test_fuzz_local_manifests(fuzz_examples: int, local_root: Path) -> None:
-    outcomes = {"committed": 0, "damaged": 0}
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "memory"])
+def test_fuzz_steps(fuzz_examples: int, remote: bool, request: pytest.FixtureRequest) -> None:
+    seed = request.getfixturevalue("remote_root" if remote else "local_root")
+    examples = max(fuzz_examples // 2, 10) if remote else fuzz_examples  # remote: slower
+    outcomes = dict.fromkeys(("committed", "damaged", "data"), 0)
 
     def make() -> tuple[Root, Callable[[], None]]:
+        if remote:
+            url = _copy_remote(seed)
+            return Root(url, True), lambda: _drop_remote(url)
         tmp = tempfile.mkdtemp(prefix="tdckpt-fuzz-steps-")
-        shutil.copytree(local_root, Path(tmp) / "run", symlinks=True)
+        shutil.copytree(seed, Path(tmp) / "run", symlinks=True)
         return Root(Path(tmp) / "run", False), lambda: shutil.rmtree(tmp)
 
-    @fuzz_settings(fuzz_examples)
+    @fuzz_settings(examples)
     @given(data=st.data())
     def run(data: Any) -> None:
-        outcome = _run(data, make, SEEDS[False])
+        outcome = _run(data, make, SEEDS[remote])
         outcomes[outcome] += 1
         event(outcome)
 
     run()
-    print(f"local step fuzzer: {outcomes}")
-    if fuzz_examples >= 50:
-        assert outcomes["committed"] and outcomes["damaged"], outcomes
-
-
-def test_fuzz_remote_records(fuzz_examples: int, remote_root: str) -> None:
-    outcomes = {"committed": 0, "damaged": 0}
-
-    def make() -> tuple[Root, Callable[[], None]]:
-        url = _copy_remote(remote_root)
-        return Root(url, True), lambda: _drop_remote(url)
-
-    @fuzz_settings(max(fuzz_examples // 2, 10))
-    @given(data=st.data())
-    def run(data: Any) -> None:
-        outcome = _run(data, make, SEEDS[True])
-        outcomes[outcome] += 1
-        event(outcome)
-
-    run()
-    print(f"remote step fuzzer: {outcomes}")
-    if fuzz_examples >= 100:
+    print(f"step fuzzer ({'memory' if remote else 'local'}): {outcomes}")
+    if examples >= 50:  # not a vacuous run: changed steps both still listed and damaged
         assert outcomes["committed"] and outcomes["damaged"], outcomes
