@@ -6,15 +6,17 @@ Seeds are two manager roots with the kinds of step that share or pack data:
   incremental step whose unchanged leaves are links to the full step's files;
 - an object-storage root (``memory://``): a training state, a full step whose large leaves
   are objects of their own, and an incremental step whose record names the full step's
-  objects instead of uploading them again.
+  objects instead of uploading them again;
+- an archive root (``archive=True``): a training state and two steps, stored and deflated.
 
 Each example copies one root and changes one step's manifest (local) or commit record
 (object storage): any value anywhere (the generic JSON mutations of
 ``test_fuzz_metadata.py``), or on purpose the fields that say where data lies - a file's
 path, size or key, a consolidated leaf's offset, a record's attempt, an object's name,
 size or prefix (another step's attempt, outside the root), a location's offset. Other
-examples damage one of the step's files or objects instead: deleted, truncated, a byte
-flipped with size, mode and modification time kept (bit rot), swapped for a symlink.
+examples damage one of the step's files, objects or archive members instead: deleted,
+truncated, a byte flipped with size, mode and modification time kept (bit rot), swapped for
+a symlink, or any byte of an archive flipped (headers and central directory included).
 
 For every mutant, through ``CheckpointManager``:
 
@@ -29,7 +31,8 @@ For every mutant, through ``CheckpointManager``:
   never deleted;
 - a new incremental save (whose base is the newest committed step, maybe the changed one)
   restores exactly what was saved, or its ``verify`` says it does not - never a step that
-  verifies and holds other bytes.
+  verifies and holds other bytes (in an archive root, where nothing is shared, a new save
+  always verifies).
 
 ``--fuzz-examples=N`` (or ``TDCKPT_FUZZ_EXAMPLES``) sets the number of examples:
 ``python -m pytest tests/property/test_fuzz_steps.py --fuzz-examples=2000``.
@@ -46,6 +49,7 @@ import shutil
 import tempfile
 import uuid
 import warnings
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -108,8 +112,8 @@ def _state_digest(state: dict[str, Any]) -> Any:
     return {name: _values(snapshot(obj.state_dict())) for name, obj in state.items()}
 
 
-#: The steps of each root (False: local, True: object storage).
-SEEDS = {False: [1, 2, 3, 4], True: [1, 2, 3]}
+#: The steps of each root.
+SEEDS = {"local": [1, 2, 3, 4], "memory": [1, 2, 3], "archive": [1, 2, 3]}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +126,17 @@ def local_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with CheckpointManager(root, fsync=False, incremental=True) as mgr:
         mgr.save(3, _td(3, big=False))
         mgr.save(4, _td(4, big=False))
+    return root
+
+
+@pytest.fixture(scope="module")
+def archive_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fuzz-steps-archive") / "run"
+    with CheckpointManager(root, fsync=False, archive=True) as mgr:
+        mgr.save(STATE_STEP, _state(STATE_STEP), metadata={"loss": 1.0})
+        mgr.save(2, _td(2, big=False))
+    with CheckpointManager(root, fsync=False, archive=True, compression="deflate") as mgr:
+        mgr.save(3, _td(3, big=False))
     return root
 
 
@@ -157,13 +172,14 @@ def _same(got: Any, want: TensorDict, what: str) -> None:
 class Root:
     """One copy of a seed root: its manager, its steps' references, its bytes."""
 
-    def __init__(self, where: str | Path, big: bool) -> None:
+    def __init__(self, where: str | Path, kind: str) -> None:
         self.where = where
-        self.big = big
-        self.remote = isinstance(where, str)
+        self.kind = kind
+        self.big = self.remote = kind == "memory"
+        self.archive = kind == "archive"
 
     def manager(self, **kw: Any) -> CheckpointManager:
-        return CheckpointManager(self.where, fsync=False, **kw)
+        return CheckpointManager(self.where, fsync=False, archive=self.archive, **kw)
 
     def digest(self) -> dict[str, str]:
         if not self.remote:
@@ -179,13 +195,20 @@ class Root:
         }
 
     def check_step(
-        self, mgr: CheckpointManager, step: int, what: str, *, damaged: bool = False
+        self,
+        mgr: CheckpointManager,
+        step: int,
+        what: str,
+        *,
+        damaged: bool = False,
+        verify: bool = False,
     ) -> None:
         """``step`` restores exactly what was saved, or is refused (target unchanged).
 
-        ``damaged``: a file of the step was damaged - restores verify first and must refuse.
+        ``damaged``: a file of the step was damaged - restores verify first and must refuse;
+        ``verify``: restores verify first (a change that may not be damage: either outcome).
         """
-        kw = {"verify": True} if damaged else {}
+        kw = {"verify": True} if damaged or verify else {}
         if step == STATE_STEP:
             target = _state(0)
             before = _state_digest(target)
@@ -513,6 +536,63 @@ def _damage_remote(data: Any, url: str, step: int, seeds: list[int]) -> tuple[st
     return f"{op} {own}/{name}", hit
 
 
+def _rewrite_zip(path: Path, change: Callable[[str, bytes], bytes | None]) -> None:
+    """Rewrite the archive ``path`` with each member's bytes passed through ``change``
+    (None drops the member), keeping names, order and compression."""
+    with zipfile.ZipFile(path) as zf:
+        members = [(info, zf.read(info)) for info in zf.infolist()]
+    with zipfile.ZipFile(path, "w") as zf:
+        for info, raw in members:
+            new = change(info.filename, raw)
+            if new is not None:
+                zf.writestr(info, new, compress_type=info.compress_type)
+
+
+def _change_archive(data: Any, root: Path, step: int) -> tuple[str, Path]:
+    entry = root / f"{step}.tdz"
+    with zipfile.ZipFile(entry) as zf:
+        doc = json.loads(zf.read(MANIFEST_NAME))
+    paths = [f["path"] for f in doc["files"]]
+    done = []
+    for _ in range(data.draw(st.integers(1, 2), label="changes")):
+        if data.draw(st.integers(0, 2), label="generic?") == 0 or not isinstance(doc, dict):
+            doc, what = _generic(data, doc, MANIFEST_NAME)
+            done.append(what)
+        else:
+            done.append(_mutate_manifest(data, doc, paths))
+    raw = json.dumps(doc).encode()
+    _rewrite_zip(entry, lambda name, old: raw if name == MANIFEST_NAME else old)
+    return "; ".join(done), entry
+
+
+def _damage_archive(data: Any, root: Path, step: int, seeds: list[int]) -> tuple[str, set[int]]:
+    """Damage a member of ``step``'s archive, or any byte of the archive file itself."""
+    entry = root / f"{step}.tdz"
+    with zipfile.ZipFile(entry) as zf:
+        names = [n for n in zf.namelist() if n != MANIFEST_NAME and zf.getinfo(n).file_size]
+    op = data.draw(st.sampled_from(["delete", "truncate", "flip", "flip any byte"]))
+    if op == "flip any byte":  # headers, the central directory, compressed data: anything
+        raw = bytearray(entry.read_bytes())
+        at = data.draw(st.integers(0, len(raw) - 1), label="at")
+        raw[at] ^= data.draw(st.integers(1, 255), label="xor")
+        entry.write_bytes(bytes(raw))
+        return f"{op} at {at} of {entry.name}", {step}
+    victim = data.draw(st.sampled_from(names), label="member")
+
+    def change(name: str, raw: bytes) -> bytes | None:
+        if name != victim:
+            return raw
+        if op == "delete":
+            return None
+        if op == "truncate":
+            return raw[: len(raw) // 2]
+        at = data.draw(st.integers(0, len(raw) - 1), label="at")
+        return raw[:at] + bytes([raw[at] ^ 0xFF]) + raw[at + 1 :]
+
+    _rewrite_zip(entry, change)
+    return f"{op} {entry.name}:{victim}", {step}
+
+
 def _exists(root: Root, entry: Path | str) -> bool:
     if not root.remote:
         return Path(entry).exists()
@@ -531,9 +611,11 @@ def _check(
     seeds: list[int],
     what: str,
     hit: set[int] | None = None,
+    sure: bool = True,
 ) -> str:
     """The contract (module doc) on one root whose step ``changed`` was changed: its
-    manifest or record, or (``hit``: the steps that hold it) one of its files."""
+    manifest or record, or (``hit``: the steps that hold it) one of its files - a change
+    that is ``sure`` to damage its data, or one that may not (a byte of a zip header)."""
     before = root.digest()
     intact = [s for s in seeds if s != changed and s not in (hit or ())]
     with root.manager() as mgr:
@@ -552,9 +634,10 @@ def _check(
         if hit is None:
             root.check_step(mgr, changed, what)
         else:
-            assert committed, f"{what}: a step whose manifest is intact is no longer listed"
+            if sure:  # (a flipped byte of an archive may be one of its manifest)
+                assert committed, f"{what}: a step whose manifest is intact is not listed"
             for step in sorted(hit):
-                root.check_step(mgr, step, f"{what}, step {step}", damaged=True)
+                root.check_step(mgr, step, f"{what}, step {step}", damaged=sure, verify=True)
     assert root.digest() == before, f"{what}: reading wrote to the root"
     with root.manager() as mgr:
         mgr.gc(grace_period=0)
@@ -572,10 +655,12 @@ def _check(
         if not committed:
             assert _exists(root, entry), f"{what}: retention deleted a step it could not read"
     new = max(seeds) + 1
-    with root.manager(incremental=True) as mgr:
+    with root.manager(incremental=not root.archive) as mgr:
         want = _td(new, root.big)
         mgr.save(new, want)
         report = mgr.verify(new)
+        if root.archive:  # nothing shared: the new step is exact, whatever the others hold
+            assert report.ok, f"{what}: a new archive step does not verify"
         try:
             got = mgr.restore(new)
         except TdckptError:  # object storage checks what it reads: a damaged base shows
@@ -595,55 +680,64 @@ def _run(data: Any, make: Callable[[], tuple[Root, Callable[[], None]]], seeds: 
         hit: set[int] | None = None
         entry: Path | str
         if data.draw(st.integers(0, 3), label="damage data?") == 0:
-            damage = _damage_remote if root.remote else _damage_local
-            what, hit = damage(data, root.where, step, seeds)  # type: ignore[arg-type]
+            if root.remote:
+                what, hit = _damage_remote(data, str(root.where), step, seeds)
+            elif root.archive:
+                what, hit = _damage_archive(data, Path(root.where), step, seeds)
+            else:
+                what, hit = _damage_local(data, Path(root.where), step, seeds)
             entry = root.where
         elif root.remote:
             what, entry = _change_remote(data, str(root.where), step)
+        elif root.archive:
+            what, entry = _change_archive(data, Path(root.where), step)
         else:
             what, entry = _change_local(data, Path(root.where), step)
         what = f"step {step}: {what}"
         with watchdog(WATCHDOG_S, what), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return _check(root, step, entry, seeds, what, hit)
+            # a flipped byte of an archive may be one no reader looks at (a time stamp)
+            return _check(root, step, entry, seeds, what, hit, sure="any byte" not in what)
     finally:
         drop()
 
 
-def test_the_seeds_restore(local_root: Path, remote_root: str) -> None:
-    for root in (Root(local_root, False), Root(remote_root, True)):
-        seeds = SEEDS[root.big]
+ROOTS = {"local": "local_root", "memory": "remote_root", "archive": "archive_root"}
+
+
+def test_the_seeds_restore(request: pytest.FixtureRequest) -> None:
+    for kind, fixture in ROOTS.items():
+        root = Root(request.getfixturevalue(fixture), kind)
         with root.manager() as mgr:
-            assert mgr.steps() == seeds
-            for step in seeds:
+            assert mgr.steps() == SEEDS[kind]
+            for step in SEEDS[kind]:
                 root.check_intact(mgr, step, "seed")
-    for where in (local_root, remote_root):  # the incremental seeds do share their leaves
-        with CheckpointManager(where) as mgr:
-            assert mgr.shared_bytes()[mgr.steps()[-1]] > 0
+            if kind != "archive":  # the incremental seeds do share their leaves
+                assert mgr.shared_bytes()[mgr.steps()[-1]] > 0
 
 
-@pytest.mark.parametrize("remote", [False, True], ids=["local", "memory"])
-def test_fuzz_steps(fuzz_examples: int, remote: bool, request: pytest.FixtureRequest) -> None:
-    seed = request.getfixturevalue("remote_root" if remote else "local_root")
-    examples = max(fuzz_examples // 2, 10) if remote else fuzz_examples  # remote: slower
+@pytest.mark.parametrize("kind", sorted(ROOTS))
+def test_fuzz_steps(fuzz_examples: int, kind: str, request: pytest.FixtureRequest) -> None:
+    seed = request.getfixturevalue(ROOTS[kind])
+    examples = fuzz_examples if kind == "local" else max(fuzz_examples // 2, 10)
     outcomes = dict.fromkeys(("committed", "damaged", "data"), 0)
 
     def make() -> tuple[Root, Callable[[], None]]:
-        if remote:
+        if kind == "memory":
             url = _copy_remote(seed)
-            return Root(url, True), lambda: _drop_remote(url)
+            return Root(url, kind), lambda: _drop_remote(url)
         tmp = tempfile.mkdtemp(prefix="tdckpt-fuzz-steps-")
         shutil.copytree(seed, Path(tmp) / "run", symlinks=True)
-        return Root(Path(tmp) / "run", False), lambda: shutil.rmtree(tmp)
+        return Root(Path(tmp) / "run", kind), lambda: shutil.rmtree(tmp)
 
     @fuzz_settings(examples)
     @given(data=st.data())
     def run(data: Any) -> None:
-        outcome = _run(data, make, SEEDS[remote])
+        outcome = _run(data, make, SEEDS[kind])
         outcomes[outcome] += 1
         event(outcome)
 
     run()
-    print(f"step fuzzer ({'memory' if remote else 'local'}): {outcomes}")
+    print(f"step fuzzer ({kind}): {outcomes}")
     if examples >= 50:  # not a vacuous run: changed steps both still listed and damaged
         assert outcomes["committed"] and outcomes["damaged"], outcomes
