@@ -301,10 +301,12 @@ def _verify_dir(
             continue
         try:
             with fh:
-                before = os.fstat(fh.fileno())
+                # a read-only leaf (an incremental save's) found intact is noted: the next
+                # incremental save of this process links it unread
+                before = os.fstat(fh.fileno()) if not st.st_mode & 0o222 else None
                 digest, _ = hashing.digest(fh, _algorithm(record.checksum))
-                if digest == record.checksum and os.fstat(fh.fileno()) == before:
-                    note_verified(before, digest)  # the next incremental save links it unread
+                if before is not None and digest == record.checksum:
+                    note_verified(before, digest, os.fstat(fh.fileno()))
         except OSError as exc:
             report.problems.append(VerifyProblem(rel, key, "unreadable", record.checksum, str(exc)))
             continue

@@ -119,12 +119,12 @@ def _note(seen: Iterable[tuple[tuple[int, int, int, int], str]]) -> None:
             _SEEN.popitem(last=False)
 
 
-def note_verified(st: os.stat_result, checksum: str) -> None:
-    """Note a file just read whole and found to hold ``checksum`` (``st``: its ``fstat``
-    before and after the read) - a ``verify`` of a step - when it is a read-only leaf file an
-    incremental save may link."""
-    if _read_only(st):
-        _note([(_identity(st), checksum)])
+def note_verified(before: os.stat_result, checksum: str, after: os.stat_result) -> None:
+    """Note a file just read whole and found to hold ``checksum`` - a ``verify`` of a
+    step - when it is a read-only leaf file an incremental save may link and did not change
+    while it was read (``before`` / ``after``: its ``fstat`` around the read)."""
+    if _read_only(before) and _identity(before) == _identity(after):
+        _note([(_identity(before), checksum)])
 
 
 def remember_files(dest: Path, records: Iterable[FileRecord]) -> None:
