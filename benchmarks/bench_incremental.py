@@ -9,8 +9,8 @@ Rows, each against its baseline measured in the same run (best of several runs):
   hard-linked or reflinked; the changed ones written, checksummed and fsynced) vs a full
   ``save`` of the same state (every byte written and fsynced). Target <= 0.25; the floor is
   the checksum pass over the unchanged bytes. Also the first incremental save after a
-  restart, which reads the base's unchanged files back once (from the page cache here)
-  before it links them.
+  restart, which reads the base's unchanged files back once before it links them (the
+  files were written with O_DIRECT, so from the disk).
 * disk: how much the root grew (``du``) for the incremental step / the bytes that changed.
   Target <= 1.05 (the rest is each step's ``meta.json`` and manifest).
 * restore: ``restore`` of the incremental step / of a full step of the same state, then one
@@ -136,7 +136,7 @@ def bench(work: Path, quick: bool) -> None:
     print(
         f"  save, first after a restart: full {full_t * 1e3:9.1f} ms   incremental "
         f"{restart_t * 1e3:9.1f} ms   ratio {restart_t / full_t:5.3f}  (the base's unchanged "
-        "files read and hashed once, from the page cache)"
+        "files read back from the disk and hashed once)"
     )
     print(
         f"  disk       changed {changed / MiB:9.2f} MiB  grown {grown / MiB:9.2f} MiB    "
