@@ -125,8 +125,15 @@ def same(a: Any, b: Any) -> bool:
         )
     if isinstance(a, np.ndarray):
         return isinstance(b, np.ndarray) and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, dict):  # keys compared as values too: a NaN key is no other NaN key
+        return (
+            isinstance(b, dict)
+            and len(a) == len(b)
+            and all(
+                same(ka, kb) and same(va, vb)
+                for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
+            )
+        )
     if isinstance(a, (list, tuple)):
         return (
             type(a) is type(b)
