@@ -430,9 +430,8 @@ def _drop_remote(url: str) -> None:
     fsspec.filesystem("memory").rm(url.split("://")[1].split("/")[0], recursive=True)
 
 
-def _change_local(data: Any, root: Path, step: int) -> tuple[str, Path]:
-    manifest = root / str(step) / MANIFEST_NAME
-    doc = json.loads(manifest.read_text())
+def _changed_manifest(data: Any, doc: Any) -> tuple[Any, str]:
+    """A step manifest after one or two changes (generic or on purpose), and what they were."""
     paths = [f["path"] for f in doc["files"]]
     done = []
     for _ in range(data.draw(st.integers(1, 2), label="changes")):
@@ -441,8 +440,14 @@ def _change_local(data: Any, root: Path, step: int) -> tuple[str, Path]:
             done.append(what)
         else:
             done.append(_mutate_manifest(data, doc, paths))
+    return doc, "; ".join(done)
+
+
+def _change_local(data: Any, root: Path, step: int) -> tuple[str, Path]:
+    manifest = root / str(step) / MANIFEST_NAME
+    doc, what = _changed_manifest(data, json.loads(manifest.read_text()))
     manifest.write_text(json.dumps(doc))
-    return "; ".join(done), root / str(step)
+    return what, root / str(step)
 
 
 def _change_remote(data: Any, url: str, step: int) -> tuple[str, str]:
@@ -551,18 +556,10 @@ def _rewrite_zip(path: Path, change: Callable[[str, bytes], bytes | None]) -> No
 def _change_archive(data: Any, root: Path, step: int) -> tuple[str, Path]:
     entry = root / f"{step}.tdz"
     with zipfile.ZipFile(entry) as zf:
-        doc = json.loads(zf.read(MANIFEST_NAME))
-    paths = [f["path"] for f in doc["files"]]
-    done = []
-    for _ in range(data.draw(st.integers(1, 2), label="changes")):
-        if data.draw(st.integers(0, 2), label="generic?") == 0 or not isinstance(doc, dict):
-            doc, what = _generic(data, doc, MANIFEST_NAME)
-            done.append(what)
-        else:
-            done.append(_mutate_manifest(data, doc, paths))
+        doc, what = _changed_manifest(data, json.loads(zf.read(MANIFEST_NAME)))
     raw = json.dumps(doc).encode()
     _rewrite_zip(entry, lambda name, old: raw if name == MANIFEST_NAME else old)
-    return "; ".join(done), entry
+    return what, entry
 
 
 def _damage_archive(data: Any, root: Path, step: int, seeds: list[int]) -> tuple[str, set[int]]:
