@@ -7,7 +7,10 @@ Seeds are two manager roots with the kinds of step that share or pack data:
 - an object-storage root (``memory://``): a training state, a full step whose large leaves
   are objects of their own, and an incremental step whose record names the full step's
   objects instead of uploading them again;
-- an archive root (``archive=True``): a training state and two steps, stored and deflated.
+- an archive root (``archive=True``): a training state and two steps, stored and deflated;
+- a sharded root: the sharded steps of ``test_fuzz_sharded.py`` (uneven shards, an empty
+  one, a replicated entry), whose manifests change as that fuzzer changes them (shards,
+  rows, world size, replicated entries; sealed again or not).
 
 Each example copies one root and changes one step's manifest (local) or commit record
 (object storage): any value anywhere (the generic JSON mutations of
@@ -61,10 +64,14 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 pytest.importorskip("tensordict")
+from _shard_local import write_sharded
 from tensordict import TensorDict
 from test_fuzz_metadata import WATCHDOG_S, Mutable, snapshot, watchdog
+from test_fuzz_sharded import SEEDS as SHARD_ROWS
+from test_fuzz_sharded import _mutate_sharded, _shards, whole
 
 from tdckpt import CheckpointManager, KeepLast
+from tdckpt._shard.manifest import manifest_digest
 from tdckpt.errors import TdckptError
 from tdckpt.schema import MANIFEST_NAME
 
@@ -113,7 +120,7 @@ def _state_digest(state: dict[str, Any]) -> Any:
 
 
 #: The steps of each root.
-SEEDS = {"local": [1, 2, 3, 4], "memory": [1, 2, 3], "archive": [1, 2, 3]}
+SEEDS = {"local": [1, 2, 3, 4], "memory": [1, 2, 3], "archive": [1, 2, 3], "sharded": [1, 2, 3]}
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +144,17 @@ def archive_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         mgr.save(2, _td(2, big=False))
     with CheckpointManager(root, fsync=False, archive=True, compression="deflate") as mgr:
         mgr.save(3, _td(3, big=False))
+    return root
+
+
+@pytest.fixture(scope="module")
+def sharded_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sharded steps of ``test_fuzz_sharded.py`` (uneven shards, an empty one, a
+    replicated entry), as a collective save commits them."""
+    root = tmp_path_factory.mktemp("fuzz-steps-sharded") / "run"
+    for step in SEEDS["sharded"]:
+        replicated = ("run",) if step != 3 else ()
+        write_sharded(root, step, _shards(step), replicated=replicated, metadata={"s": step})
     return root
 
 
@@ -177,6 +195,13 @@ class Root:
         self.kind = kind
         self.big = self.remote = kind == "memory"
         self.archive = kind == "archive"
+        self.state_step = None if kind == "sharded" else STATE_STEP
+
+    def reference(self, step: int) -> TensorDict:
+        """What ``step`` holds (a training state aside)."""
+        if self.kind == "sharded" and step in SHARD_ROWS:
+            return whole(step)
+        return _td(step, self.big)
 
     def manager(self, **kw: Any) -> CheckpointManager:
         return CheckpointManager(self.where, fsync=False, archive=self.archive, **kw)
@@ -209,7 +234,7 @@ class Root:
         ``verify``: restores verify first (a change that may not be damage: either outcome).
         """
         kw = {"verify": True} if damaged or verify else {}
-        if step == STATE_STEP:
+        if step == self.state_step:
             target = _state(0)
             before = _state_digest(target)
             try:
@@ -220,7 +245,7 @@ class Root:
                 assert not damaged, f"{what}: verify=True restored a damaged step"
                 assert _state_digest(target) == _state_digest(_state(STATE_STEP)), what
             return
-        want = _td(step, self.big)
+        want = self.reference(step)
         try:
             got = mgr.restore(step, **kw)
         except TdckptError:
@@ -229,7 +254,9 @@ class Root:
             assert not damaged, f"{what}: verify=True restored a damaged step"
             _same(got, want, f"{what}: restore")
         target = want.clone().apply(torch.zeros_like)
-        target["s"] = "other"
+        for key in want.keys(True, True):
+            if not isinstance(want.get(key), torch.Tensor):
+                target[key] = "other"
         before = snapshot(target)
         try:
             mgr.restore_into(target, step, **kw)
@@ -243,12 +270,12 @@ class Root:
         """An unchanged step verifies and restores exactly."""
         report = mgr.verify(step)
         assert report.ok, f"{what}: step {step} was damaged:\n{report.summary()}"
-        if step == STATE_STEP:
+        if step == self.state_step:
             target = _state(0)
             mgr.restore_into(target, step)
             assert _state_digest(target) == _state_digest(_state(STATE_STEP)), what
         else:
-            _same(mgr.restore(step), _td(step, self.big), f"{what}: step {step}")
+            _same(mgr.restore(step), self.reference(step), f"{what}: step {step}")
 
 
 def _values(digest: Any) -> Any:
@@ -448,6 +475,25 @@ def _change_local(data: Any, root: Path, step: int) -> tuple[str, Path]:
     doc, what = _changed_manifest(data, json.loads(manifest.read_text()))
     manifest.write_text(json.dumps(doc))
     return what, root / str(step)
+
+
+def _change_sharded(data: Any, root: Path, step: int) -> tuple[str, Path]:
+    """A sharded step's manifest changed (generic, or its shards, rows and replicated
+    entries on purpose), sealed again with its checksum or left stale."""
+    manifest = root / str(step) / MANIFEST_NAME
+    doc = json.loads(manifest.read_text())
+    done = []
+    for _ in range(data.draw(st.integers(1, 2), label="changes")):
+        if data.draw(st.integers(0, 2), label="generic?") == 0 or not isinstance(doc, dict):
+            doc, what = _generic(data, doc, MANIFEST_NAME)
+            done.append(what)
+        else:
+            done.append(_mutate_sharded(data, doc))
+    if isinstance(doc, dict) and data.draw(st.integers(0, 4), label="reseal") > 0:
+        doc["manifest_checksum"] = manifest_digest(doc)
+        done.append("resealed")
+    manifest.write_text(json.dumps(doc))
+    return "; ".join(done), root / str(step)
 
 
 def _change_remote(data: Any, url: str, step: int) -> tuple[str, str]:
@@ -688,6 +734,8 @@ def _run(data: Any, make: Callable[[], tuple[Root, Callable[[], None]]], seeds: 
             what, entry = _change_remote(data, str(root.where), step)
         elif root.archive:
             what, entry = _change_archive(data, Path(root.where), step)
+        elif root.kind == "sharded":
+            what, entry = _change_sharded(data, Path(root.where), step)
         else:
             what, entry = _change_local(data, Path(root.where), step)
         what = f"step {step}: {what}"
@@ -699,7 +747,12 @@ def _run(data: Any, make: Callable[[], tuple[Root, Callable[[], None]]], seeds: 
         drop()
 
 
-ROOTS = {"local": "local_root", "memory": "remote_root", "archive": "archive_root"}
+ROOTS = {
+    "local": "local_root",
+    "memory": "remote_root",
+    "archive": "archive_root",
+    "sharded": "sharded_root",
+}
 
 
 def test_the_seeds_restore(request: pytest.FixtureRequest) -> None:
@@ -709,7 +762,7 @@ def test_the_seeds_restore(request: pytest.FixtureRequest) -> None:
             assert mgr.steps() == SEEDS[kind]
             for step in SEEDS[kind]:
                 root.check_intact(mgr, step, "seed")
-            if kind != "archive":  # the incremental seeds do share their leaves
+            if kind in ("local", "memory"):  # the incremental seeds do share their leaves
                 assert mgr.shared_bytes()[mgr.steps()[-1]] > 0
 
 
