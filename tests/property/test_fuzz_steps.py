@@ -32,7 +32,8 @@ For every mutant, through ``CheckpointManager``:
   needs: every unchanged step that is still listed verifies and restores exactly, retention
   keeps the newest committed step, and a step whose manifest or record cannot be read is
   never deleted;
-- a new incremental save (whose base is the newest committed step, maybe the changed one)
+- a new incremental save, or ``save_async`` (whose base is the newest committed step, maybe
+  the changed one)
   restores exactly what was saved, or its ``verify`` says it does not - never a step that
   verifies and holds other bytes (in an archive root, where nothing is shared, a new save
   always verifies).
@@ -655,6 +656,7 @@ def _check(
     what: str,
     hit: set[int] | None = None,
     sure: bool = True,
+    save_async: bool = False,
 ) -> str:
     """The contract (module doc) on one root whose step ``changed`` was changed: its
     manifest or record, or (``hit``: the steps that hold it) one of its files - a change
@@ -700,7 +702,10 @@ def _check(
     new = max(seeds) + 1
     with root.manager(incremental=not root.archive) as mgr:
         want = _td(new, root.big)
-        mgr.save(new, want)
+        if save_async:
+            mgr.save_async(new, want).result()
+        else:
+            mgr.save(new, want)
         report = mgr.verify(new)
         if root.archive:  # nothing shared: the new step is exact, whatever the others hold
             assert report.ok, f"{what}: a new archive step does not verify"
@@ -742,7 +747,16 @@ def _run(data: Any, make: Callable[[], tuple[Root, Callable[[], None]]], seeds: 
         with watchdog(WATCHDOG_S, what), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # a flipped byte of an archive may be one no reader looks at (a time stamp)
-            return _check(root, step, entry, seeds, what, hit, sure="any byte" not in what)
+            return _check(
+                root,
+                step,
+                entry,
+                seeds,
+                what,
+                hit,
+                sure="any byte" not in what,
+                save_async=data.draw(st.booleans(), label="save_async"),
+            )
     finally:
         drop()
 
