@@ -58,7 +58,7 @@ def share_objects(
 ) -> tuple[list[ObjectRecord], dict[str, str], dict[str, dict[str, Any]]]:
     """``objects`` with every object the ``base`` record already holds replaced by a
     reference to it, the checksums of the files of those objects (path -> checksum), and
-    the listings of the prefixes that hold them (the commit checks them there again).
+    the listings of the prefixes that hold them (the commit's check reuses them).
 
     An object qualifies when it holds one file, the base's file of the same path is a whole
     object of its own, the store holds that object with the size the base's record gives

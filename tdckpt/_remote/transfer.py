@@ -113,7 +113,6 @@ def check_uploaded(
     before the commit). ``listed``: listings of earlier steps' prefixes the save made
     already, under the writer lock that keeps them (an incremental save's base)."""
     listings: dict[str, dict[str, dict[str, Any]]] = dict(listed or {})
-    listings.pop(prefix, None)  # this attempt's own uploads: always listed now
     for obj in objects:
         where = obj.prefix or prefix
         if where not in listings:

@@ -60,8 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from tdckpt._write.atomic import CREATE_NEW
-from tdckpt._write.checksum import CHUNK_BYTES, new_hasher
-from tdckpt._write.journal import clone
+from tdckpt._write.checksum import CHECKSUM_ALGORITHMS
+from tdckpt._write.journal import clone, hash_fd
 from tdckpt.schema import MANIFEST_NAME, FileRecord, Manifest
 
 __all__ = [
@@ -148,7 +148,7 @@ def holds(path: Path, checksum: str) -> bool:
     """Whether the regular file ``path`` holds bytes of ``checksum``
     (``"<algorithm>:<hex>"``): known from this process's saves (:func:`remember_files`),
     else read and hashed now, once per file and process. Never follows a link."""
-    algorithm, _, digest = checksum.partition(":")
+    algorithm = checksum.partition(":")[0]
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW)
     except OSError:
@@ -159,24 +159,13 @@ def holds(path: Path, checksum: str) -> bool:
         with _SEEN_LOCK:
             if _SEEN.get(key) == checksum:
                 return True
-        if not stat.S_ISREG(st.st_mode):
-            return False
-        try:
-            hasher = new_hasher(algorithm)
-        except ValueError:
+        if not stat.S_ISREG(st.st_mode) or algorithm not in CHECKSUM_ALGORITHMS:
             return False
         # read, not mapped: a file truncated meanwhile must not be a SIGBUS
-        buffer = memoryview(bytearray(min(st.st_size, CHUNK_BYTES) or 1))
-        done = 0
-        while done < st.st_size:
-            n = os.preadv(fd, [buffer], done)
-            if n <= 0:
-                return False  # shorter than it was a moment ago
-            hasher.update(buffer[:n])
-            done += n
-        if hasher.hexdigest() != digest or _identity(os.fstat(fd)) != key:
+        found = hash_fd(fd, st.st_size, algorithm, OSError)
+        if found != checksum or _identity(os.fstat(fd)) != key:
             return False  # other bytes, or changed while it was read
-    except (OSError, ValueError):
+    except OSError:  # unreadable, or shorter than it was a moment ago
         return False
     finally:
         os.close(fd)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -236,15 +237,16 @@ class Root:
         """
         kw = {"verify": True} if damaged or verify else {}
         if step == self.state_step:
-            target = _state(0)
-            before = _state_digest(target)
-            try:
-                mgr.restore_into(target, step, **kw)
-            except TdckptError:
-                assert _state_digest(target) == before, f"{what}: a refused restore changed it"
-            else:
-                assert not damaged, f"{what}: verify=True restored a damaged step"
-                assert _state_digest(target) == _state_digest(_state(STATE_STEP)), what
+            _into_or_refused(
+                mgr,
+                _state(0),
+                step,
+                kw,
+                _state_digest,
+                _state_digest(_state(STATE_STEP)),
+                what,
+                damaged,
+            )
             return
         want = self.reference(step)
         try:
@@ -258,14 +260,7 @@ class Root:
         for key in want.keys(True, True):
             if not isinstance(want.get(key), torch.Tensor):
                 target[key] = "other"
-        before = snapshot(target)
-        try:
-            mgr.restore_into(target, step, **kw)
-        except TdckptError:
-            assert snapshot(target) == before, f"{what}: a refused restore_into changed it"
-        else:
-            assert not damaged, f"{what}: verify=True restored a damaged step"
-            _same(target, want, f"{what}: restore_into")
+        _into_or_refused(mgr, target, step, kw, snapshot, want, what, damaged)
 
     def check_intact(self, mgr: CheckpointManager, step: int, what: str) -> None:
         """An unchanged step verifies and restores exactly."""
@@ -277,6 +272,32 @@ class Root:
             assert _state_digest(target) == _state_digest(_state(STATE_STEP)), what
         else:
             _same(mgr.restore(step), self.reference(step), f"{what}: step {step}")
+
+
+def _into_or_refused(
+    mgr: CheckpointManager,
+    target: Any,
+    step: int,
+    kw: dict[str, Any],
+    state: Callable[[Any], Any],
+    want: Any,
+    what: str,
+    damaged: bool,
+) -> None:
+    """``restore_into(target, step)`` gives ``want`` (a TensorDict, compared leaf by leaf,
+    or the ``state`` of a training state), or refuses with ``state(target)`` unchanged;
+    a ``damaged`` step must be refused."""
+    before = state(target)
+    try:
+        mgr.restore_into(target, step, **kw)
+    except TdckptError:
+        assert state(target) == before, f"{what}: a refused restore_into changed it"
+        return
+    assert not damaged, f"{what}: verify=True restored a damaged step"
+    if isinstance(want, TensorDict):
+        _same(target, want, f"{what}: restore_into")
+    else:
+        assert state(target) == want, f"{what}: restore_into"
 
 
 def _values(digest: Any) -> Any:
@@ -458,38 +479,36 @@ def _drop_remote(url: str) -> None:
     fsspec.filesystem("memory").rm(url.split("://")[1].split("/")[0], recursive=True)
 
 
-def _changed_manifest(data: Any, doc: Any) -> tuple[Any, str]:
-    """A step manifest after one or two changes (generic or on purpose), and what they were."""
-    paths = [f["path"] for f in doc["files"]]
+def _changed_manifest(
+    data: Any, doc: Any, on_purpose: Callable[[Any, dict[str, Any]], str] | None = None
+) -> tuple[Any, list[str]]:
+    """A step manifest after one or two changes, generic or ``on_purpose`` (default: the
+    fields of a plain step manifest that say where data lies), and what they were."""
+    if on_purpose is None:
+        paths = [f["path"] for f in doc["files"]]
+        on_purpose = functools.partial(_mutate_manifest, paths=paths)
     done = []
     for _ in range(data.draw(st.integers(1, 2), label="changes")):
         if data.draw(st.integers(0, 2), label="generic?") == 0 or not isinstance(doc, dict):
             doc, what = _generic(data, doc, MANIFEST_NAME)
             done.append(what)
         else:
-            done.append(_mutate_manifest(data, doc, paths))
-    return doc, "; ".join(done)
+            done.append(on_purpose(data, doc))
+    return doc, done
 
 
 def _change_local(data: Any, root: Path, step: int) -> tuple[str, Path]:
     manifest = root / str(step) / MANIFEST_NAME
-    doc, what = _changed_manifest(data, json.loads(manifest.read_text()))
+    doc, done = _changed_manifest(data, json.loads(manifest.read_text()))
     manifest.write_text(json.dumps(doc))
-    return what, root / str(step)
+    return "; ".join(done), root / str(step)
 
 
 def _change_sharded(data: Any, root: Path, step: int) -> tuple[str, Path]:
     """A sharded step's manifest changed (generic, or its shards, rows and replicated
     entries on purpose), sealed again with its checksum or left stale."""
     manifest = root / str(step) / MANIFEST_NAME
-    doc = json.loads(manifest.read_text())
-    done = []
-    for _ in range(data.draw(st.integers(1, 2), label="changes")):
-        if data.draw(st.integers(0, 2), label="generic?") == 0 or not isinstance(doc, dict):
-            doc, what = _generic(data, doc, MANIFEST_NAME)
-            done.append(what)
-        else:
-            done.append(_mutate_sharded(data, doc))
+    doc, done = _changed_manifest(data, json.loads(manifest.read_text()), _mutate_sharded)
     if isinstance(doc, dict) and data.draw(st.integers(0, 4), label="reseal") > 0:
         doc["manifest_checksum"] = manifest_digest(doc)
         done.append("resealed")
@@ -603,10 +622,10 @@ def _rewrite_zip(path: Path, change: Callable[[str, bytes], bytes | None]) -> No
 def _change_archive(data: Any, root: Path, step: int) -> tuple[str, Path]:
     entry = root / f"{step}.tdz"
     with zipfile.ZipFile(entry) as zf:
-        doc, what = _changed_manifest(data, json.loads(zf.read(MANIFEST_NAME)))
+        doc, done = _changed_manifest(data, json.loads(zf.read(MANIFEST_NAME)))
     raw = json.dumps(doc).encode()
     _rewrite_zip(entry, lambda name, old: raw if name == MANIFEST_NAME else old)
-    return what, entry
+    return "; ".join(done), entry
 
 
 def _damage_archive(data: Any, root: Path, step: int, seeds: list[int]) -> tuple[str, set[int]]:
