@@ -15,7 +15,8 @@ import torch
 from _unprivileged import run_unprivileged
 from conftest import tree_digest
 
-from tdckpt._read.directory import _MAX_DIR_FDS, DirectoryStorage
+from tdckpt._read.dir_tree import _MAX_DIR_FDS
+from tdckpt._read.directory import DirectoryStorage
 from tdckpt._read.opener import open_storage
 from tdckpt._read.storage import MAX_JSON_BYTES, UNKNOWN_SIZE, check_component, join, parse_json
 from tdckpt.errors import (
@@ -167,7 +168,7 @@ def test_listed_leaf_maps_through_the_fast_path_and_unmaps_with_its_last_view(
     prefix, _ = layout
     storage = DirectoryStorage(prefix)
     storage.listdir("")
-    assert "a.memmap" in storage._regular  # the fast path's precondition
+    assert "a.memmap" in storage._tree.regular  # the fast path's precondition
     t = storage.map("a.memmap", torch.float32, 4, mode=mode)  # type: ignore[arg-type]
     addr = t.data_ptr()
     assert addr in _mapped_addresses() and t.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tdckpt._keys import NESTED_SHAPE_SUFFIX
+from tdckpt._read.dir_tree import FILE_FLAGS, TreeOpener
 from tdckpt._read.expected import check_read
 from tdckpt._read.mapping import (
     MAP_FAILED,
@@ -35,32 +36,20 @@ from tdckpt._read.storage import (
     Listing,
     MapMode,
     Storage,
-    check_component,
     join,
 )
-from tdckpt.errors import CheckpointNotFoundError, MetadataError, RestoreError, UnsafePathError
+from tdckpt.errors import CheckpointNotFoundError, MetadataError, RestoreError
 
 __all__ = ["DirectoryStorage"]
-
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-#: A directory component: never through a symlink (a swapped-in link is refused or checked).
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
-#: A file: never through a symlink; O_NONBLOCK so that a FIFO planted in place of a leaf
-#: opens at once (and is then refused by fstat) instead of waiting for a writer forever;
-#: O_NOCTTY so that a terminal device never becomes the controlling terminal.
-_FILE_FLAGS = _O_NOFOLLOW | _O_CLOEXEC | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
-#: Directory descriptors kept open per storage (deeper trees reopen from the root).
-_MAX_DIR_FDS = 64
 
 
 class DirectoryStorage(Storage):
     """A checkpoint saved as a directory tree.
 
-    Leaves and metadata files are opened relative to directory descriptors the storage
-    keeps open (at most ``_MAX_DIR_FDS``; ``close()`` releases them, and a storage never
-    closed releases them when it is collected). One storage serves one thread at a time,
-    as the read pipeline uses it.
+    Leaves and metadata files are opened through the storage's :class:`TreeOpener`
+    (``dir_tree.py``), relative to the directory descriptors it keeps open (``close()``
+    releases them, and a storage never closed releases them when it is collected). One
+    storage serves one thread at a time, as the read pipeline uses it.
     """
 
     kind = "directory"
@@ -89,97 +78,29 @@ class DirectoryStorage(Storage):
         self._abs_root = (
             root if root.startswith("/") and "/." not in root else os.path.abspath(root)
         )
-        # Files seen as regular (not symlinks) by listdir, with their path and stat: mapping
-        # them needs no new symlink check, no second stat for the size check and (usually)
-        # no access() call, which keeps a 10,000-leaf restore free of 20,000 syscalls.
-        # ``None`` for a leaf listed without a stat (``defer_leaf_sizes``).
-        self._regular: dict[str, tuple[str, os.stat_result | None]] = {}
+        # Every name is opened through it. Its ``regular`` holds the files listdir saw as
+        # regular (not symlinks), with their path and stat: mapping them needs no new
+        # symlink check, no second stat for the size check and (usually) no access() call,
+        # which keeps a 10,000-leaf restore free of 20,000 syscalls (the stat is None for
+        # a leaf listed without one, ``defer_leaf_sizes``).
+        self._tree = TreeOpener(root, self.location)
         self._euid = _effective_uid()
-        # Paths whose every component was checked (no symlink out of the tree, no cycle).
-        self._safe_dirs: set[str] = set()
-        # Open directory descriptors by relative path ("" is the prefix): leaves are opened
-        # relative to them (see _dir_fd). Closed by close(), or when the storage is collected.
-        self._dir_fds: dict[str, int] = {}
-
-    def __del__(self) -> None:
-        # A storage never closed releases its descriptors when it is collected (a
-        # finalizer object per storage costs more than the rest of a small restore's open).
-        fds = self.__dict__.get("_dir_fds")
-        if fds:
-            with contextlib.suppress(OSError, TypeError):  # closed already, or at shutdown
-                _close_fds(fds)
 
     @functools.cached_property
     def root(self) -> Path:
         """The prefix as a Path."""
         return Path(self._root_str)
 
-    @functools.cached_property
-    def _real_root(self) -> str:
-        # Resolved on first use: only symlinks need it, and most checkpoints have none.
-        return os.path.realpath(self._root_str)
-
     def close(self) -> None:
         if self._scan is not None:
             self._scan.close()
             self._scan = None
-        _close_fds(self._dir_fds)  # a later call opens what it needs again
-
-    # -- path resolution -------------------------------------------------------------
-    def _resolve(self, rel: str) -> str:
-        if not rel:
-            return self._root_str
-        for part in rel.split("/"):
-            if part in ("", ".", "..") or "\0" in part:
-                check_component(part, where=self.display(rel))
-        return os.path.join(self._root_str, rel)
-
-    def _check_link(self, path: Path, rel: str) -> str | None:
-        """Why the symlink ``path`` must not be followed, or None if it is safe."""
-        target = os.path.realpath(path)
-        root = self._real_root
-        if target != root and not target.startswith(root + os.sep):
-            return f"a symlink to {target}, outside the checkpoint"
-        holder = os.path.realpath(path.parent)
-        if holder == target or holder.startswith(target + os.sep):
-            return "a symlink to its own directory or an ancestor (a cycle)"
-        return None
-
-    def _check_chain(self, rel: str) -> None:
-        """Refuse ``rel`` if any component (not only the last) is an unsafe symlink.
-
-        ``out/passwd`` with ``out`` a link out of the prefix must not be read although
-        ``passwd`` itself is a regular file.
-        """
-        if not rel:
-            return
-        parts = rel.split("/")
-        parent = rel.rpartition("/")[0]
-        # The usual case: the parent was checked (listed) first, one component is left.
-        first = len(parts) - 1 if not parent or parent in self._safe_dirs else 0
-        for i in range(first, len(parts)):
-            sub = "/".join(parts[: i + 1])
-            if sub in self._safe_dirs:
-                continue
-            cur = os.path.join(self._root_str, sub)
-            if os.path.islink(cur):
-                self._refuse_unsafe_link(cur, sub, rel)
-            self._safe_dirs.add(sub)
-
-    def _refuse_unsafe_link(self, path: str, sub: str, rel: str) -> None:
-        """Raise unless the link at ``path`` (``sub`` of the prefix) stays inside it."""
-        reason = self._check_link(Path(path), sub)
-        if reason is not None:
-            raise UnsafePathError(
-                f"{self.display(sub)}: {reason}; tdckpt never follows it. Replace the link "
-                "with the real file or directory.",
-                path=self.display(rel),
-            )
+        self._tree.close()  # a later call opens what it needs again
 
     def listdir(self, rel: str) -> Listing:
         if rel:
-            path = self._resolve(rel)
-            self._check_chain(rel)
+            path = self._tree.resolve(rel)
+            self._tree.check_chain(rel)
         else:
             path = self._root_str
         listing = Listing()
@@ -197,7 +118,7 @@ class DirectoryStorage(Storage):
             ) from exc
         defer = self._defer_leaf_sizes
         files = listing.files
-        regular = self._regular
+        regular = self._tree.regular
         below = f"{rel}/" if rel else ""
         with it:
             for entry in it:
@@ -216,7 +137,7 @@ class DirectoryStorage(Storage):
                         continue
                     is_link = entry.is_symlink()
                     if is_link:
-                        reason = self._check_link(Path(entry.path), join(rel, name))
+                        reason = self._tree.check_link(Path(entry.path), join(rel, name))
                         if reason is not None:
                             listing.unsafe[name] = reason
                             continue
@@ -234,16 +155,16 @@ class DirectoryStorage(Storage):
                 elif stat.S_ISREG(st.st_mode):
                     listing.files[name] = st.st_size
                     if not is_link:
-                        self._regular[f"{rel}/{name}" if rel else name] = (entry.path, st)
+                        self._tree.regular[f"{rel}/{name}" if rel else name] = (entry.path, st)
                 else:
                     listing.unsafe[name] = "not a regular file or directory"
         return listing
 
     def dir_identity(self, rel: str) -> tuple[int, int] | None:
         # One stat per directory (not per leaf), before it is listed.
-        path = self._resolve(rel)
+        path = self._tree.resolve(rel)
         if rel:
-            self._check_chain(rel)
+            self._tree.check_chain(rel)
         try:
             st = os.stat(path)
         except OSError:
@@ -251,182 +172,18 @@ class DirectoryStorage(Storage):
         return (st.st_dev, st.st_ino)
 
     def _open_checked(self, rel: str) -> str:
-        known = self._regular.get(rel)
+        known = self._tree.regular.get(rel)
         if known is not None:
             return known[0]
-        path = self._resolve(rel)
-        self._check_chain(rel)
+        path = self._tree.resolve(rel)
+        self._tree.check_chain(rel)
         return path
-
-    # -- descriptors: what is checked is what is used ---------------------------------
-    def _dir_fd(self, rel: str) -> int:
-        """An open descriptor of the directory ``rel``, reached without following a link.
-
-        Each component is opened relative to its parent's descriptor with ``O_NOFOLLOW``; a
-        component that is a symlink is followed only when it is safe (as ``listdir``
-        decides), by opening its resolved target from the prefix the same way. A directory
-        swapped for a symlink out of the prefix after validation is refused, not followed.
-        Descriptors are kept per directory (one open per directory, not per leaf), at most
-        ``_MAX_DIR_FDS`` at a time; the prefix's is kept until :meth:`close`.
-        """
-        fds = self._dir_fds
-        fd = fds.get(rel)
-        if fd is not None:
-            return fd
-        parts = rel.split("/") if rel else []
-        if len(fds) + len(parts) >= _MAX_DIR_FDS:
-            # The prefix's own descriptor stays: every directory is reached from the one
-            # tree it names, however many the read visits (never the prefix by path again).
-            root = fds.pop("", None)
-            _close_fds(fds)
-            if root is not None:
-                fds[""] = root
-        base = fds.get("")
-        if base is None:
-            base = fds[""] = self._open_root()
-        sub = ""
-        for part in parts:
-            sub = f"{sub}/{part}" if sub else part
-            fd = fds.get(sub)
-            if fd is None:
-                fd = fds[sub] = self._open_dir_at(base, part, sub)
-            base = fd
-        return base
-
-    def _open_root(self) -> int:
-        # The prefix itself is the path the user named: a symlink there is the user's own.
-        try:
-            return os.open(self._root_str, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC)
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"{self.location}: no such directory.", path=self.location
-            ) from exc
-        except NotADirectoryError as exc:
-            raise MetadataError(
-                f"{self.location}: expected a directory, found a file.", path=self.location
-            ) from exc
-
-    def _open_dir_at(self, base: int, part: str, sub: str) -> int:
-        if part in ("", ".", "..") or "\0" in part:
-            check_component(part, where=self.display(sub))
-        try:
-            return os.open(part, _DIR_FLAGS, dir_fd=base)
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"{self.display(sub)}: no such directory.", path=self.display(sub)
-            ) from exc
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTDIR, errno.ELOOP, errno.EMLINK):
-                raise
-        # Not a directory: a symlink (O_NOFOLLOW refused it) or something else entirely.
-        try:
-            st = os.stat(part, dir_fd=base, follow_symlinks=False)
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"{self.display(sub)}: no such directory.", path=self.display(sub)
-            ) from exc
-        if stat.S_ISLNK(st.st_mode):
-            return self._open_link(sub, None)
-        raise MetadataError(
-            f"{self.display(sub)}: expected a directory, found {_kind(st.st_mode)}.",
-            path=self.display(sub),
-        )
-
-    def _open_link(self, rel: str, flags: int | None) -> int:
-        """Open the target of the symlink ``rel`` (a file with ``flags``, else a directory).
-
-        The link is checked as ``listdir`` checks one (inside the prefix, no cycle), then its
-        resolved target is opened from the prefix component by component following nothing,
-        so a link changed in between is refused rather than followed.
-        """
-        path = os.path.join(self._root_str, rel)
-        self._refuse_unsafe_link(path, rel, rel)
-        target = os.path.realpath(path)
-        real = target[len(self._real_root) + 1 :].split("/") if target != self._real_root else []
-        if not real or any(part in ("", ".", "..") for part in real):
-            raise UnsafePathError(
-                f"{self.display(rel)}: a symlink to {target}, which is not a file or directory "
-                "inside the checkpoint; tdckpt never follows it.",
-                path=self.display(rel),
-            )
-        opened: list[int] = []
-        try:
-            base = self._dir_fd("")
-            for part in real if flags is None else real[:-1]:
-                base = os.open(part, _DIR_FLAGS, dir_fd=base)
-                opened.append(base)
-            if flags is None:
-                return opened.pop()
-            return os.open(real[-1], flags, dir_fd=base)
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"{self.display(rel)}: a symlink to {target}, which does not exist.",
-                path=self.display(rel),
-            ) from exc
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTDIR, errno.ELOOP, errno.EMLINK):
-                raise
-            raise UnsafePathError(
-                f"{self.display(rel)}: the symlink's target {target} changed while it was "
-                "being opened (a link where a directory or file was); tdckpt never follows "
-                "it. Read the checkpoint again when nothing is changing it.",
-                path=self.display(rel),
-            ) from exc
-        finally:
-            for fd in opened:
-                os.close(fd)
-
-    def _open_file(self, rel: str, flags: int) -> int:
-        """Open the file ``rel`` once, following no link it was not checked to have.
-
-        Opened relative to its directory's descriptor with ``O_NOFOLLOW`` (and
-        ``O_NONBLOCK``: a FIFO opens at once, for fstat to refuse); a safe in-prefix symlink
-        is opened through its checked target. The caller fstats the descriptor.
-        """
-        parent, _, name = rel.rpartition("/")
-        if rel not in self._regular:
-            self._resolve(rel)  # every component a real name
-            if not name:
-                check_component(name, where=self.display(rel))
-        dfd = self._dir_fd(parent)
-        try:
-            return os.open(name, flags | _FILE_FLAGS, dir_fd=dfd)
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"{self.display(rel)}: no such file.", path=self.display(rel)
-            ) from exc
-        except IsADirectoryError as exc:
-            raise MetadataError(
-                f"{self.display(rel)}: expected a file, found a directory.",
-                path=self.display(rel),
-            ) from exc
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.EMLINK):
-                raise
-        return self._open_link(rel, flags | _FILE_FLAGS)  # a symlink: only if it is safe
-
-    def _checked_stat(self, fd: int, rel: str) -> os.stat_result:
-        """fstat the open ``fd``: a regular file, or a clear error (no blocking, no guessing)."""
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            if stat.S_ISDIR(st.st_mode):
-                raise MetadataError(
-                    f"{self.display(rel)}: expected a file, found a directory.",
-                    path=self.display(rel),
-                )
-            raise UnsafePathError(
-                f"{self.display(rel)}: {_kind(st.st_mode)} where a regular file belongs; "
-                "tdckpt reads and maps only regular files. The checkpoint was changed while "
-                "it was read, or is hostile; restore it from a backup.",
-                path=self.display(rel),
-            )
-        return st
 
     # -- reading ---------------------------------------------------------------------
     def read_bytes(self, rel: str, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
-        fd = self._open_file(rel, os.O_RDONLY)
+        fd = self._tree.open_file(rel, os.O_RDONLY)
         try:
-            st = self._checked_stat(fd, rel)
+            st = self._tree.checked_stat(fd, rel)
             if st.st_size > max_bytes:
                 raise MetadataError(
                     f"{self.display(rel)}: {st.st_size} bytes, more than the {max_bytes} "
@@ -482,8 +239,8 @@ class DirectoryStorage(Storage):
         do_mmap = libc_mmap_fast()
         if do_mmap is None:  # pragma: no cover
             return [None] * len(leaves)
-        regular = self._regular
-        dir_fds = self._dir_fds
+        regular = self._tree.regular
+        dir_fds = self._tree.dir_fds
         euid = self._euid
         buffer_type = mapped_buffer_type
         frombuffer = torch.frombuffer
@@ -510,7 +267,7 @@ class DirectoryStorage(Storage):
             parent, _, name = rel.rpartition("/")
             dfd = dir_fds.get(parent)
             if dfd is None:
-                dfd = self._dir_fd(parent)
+                dfd = self._tree.dir_fd(parent)
             try:
                 fd = os.open(name, _RDWR_FILE if shared else _RDONLY_FILE, dir_fd=dfd)
             except OSError as exc:
@@ -554,7 +311,7 @@ class DirectoryStorage(Storage):
         else:
             # Shared where the file is writable. A file the mode bits show read-only to its
             # owner is not even tried; anything else is asked of open() itself.
-            known = self._regular.get(rel)
+            known = self._tree.regular.get(rel)
             euid = self._euid
             shared = (
                 known is None
@@ -565,7 +322,7 @@ class DirectoryStorage(Storage):
             )
         if shared:
             try:
-                fd = self._open_file(rel, os.O_RDWR)
+                fd = self._tree.open_file(rel, os.O_RDWR)
             except OSError as exc:
                 if exc.errno not in _NOT_WRITABLE:  # a missing file is not a read-only one
                     raise
@@ -577,20 +334,20 @@ class DirectoryStorage(Storage):
                     ) from exc
                 shared = False
         if fd < 0:
-            fd = self._open_file(rel, os.O_RDONLY)
+            fd = self._tree.open_file(rel, os.O_RDONLY)
         try:
-            st = self._checked_stat(fd, rel)
+            st = self._tree.checked_stat(fd, rel)
             if shared and st.st_nlink > 1:
                 # other names (an incremental step's shared leaf): never mapped shared
                 opened, fd = fd, -1
                 os.close(opened)
                 _refuse_shared(self.display(rel), mode, st.st_nlink)
-                fd = self._open_file(rel, os.O_RDONLY)
-                st = self._checked_stat(fd, rel)
+                fd = self._tree.open_file(rel, os.O_RDONLY)
+                st = self._tree.checked_stat(fd, rel)
                 shared = False
             need = numel * dtype.itemsize
             if st.st_size < need:
-                known = self._regular.get(rel)
+                known = self._tree.regular.get(rel)
                 if known is not None and known[1] is None:
                     self.deferred_size_refused = True
                 raise MetadataError(
@@ -609,7 +366,7 @@ class DirectoryStorage(Storage):
 
     def absolute_str(self, rel: str) -> str:
         """The absolute path of ``rel`` (checked as ``physical_path``), as a string."""
-        if rel not in self._regular:
+        if rel not in self._tree.regular:
             self._open_checked(rel)
         # ``rel`` is a checked, normalised relative POSIX path: no os.path.join needed.
         return f"{self._abs_root}/{rel}" if rel else self._abs_root
@@ -633,31 +390,9 @@ def _refuse_shared(where: str, mode: MapMode, links: int) -> None:
 _NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ETXTBSY})
 
 
-def _close_fds(fds: dict[str, int]) -> None:
-    """Close every descriptor in ``fds`` and forget them."""
-    for fd in fds.values():
-        os.close(fd)
-    fds.clear()
-
-
-def _kind(mode: int) -> str:
-    """What a non-regular file is, for messages."""
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISLNK, "a symlink"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
-
-
 #: open() flags of a leaf mapped shared / copy-on-write.
-_RDWR_FILE = os.O_RDWR | _FILE_FLAGS
-_RDONLY_FILE = os.O_RDONLY | _FILE_FLAGS
+_RDWR_FILE = os.O_RDWR | FILE_FLAGS
+_RDONLY_FILE = os.O_RDONLY | FILE_FLAGS
 
 
 @functools.cache
