@@ -11,13 +11,9 @@ engine can refuse before touching anything.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
-import reprlib
 from typing import Any
 
 import pydantic
-import torch
 
 from tdckpt import schema
 from tdckpt._keys import encode_key
@@ -29,19 +25,18 @@ from tdckpt._read.nodes import (
     LazyViewNode,
     LeafNode,
     Node,
-    NonTensorNode,
-    NonTensorStackNode,
     SubTensorDictNode,
     TensorClassNode,
     TensorDictNode,
 )
 from tdckpt._read.storage import Storage, join
 from tdckpt._read.tree import VDir
+from tdckpt._read.validate_checks import check_device, schema_problems
 from tdckpt._read.validate_columns import usual_leaves
 from tdckpt._read.validate_leaf import MAX_BYTES, build_leaf
+from tdckpt._read.validate_values import build_non_tensor, build_nt_stack
 from tdckpt._read.views import build_sub_td, build_view, node_batch
 from tdckpt._report import Problem
-from tdckpt.errors import TdckptError
 
 __all__ = ["build_nodes", "class_kind"]
 
@@ -94,50 +89,6 @@ def build_nodes(tree: VDir, storage: Storage) -> tuple[Node | None, list[Problem
     return node, ctx.problems
 
 
-def _schema_problems(
-    ctx: Ctx,
-    exc: pydantic.ValidationError,
-    path: str,
-    key: tuple[str, ...],
-    raw: dict[str, Any] | None = None,
-) -> None:
-    for err in exc.errors():
-        loc = [str(p) for p in err["loc"]]
-        sub = key
-        if loc[:1] == ["entries"] and len(loc) >= 2:
-            entry = raw.get(loc[1]) if raw is not None else None
-            if isinstance(entry, dict) and len(loc) >= 3:
-                # An entry is a leaf or a child (the union): report only the errors of the
-                # branch it is meant to be, not "field 'type' required" for a broken leaf.
-                meant = "ChildEntry" if "type" in entry and "dtype" not in entry else "LeafEntry"
-                if loc[2] in ("LeafEntry", "ChildEntry") and loc[2] != meant:
-                    continue
-            sub = (*key, loc[1])
-            where = f"entry {loc[1]!r}" + (f" field {'.'.join(loc[3:])!r}" if len(loc) > 3 else "")
-        else:
-            where = f"field {'.'.join(loc)!r}" if loc else "the document"
-        ctx.add(
-            "schema",
-            join(path, "meta.json"),
-            sub,
-            f"{where}: {err['msg']} (found {_short_repr(err.get('input')):.80}). "
-            "The metadata does not fit the tensordict format; the file is damaged or was edited.",
-        )
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple = 3, 8, 16, 16
-_REPR.maxstring = _REPR.maxother = 80
-
-
-def _short_repr(value: Any) -> str:
-    """A repr of at most a few hundred characters, whatever the size of ``value``.
-
-    ``f"{value!r:.80}"`` builds the whole repr first: of a 60 MB document, for one message.
-    """
-    return _REPR.repr(value)
-
-
 def _build(
     vdir: VDir, key: tuple[str, ...], ctx: Ctx, parent_batch: tuple[int, ...] | None
 ) -> Node | None:
@@ -166,9 +117,9 @@ def _build(
     if kind == "lazy-stack":
         return _build_stack(vdir, key, ctx)
     if kind == "non-tensor":
-        return _build_non_tensor(vdir, key, ctx, parent_batch or ())
+        return build_non_tensor(vdir, key, ctx, parent_batch or ())
     if kind == "non-tensor-stack":
-        return _build_nt_stack(vdir, key, ctx, parent_batch or ())
+        return build_nt_stack(vdir, key, ctx, parent_batch or ())
     if kind == "tensorclass":
         return _build_tensorclass(vdir, key, ctx)
     if kind == "sub-tensordict":
@@ -177,47 +128,6 @@ def _build(
     # validated as a tensorclass), so there is no unsupported class left to report here.
     assert kind == "lazy-view", kind
     return build_view(vdir, key, ctx)
-
-
-def _check_device(ctx: Ctx, vdir: VDir, key: tuple[str, ...], device: str | None) -> bool:
-    """A level's device must be one torch knows (leaf devices are ignored by every loader)."""
-    if device is None or _is_torch_device(device):
-        return True
-    ctx.add(
-        "bad-device",
-        join(vdir.source, "meta.json"),
-        key,
-        f"device {device!r} is not a torch device (expected e.g. 'cpu' or 'cuda:0'). The "
-        "metadata is damaged or was edited.",
-    )
-    return False
-
-
-def _is_torch_device(text: str) -> bool:
-    """Whether torch parses ``text`` as a device (short strings cached: a checkpoint repeats
-    a few; a hostile megabyte-long one is not kept alive by the cache)."""
-    return _parses_as_device_cached(text) if len(text) <= 64 else _parses_as_device(text)
-
-
-def _parses_as_device(text: str) -> bool:
-    try:
-        torch.device(text)
-    except (RuntimeError, ValueError):
-        return False
-    return True
-
-
-_parses_as_device_cached = functools.lru_cache(maxsize=64)(_parses_as_device)
-
-
-def _list_depth(data: list[Any], limit: int) -> int:
-    """How deeply ``data`` nests lists (first elements only), up to ``limit + 1``."""
-    depth = 0
-    cur: Any = data
-    while isinstance(cur, list) and depth <= limit:
-        depth += 1
-        cur = cur[0] if cur else None
-    return depth
 
 
 #: A level of at least this many entries is first tried column by column (usual_leaves);
@@ -230,7 +140,7 @@ def _build_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorDictNode | No
     try:
         model = vdir.exact_level or read_td_level(vdir.meta)
     except pydantic.ValidationError as exc:
-        _schema_problems(ctx, exc, vdir.source, key, vdir.meta)
+        schema_problems(ctx, exc, vdir.source, key, vdir.meta)
         return None
     module, _, cls_name = model.class_.rpartition(":")
     if cls_name not in _TD_CLASSES or module.split(".")[0] != "tensordict":
@@ -244,7 +154,7 @@ def _build_td(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorDictNode | No
             "tdckpt.",
         )
         return None
-    if not _check_device(ctx, vdir, key, model.device):
+    if not check_device(ctx, vdir, key, model.device):
         return None
     batch = model.shape
     node = TensorDictNode(
@@ -349,7 +259,7 @@ def _build_stack(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> LazyStackNode | 
     try:
         model = schema.LazyStackMeta.model_validate(vdir.meta)
     except pydantic.ValidationError as exc:
-        _schema_problems(ctx, exc, vdir.source, key)
+        schema_problems(ctx, exc, vdir.source, key)
         return None
     node = LazyStackNode(
         key=key,
@@ -425,122 +335,11 @@ def _stack_devices(node: TensorDictNode | LazyStackNode) -> set[str | None]:
     }
 
 
-def _json_types(vdir: VDir, ctx: Ctx) -> dict[str, str] | None:
-    jt = vdir.files.get("json_types.json")
-    pk = vdir.files.get("other.pickle")
-    if jt is None or pk is None or jt.source is None or pk.source is None:
-        return None
-    try:
-        saved = ctx.storage.read_json(jt.source)
-        digest = hashlib.sha256(
-            ctx.storage.read_bytes(pk.source, max_bytes=64 * 1024 * 1024)
-        ).hexdigest()
-    except TdckptError:
-        return None
-    if not isinstance(saved, dict) or saved.get("pickle_sha256") != digest:
-        return None
-    types = saved.get("types")
-    if not isinstance(types, dict) or not all(
-        v in ("dict", "OrderedDict", "list", "tuple") for v in types.values()
-    ):
-        ctx.add(
-            "schema",
-            jt.source,
-            (),
-            f"unknown type names in {types!r}; expected dict, OrderedDict, list or tuple.",
-        )
-        return None
-    return {str(k): str(v) for k, v in types.items()}
-
-
-def _build_non_tensor(
-    vdir: VDir, key: tuple[str, ...], ctx: Ctx, batch: tuple[int, ...]
-) -> NonTensorNode | None:
-    try:
-        model = schema.NonTensorDataMeta.model_validate(vdir.meta)
-    except pydantic.ValidationError as exc:
-        _schema_problems(ctx, exc, vdir.source, key)
-        return None
-    assert vdir.meta is not None
-    cls = "MetaData" if "MetaData" in model.type_ else "NonTensorData"
-    node = NonTensorNode(
-        key=key,
-        path=vdir.source,
-        class_name=cls,
-        batch_size=batch,
-        device=None,
-        metadata=model.metadata,
-    )
-    node.has_data = "data" in vdir.meta
-    node.data = vdir.meta.get("data")
-    node.json_types = _json_types(vdir, ctx)
-    if node.json_types is None:
-        node.pickle = vdir.files.get("other.pickle")
-    if not node.has_data and node.pickle is None and node.json_types is None:
-        ctx.add(
-            "missing-file",
-            join(vdir.source, "other.pickle"),
-            key,
-            "a non-tensor value with neither inline data nor its other.pickle; the value is "
-            "lost. Restore the file from a backup.",
-        )
-        return None
-    return node
-
-
-def _build_nt_stack(
-    vdir: VDir, key: tuple[str, ...], ctx: Ctx, parent_batch: tuple[int, ...]
-) -> NonTensorStackNode | None:
-    try:
-        model = schema.NonTensorStackMeta.model_validate(vdir.meta)
-    except pydantic.ValidationError as exc:
-        _schema_problems(ctx, exc, vdir.source, key)
-        return None
-    if not _check_device(ctx, vdir, key, model.device):
-        return None
-    node = NonTensorStackNode(
-        key=key, path=vdir.source, stack_dim=model.stack_dim, device=model.device
-    )
-    if isinstance(model.data, list):
-        # Every level of list nesting becomes a batch dimension when the stack is rebuilt.
-        if _list_depth(model.data, 64) > 64:
-            ctx.add(
-                "bad-shape",
-                join(vdir.source, "meta.json"),
-                key,
-                "the stacked values nest lists more than 64 levels deep, more batch dimensions "
-                "than a tensordict can have. The metadata is damaged or hostile.",
-            )
-            return None
-        if parent_batch and len(model.data) != parent_batch[0]:
-            ctx.add(
-                "batch-mismatch",
-                join(vdir.source, "meta.json"),
-                key,
-                f"a stack of {len(model.data)} values in a level of batch size "
-                f"{list(parent_batch)}. The metadata is damaged or was edited.",
-            )
-            return None
-        node.data = model.data
-    else:
-        node.pickle = vdir.files.get("pickle.pkl")
-        if node.pickle is None:
-            ctx.add(
-                "missing-file",
-                join(vdir.source, "pickle.pkl"),
-                key,
-                "meta.json says the stack is pickled, but pickle.pkl is missing; "
-                "restore it from a backup.",
-            )
-            return None
-    return node
-
-
 def _build_tensorclass(vdir: VDir, key: tuple[str, ...], ctx: Ctx) -> TensorClassNode | None:
     try:
         model = schema.TensorClassMeta.model_validate(vdir.meta)
     except pydantic.ValidationError as exc:
-        _schema_problems(ctx, exc, vdir.source, key)
+        schema_problems(ctx, exc, vdir.source, key)
         return None
     assert vdir.meta is not None
     inner_dir = vdir.dirs.get("_tensordict")
