@@ -465,3 +465,32 @@ def test_a_step_in_use_cannot_be_overwritten(mgr: CheckpointManager) -> None:
     with mgr._using(1), pytest.raises(CheckpointExistsError, match="being restored or verified"):
         mgr.save(1, make_td(2), overwrite=True)
     mgr.save(1, make_td(2), overwrite=True)
+
+
+@pytest.mark.parametrize("how", ["save", "overwrite", "save_async", "memory"])
+def test_metadata_with_a_lone_surrogate_is_refused_before_anything_is_written(
+    tmp_path: Path, how: str
+) -> None:
+    """A str UTF-8 cannot encode (``os.fsdecode`` of a non-UTF-8 file name gives one) was
+    written into the manifest as a JSON escape that no reader accepts back: the step was
+    reported saved and then never listed, an overwrite replaced a good step with it, and in
+    object storage retention deleted the last good one. Now refused up front."""
+    import uuid
+
+    from tdckpt.errors import MetadataError
+    from tdckpt.retention import KeepLast
+
+    root = f"memory://s{uuid.uuid4().hex[:12]}/run" if how == "memory" else tmp_path / "run"
+    td = TensorDict(w=torch.arange(3.0))
+    with CheckpointManager(root, retention=KeepLast(1), fsync=False) as mgr:
+        mgr.save(1, td, metadata={"note": "fine"})
+        with pytest.raises(MetadataError, match=r"metadata\['note'\]: .*lone surrogate"):
+            if how == "save_async":
+                mgr.save_async(2, td, metadata={"note": "\udcff"}).result()
+            else:
+                step = 1 if how == "overwrite" else 2
+                mgr.save(step, td, metadata={"note": "\udcff"}, overwrite=how == "overwrite")
+        assert mgr.steps() == [1]
+        assert mgr.metadata(1) == {"note": "fine"}
+        assert torch.equal(mgr.restore(1)["w"], td["w"])
+        assert mgr.verify().ok

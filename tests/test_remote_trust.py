@@ -923,3 +923,34 @@ def test_a_retried_commit_reads_at_most_its_own_size(
     with _mgr(remote) as mgr, pytest.raises(CommitConflictError):
         mgr.save(3, _td(3))
     assert read and max(read) < 64 << 10
+
+
+def test_a_record_with_a_lone_surrogate_is_damaged_not_a_crash() -> None:
+    """JSON may escape a lone surrogate (``"\\udcff"``) that UTF-8 cannot encode: Python's
+    json reads it, and the record's manifest could then never be written out again. Such a
+    record (tdckpt never writes one) is a damaged step, listed as such and never restored;
+    before, every restore of the newest step died in a raw PydanticSerializationError."""
+    import uuid
+
+    r = Remote("memory", f"memory://t{uuid.uuid4().hex[:12]}/run", None)
+    with _mgr(r) as mgr:
+        mgr.save(1, _td(1))
+        mgr.save(2, _td(2), metadata={"note": "x"})
+    fs = r.fs()
+    path = r.path("2.tdckpt.json")
+    data = fs.cat_file(path)
+    assert b'"note": "x"' in data
+    fs.pipe_file(path, data.replace(b'"note": "x"', b'"note": "\\udcff"'))
+    with _mgr(r) as mgr:
+        assert mgr.steps() == [1]
+        (row,) = [row for row in mgr.list_steps() if row.kind == "remote" and row.step == 2]
+        assert row.status == "damaged"
+        assert "not a valid tdckpt commit record" in row.detail, row.detail
+        assert "surrogate" in row.detail, row.detail
+        with pytest.raises(IncompleteCheckpointError) as info:
+            mgr.restore(2)
+        _no_local(info.value, f"{r.url}/2.tdckpt.json")
+        assert _equal(mgr.restore(), _td(1))
+        with pytest.warns(TdckptWarning, match=r"gc kept 1 attempt\(s\) of step 2.*surrogates"):
+            mgr.gc(grace_period=0)
+    assert fs.cat_file(path) == data.replace(b'"note": "x"', b'"note": "\\udcff"')  # kept

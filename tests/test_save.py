@@ -658,6 +658,9 @@ def test_unsupported_collection_type_is_refused(tmp_path: Path) -> None:
         ({"d": {1: "a"}}, "JSON object keys must be str"),
         ({"deep": [[{"x": Point(0, 0)}]]}, r"metadata\['deep'\]\[0\]\[0\]\['x'\]: found a Point"),
         ({"t": torch.tensor(1.0)}, "found a Tensor"),
+        ({"name": "run-\udcff"}, r"metadata\['name'\]: the string .* lone surrogate"),
+        ({"n": ["ok", "\ud800"]}, r"metadata\['n'\]\[1\]: the string .* lone surrogate"),
+        ({"k\udc80": 1}, r"metadata: the key .* lone surrogate"),
     ],
 )
 def test_user_metadata_must_be_json_data(metadata: Any, match: str, tmp_path: Path) -> None:
@@ -673,6 +676,7 @@ def test_user_metadata_must_be_a_dict(tmp_path: Path) -> None:
 
 def test_check_json_data_accepts_plain_json() -> None:
     check_json_data({"a": [1, 2.5, None, True, "x", {"b": []}], "c": -(2**70)})
+    check_json_data({"é": "日本 \U0001f600", "pair": "\ud83d\ude00".encode("utf-16", "surrogatepass").decode("utf-16")})
 
 
 def test_refuses_a_non_empty_destination(tmp_path: Path) -> None:

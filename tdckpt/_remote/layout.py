@@ -182,6 +182,11 @@ def parse_record(data: bytes, where: str, step: int) -> CommitRecord:
                 path=where,
             )
         record = CommitRecord.model_validate(raw)
+        if b"\\ud" in data or b"\\uD" in data:
+            # json reads a lone surrogate escape ("\\udcff") that UTF-8 cannot encode: the
+            # manifest inside could never be written out again (a UnicodeEncodeError, a
+            # ValueError, names the string)
+            json.dumps(raw, ensure_ascii=False).encode("utf-8")
     except MetadataError:
         raise
     # ValueError: not UTF-8, not JSON, an integer past Python's digit limit, a schema error

@@ -116,7 +116,12 @@ def check_json_data(value: Any, *, where: str = "metadata") -> None:
                         path=path,
                         field=repr(key),
                     )
+                if not key.isascii():
+                    _check_text(key, path, "the key")
                 stack.append((f"{path}[{key!r}]", sub, depth + 1))
+        elif kind is str:
+            if not item.isascii():
+                _check_text(item, path, "the string")
         elif kind is list:
             stack.extend((f"{path}[{i}]", sub, depth + 1) for i, sub in enumerate(item))
         elif kind is float:
@@ -141,6 +146,23 @@ def check_json_data(value: Any, *, where: str = "metadata") -> None:
                 f"(dict with str keys, list, str, int, finite float, bool, None): {hint}.",
                 path=path,
             )
+
+
+def _check_text(text: str, path: str, what: str) -> None:
+    """Refuse a str that UTF-8 cannot encode (a lone surrogate, such as ``"\\udcff"`` from
+    ``os.fsdecode`` of a non-UTF-8 name): a manifest holding one could be written but never
+    read back, and the step would be lost."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raise MetadataError(
+            f"{path}: {what} {text!r:.80} holds {bad!r}, a lone surrogate that UTF-8 (and so "
+            "JSON) cannot encode; nothing was saved. Make it text first, e.g. "
+            "text.encode('utf-8', 'backslashreplace').decode(), or store its bytes as a list "
+            "of ints.",
+            path=path,
+        ) from None
 
 
 def writer_versions() -> WriterVersions:
