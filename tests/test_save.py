@@ -676,7 +676,8 @@ def test_user_metadata_must_be_a_dict(tmp_path: Path) -> None:
 
 def test_check_json_data_accepts_plain_json() -> None:
     check_json_data({"a": [1, 2.5, None, True, "x", {"b": []}], "c": -(2**70)})
-    check_json_data({"é": "日本 \U0001f600", "pair": "\ud83d\ude00".encode("utf-16", "surrogatepass").decode("utf-16")})
+    pair = "\ud83d\ude00".encode("utf-16", "surrogatepass").decode("utf-16")  # one emoji
+    check_json_data({"é": "日本 \U0001f600", "pair": pair})
 
 
 def test_refuses_a_non_empty_destination(tmp_path: Path) -> None:
