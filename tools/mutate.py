@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VALIDATE = "tdckpt/_read/validate.py"
 VALIDATE_LEAF = "tdckpt/_read/validate_leaf.py"
+VALIDATE_CHECKS = "tdckpt/_read/validate_checks.py"
+VALIDATE_VALUES = "tdckpt/_read/validate_values.py"
 APPLY = "tdckpt/_restore/apply.py"
 COMMIT = "tdckpt/_restore/commit.py"
 KINDS = "tdckpt/_restore/kinds.py"
@@ -72,14 +74,14 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "V07",
         VALIDATE,
-        "    if not _check_device(ctx, vdir, key, model.device):\n"
+        "    if not check_device(ctx, vdir, key, model.device):\n"
         "        return None\n    batch = model.shape",
         "    batch = model.shape",
         "TD level device check deleted",
     ),
     (
         "V08",
-        VALIDATE,
+        VALIDATE_CHECKS,
         "if device is None or _is_torch_device(device):",
         "if True:",
         "every device accepted",
@@ -256,64 +258,64 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     ),
     (
         "V34",
-        VALIDATE,
+        VALIDATE_VALUES,
         'saved.get("pickle_sha256") != digest',
         "False",
         "json_types sha256 not compared",
     ),
     (
         "V35",
-        VALIDATE,
+        VALIDATE_VALUES,
         "not isinstance(types, dict) or not all(",
         "not isinstance(types, dict) or False and all(",
         "json_types names not checked",
     ),
     (
         "V36",
-        VALIDATE,
+        VALIDATE_VALUES,
         'cls = "MetaData" if "MetaData" in model.type_ else "NonTensorData"',
         'cls = "NonTensorData"',
         "MetaData restored as NonTensorData",
     ),
     (
         "V37",
-        VALIDATE,
+        VALIDATE_VALUES,
         "if not node.has_data and node.pickle is None and node.json_types is None:",
         "if False:",
         "non-tensor without value accepted",
     ),
     (
         "V38",
-        VALIDATE,
+        VALIDATE_VALUES,
         "if _list_depth(model.data, 64) > 64:",
         "if _list_depth(model.data, 64) > 65:",
         "list depth bound off by one",
     ),
     (
         "V39",
-        VALIDATE,
+        VALIDATE_VALUES,
         "while isinstance(cur, list) and depth <= limit:",
         "while isinstance(cur, list) and depth < limit:",
         "list depth never exceeds the limit",
     ),
     (
         "V40",
-        VALIDATE,
+        VALIDATE_VALUES,
         "if parent_batch and len(model.data) != parent_batch[0]:",
         "if False:",
         "non-tensor stack batch check deleted",
     ),
     (
         "V41",
-        VALIDATE,
+        VALIDATE_VALUES,
         "        if node.pickle is None:\n",
         "        if False:\n",
         "missing pickle.pkl accepted",
     ),
     (
         "V42",
-        VALIDATE,
-        "    if not _check_device(ctx, vdir, key, model.device):\n"
+        VALIDATE_VALUES,
+        "    if not check_device(ctx, vdir, key, model.device):\n"
         "        return None\n    node = NonTensorStackNode",
         "    node = NonTensorStackNode",
         "non-tensor stack device check deleted",
@@ -327,21 +329,21 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     ),
     (
         "V44",
-        VALIDATE,
+        VALIDATE_CHECKS,
         'meant = "ChildEntry" if "type" in entry and "dtype" not in entry else "LeafEntry"',
         'meant = "LeafEntry"',
         "every entry read as a leaf",
     ),
     (
         "V45",
-        VALIDATE,
+        VALIDATE_CHECKS,
         "                    continue\n            sub = (*key, loc[1])",
         "                    pass\n            sub = (*key, loc[1])",
         "both union branches reported",
     ),
     (
         "V46",
-        VALIDATE,
+        VALIDATE_CHECKS,
         "            sub = (*key, loc[1])\n",
         "            sub = key\n",
         "schema problem not keyed by entry",
@@ -768,6 +770,8 @@ _RESTORE_TESTS = [
 DEFAULT_TESTS = {
     VALIDATE: _VALIDATE_TESTS,
     VALIDATE_LEAF: _VALIDATE_TESTS,
+    VALIDATE_CHECKS: _VALIDATE_TESTS,
+    VALIDATE_VALUES: _VALIDATE_TESTS,
     APPLY: _RESTORE_TESTS,
     COMMIT: _RESTORE_TESTS,
     KINDS: _RESTORE_TESTS,
