@@ -109,7 +109,12 @@ class TdckptCheckpointIO(CheckpointIO):
                 "TdckptCheckpointIO.save_checkpoint takes no storage_options (got "
                 f"{storage_options!r}); tdckpt writes local files."
             )
-        dest = Path(os.fspath(path))
+        if not isinstance(checkpoint, dict):
+            raise TypeError(
+                "TdckptCheckpointIO.save_checkpoint takes Lightning's checkpoint dict, not "
+                f"{type(checkpoint).__name__}"
+            )
+        dest = Path(_local(path, "save_checkpoint"))
         dest.parent.mkdir(parents=True, exist_ok=True)
         td, _ = to_tensordict({ENTRY: _Checkpoint(checkpoint)})
         metadata = {
@@ -145,10 +150,15 @@ class TdckptCheckpointIO(CheckpointIO):
                 f"a device name, not {type(map_location).__name__}"
             )
         allow = self.allow_pickle if weights_only is None else not weights_only
+        # The path the user (or Lightning) named: a link there is theirs (save_last="link"
+        # makes last.ckpt one), resolved once, so that what is verified is what is loaded.
+        where = _local(path, "load_checkpoint")
+        if os.path.islink(where):
+            where = os.path.realpath(where)
         if self.verify:
-            _verify(Path(os.fspath(path)))
+            _verify(Path(where))
         td = load_memmap(
-            os.fspath(path),
+            where,
             allow_pickle=allow,
             mode="r",
             device=None if map_location in (None, "cpu") else map_location,
@@ -159,6 +169,21 @@ class TdckptCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at ``path`` (a file or a folder; a link is never followed)."""
         remove_tree(os.fspath(path))
+
+
+def _local(path: Any, method: str) -> str:
+    """``path`` as a local path; a URL is refused (this plugin writes and reads local files,
+    and would otherwise make a folder named after the scheme, ``./s3:/...``)."""
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if "://" in text:
+        raise ValueError(
+            f"TdckptCheckpointIO.{method}: {text!r} is a URL; TdckptCheckpointIO writes and "
+            "reads local files. Use a local dirpath, or tdckpt.CheckpointManager for object "
+            "storage (docs/remote.rst)."
+        )
+    return text
 
 
 def _verify(path: Path) -> None:

@@ -176,6 +176,46 @@ def test_refusals(tmp_path: Path) -> None:
         io.load_checkpoint(tmp_path / "absent.ckpt")
     # A crash mid-save leaves the old checkpoint under the name: the new one is staged beside.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.ckpt"]
+    # A URL is refused, not written to a local folder named after its scheme ("./s3:/...").
+    for url in ("s3://bucket/run/epoch=0.ckpt", "memory://b/x.ckpt"):
+        with pytest.raises(
+            ValueError, match=r"is a URL; TdckptCheckpointIO writes"
+        ):
+            io.save_checkpoint({"state_dict": {}}, url)
+        with pytest.raises(ValueError, match=r"is a URL"):
+            io.load_checkpoint(url)
+    assert not Path("s3:").exists() and not Path("memory:").exists()
+    with pytest.raises(TypeError, match="checkpoint dict, not list"):
+        io.save_checkpoint([1, 2], tmp_path / "y.ckpt")  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.ckpt"]
+
+
+@pytest.mark.parametrize("archive", [True, False])
+def test_resume_from_last_ckpt_that_is_a_link(tmp_path: Path, archive: bool) -> None:
+    """``ModelCheckpoint(save_last="link")`` makes last.ckpt a symlink to the newest
+    checkpoint; ``fit(ckpt_path="last")`` loads through it. Before, the link was verified as
+    if it were the checkpoint itself: a raw NotADirectoryError (archive) or an
+    IntegrityError listing intact files (folder), so such a run could never resume."""
+    io = TdckptCheckpointIO(archive=archive)
+    dirpath = tmp_path / "ck"
+
+    def fit(epochs: int, ckpt: str | None) -> Any:
+        torch.manual_seed(0)
+        model = _Model()
+        callback = ModelCheckpoint(dirpath=dirpath, save_top_k=1, save_last="link")
+        _trainer(epochs, [callback], io).fit(model, _data(), _data(), ckpt_path=ckpt)
+        return model
+
+    fit(2, None)
+    assert (dirpath / "last.ckpt").is_symlink()
+    resumed = fit(3, "last")
+    torch.manual_seed(0)
+    straight = _Model()
+    _trainer(3, [], None).fit(straight, _data(), _data())
+    for (name, a), (_, b) in zip(
+        resumed.state_dict().items(), straight.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
 
 
 def test_import_tdckpt_does_not_import_lightning() -> None:
