@@ -178,9 +178,7 @@ def test_refusals(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.ckpt"]
     # A URL is refused, not written to a local folder named after its scheme ("./s3:/...").
     for url in ("s3://bucket/run/epoch=0.ckpt", "memory://b/x.ckpt"):
-        with pytest.raises(
-            ValueError, match=r"is a URL; TdckptCheckpointIO writes"
-        ):
+        with pytest.raises(ValueError, match=r"is a URL; TdckptCheckpointIO writes"):
             io.save_checkpoint({"state_dict": {}}, url)
         with pytest.raises(ValueError, match=r"is a URL"):
             io.load_checkpoint(url)

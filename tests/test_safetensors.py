@@ -183,6 +183,26 @@ F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
         ({"a": {**F32, "extra": 1}}, b"\0" * 8, None, "exactly dtype, shape and data_offsets"),
         ({"__metadata__": {"k": 1}, "a": F32}, b"\0" * 8, None, "strings to strings"),
         (b"{not json", b"", None, "not JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, b"", None, "not JSON \\(nested too deeply\\)"),
+        (
+            {"a": {**F32, "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]}},
+            b"",
+            None,
+            "2\\*\\*63",
+        ),
+        (
+            {
+                "a": {
+                    **F32,
+                    "dtype": "U8",
+                    "shape": [0, 2**62, 2**62, 2**62],
+                    "data_offsets": [0, 0],
+                }
+            },
+            b"",
+            None,
+            "past 2\\*\\*63",
+        ),
         (b"[]", b"", None, "not a JSON object"),
         ({"a": F32}, b"\0" * 8, 2**62, "claims"),
         ({"a": F32}, b"\0" * 8, MAX_HEADER_BYTES + 1, "claims"),
@@ -215,10 +235,42 @@ def test_a_hostile_index_is_refused(tmp_path: Path) -> None:
             "does not hold it",
         ),
         ([1, 2], "weight_map"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     ]:
-        (folder / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map}))
+        text = (
+            json.dumps({"weight_map": weight_map})
+            if not isinstance(weight_map, str)
+            else ('{"weight_map": ' + weight_map + "}")
+        )
+        (folder / INDEX_NAME).write_text(text)
         with pytest.raises(MetadataError, match=match):
             tdckpt.load_safetensors(folder)
+
+
+def test_a_tied_name_never_replaces_a_tensor_of_another_shard(tmp_path: Path) -> None:
+    """Shard 2 records ``a`` as tied to its ``b`` while shard 1 holds a real ``a``: two
+    tensors under one name, refused (as two real tensors are). Before, the alias silently
+    replaced shard 1's ``a``."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    one, two = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    save_file({"a": torch.ones(1), "c": torch.full((1,), 3.0)}, folder / one)
+    save_file({"b": torch.full((1,), 2.0)}, folder / two, metadata={"tdckpt.tied": '{"a": "b"}'})
+    (folder / INDEX_NAME).write_text(json.dumps({"weight_map": {"a": two, "b": two, "c": one}}))
+    with pytest.raises(MetadataError, match=r"the tied name 'a' is also a tensor of another file"):
+        tdckpt.load_safetensors(folder)
+
+
+def test_keys_that_differ_only_in_type_are_refused_not_merged(tmp_path: Path) -> None:
+    """``{1: x, "1": y}`` both become the name ``"1"``: refused, naming the key. Before, one
+    tensor was silently dropped (the report listed one name and nothing skipped)."""
+    for source in (
+        {1: torch.ones(2), "1": torch.zeros(2)},
+        {"m": {True: torch.ones(1), "True": torch.ones(1)}},
+    ):
+        with pytest.raises(UnsupportedContentError, match=r"is also the name of another key"):
+            tdckpt.export_safetensors(source, tmp_path / "x.safetensors")
+        assert not (tmp_path / "x.safetensors").exists()
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))

@@ -221,6 +221,7 @@ def _flatten_source(source: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
     entries: dict[str, torch.Tensor] = {}
     skipped: list[str] = []
     bad: list[str] = []
+    named: set[str] = set()
     for key, value in _walk(source, ()):
         if any("." in part or not part for part in key):
             bad.append(
@@ -229,6 +230,13 @@ def _flatten_source(source: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
             )
             continue
         name = ".".join(key)
+        if name in named:
+            bad.append(
+                f"{key!r}: its name {name!r} is also the name of another key (keys that "
+                "differ only in type, such as 1 and '1', read back as one); rename one"
+            )
+            continue
+        named.add(name)
         if not isinstance(value, torch.Tensor):
             skipped.append(name)
             continue
@@ -367,6 +375,12 @@ def load_safetensors(path: str | os.PathLike[str], *, nested: bool = True) -> An
             flat[name] = tensor
             held[name] = file
         for alias, name in tied.items():
+            if alias in flat:
+                raise MetadataError(
+                    f"{file}: the tied name {alias!r} is also a tensor of another file of "
+                    f"{root}; each name is in one file only.",
+                    path=str(file),
+                )
             flat[alias] = tensors[name]
             held[alias] = file
     for name, file_name in weight_map.items():
@@ -430,8 +444,9 @@ def _read_json(path: Path, limit: int) -> Any:
         raise MetadataError(f"{path}: larger than {limit} bytes.", path=str(path))
     try:
         return json.loads(data)
-    except ValueError as exc:
-        raise MetadataError(f"{path}: not JSON ({exc}).", path=str(path)) from None
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise MetadataError(f"{path}: not JSON ({why}).", path=str(path)) from None
 
 
 def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -483,8 +498,9 @@ def _parse_header(
 ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], dict[str, str]]:
     try:
         header = json.loads(raw)
-    except ValueError as exc:
-        raise _bad(path, f"its header is not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise _bad(path, f"its header is not JSON ({why})") from None
     if not isinstance(header, dict):
         raise _bad(path, "its header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
@@ -524,6 +540,13 @@ def _parse_header(
                 f"{name!r}: {spec['dtype']} {shape} is {numel * dtype.itemsize} bytes, its range "
                 f"{offsets[1] - offsets[0]}",
             )
+        # (a zero-element shape passes the size check whatever its other sizes)
+        if _overflows(shape, dtype.itemsize):
+            raise _bad(
+                path,
+                f"{name!r}: the shape {str(shape)[:80]} has sizes or strides past 2**63 bytes, "
+                "which no tensor can have",
+            )
         specs[name] = (dtype, tuple(shape), offsets[0], offsets[1])
     # The ranges tile the data exactly: no overlap (two tensors on the same bytes) and no
     # gap (bytes no tensor owns), as safetensors itself requires.
@@ -538,13 +561,25 @@ def _parse_header(
     return specs, meta
 
 
+def _overflows(shape: list[int], itemsize: int) -> bool:
+    """Whether a tensor of ``shape`` would need a size or a stride past int64, as torch
+    computes them (its storage size ignores a zero dimension's product, its strides are
+    the products of the dimensions after each, each at least 1)."""
+    stride = itemsize
+    for d in reversed(shape):
+        stride *= max(d, 1)
+        if stride >= 2**63:
+            return True
+    return False
+
+
 def _tied(path: Path, meta: dict[str, str], specs: Mapping[str, Any]) -> dict[str, str]:
     text = meta.get(TIED_KEY)
     if text is None:
         return {}
     try:
         tied = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         tied = None
     if not isinstance(tied, dict) or not all(
         isinstance(a, str) and isinstance(n, str) and n in specs and a not in specs
