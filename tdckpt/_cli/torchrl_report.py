@@ -32,7 +32,11 @@ def _torchrl_report(args: argparse.Namespace, *, inspect: bool) -> int:
         _print_json(report.to_json())
     else:
         versions = report.manifest.get("versions") or {}
-        written = ", ".join(f"{k} {_clean(str(v))}" for k, v in sorted(versions.items()))
+        written = (
+            ", ".join(f"{_clean(k)} {_clean(str(v))}" for k, v in sorted(versions.items()))
+            if isinstance(versions, dict)
+            else "versions unreadable"
+        )
         _out(f"torchrl checkpoint {_clean(report.path)} ({report.container}; {written})")
         for comp in report.components:
             what = [f"{comp.files} file(s), {comp.bytes} bytes"]

@@ -126,13 +126,21 @@ def _read_manifest_bytes(path: Path) -> bytes | None:
     return None
 
 
+def _loads(raw: bytes) -> Any:
+    """Parse JSON; ValueError for anything that is not JSON (nesting too deep included)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def is_torchrl_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a TorchRL checkpoint (its manifest says ``torchrl.checkpoint``)."""
     raw = _read_manifest_bytes(Path(path))
     if raw is None:
         return False
     try:
-        manifest = json.loads(raw)
+        manifest = _loads(raw)
     except ValueError:
         return False
     return isinstance(manifest, dict) and manifest.get("format") == FORMAT
@@ -141,7 +149,13 @@ def is_torchrl_checkpoint(path: str | os.PathLike[str]) -> bool:
 def _safe(rel: str) -> PurePosixPath | None:
     """``rel`` as a relative path inside the checkpoint, or None when it could escape."""
     p = PurePosixPath(rel.replace("\\", "/"))
-    if not rel or p.is_absolute() or ".." in p.parts or any(":" in part for part in p.parts[:1]):
+    if (
+        not rel
+        or "\0" in rel
+        or p.is_absolute()
+        or ".." in p.parts
+        or any(":" in part for part in p.parts[:1])
+    ):
         return None
     return p
 
@@ -179,7 +193,7 @@ def check_torchrl_checkpoint(
         )
         return report
     try:
-        manifest = json.loads(raw)
+        manifest = _loads(raw)
     except ValueError as exc:
         report.problems.append(_error("bad-manifest", MANIFEST, f"not JSON: {exc}"))
         return report
@@ -307,12 +321,19 @@ def _extract(
             )
             continue
         target = dest / member
-        target.parent.mkdir(parents=True, exist_ok=True)
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)
             with archive.open(info) as fin, open(target, "wb") as fout:
                 shutil.copyfileobj(fin, fout)
         except (OSError, zipfile.BadZipFile, EOFError) as exc:  # a bad CRC, a short member
-            report.problems.append(_error("unreadable", name, f"{where}: {exc}"))
+            # (an OSError names the scratch folder: say what it means for the archive)
+            why = (
+                f"cannot be unpacked ({exc.strerror}: a member is also a folder of members, "
+                "or the disk is full)"
+                if isinstance(exc, OSError) and exc.strerror
+                else str(exc)
+            )
+            report.problems.append(_error("unreadable", name, f"{where}: {why}"))
             continue
         comp.files += 1
         comp.bytes += info.file_size
@@ -370,7 +391,7 @@ def _check_payloads(
         shown = (base / member).as_posix()
         if member.suffix == ".json":
             try:
-                json.loads((local / member).read_bytes())
+                _loads((local / member).read_bytes())
             except (ValueError, OSError) as exc:
                 report.problems.append(_error("bad-json", shown, f"{where}: not JSON ({exc})"))
         elif member.suffix in _PICKLE_SUFFIXES:
@@ -448,17 +469,17 @@ def rotation_entries(root: str | os.PathLike[str]) -> list[RotationEntry] | None
         children = sorted(folder.iterdir()) if folder.is_dir() else None
     except OSError:
         return None
-    if children is None or any(c.name.isdigit() for c in children):
+    if children is None or any(_decimal(c.name) for c in children):
         return None
     found: list[RotationEntry] = []
     for child in children:
         name = child.name.removesuffix(".torchrl")
         head, sep, digits = name.rpartition("-")
-        if not sep or not head or not digits.isdigit():
+        if not sep or not head or not _decimal(digits):
             continue
         raw = _read_manifest_bytes(child)
         try:
-            manifest = json.loads(raw) if raw is not None else None
+            manifest = _loads(raw) if raw is not None else None
         except ValueError:
             manifest = None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -478,6 +499,11 @@ def rotation_entries(root: str | os.PathLike[str]) -> list[RotationEntry] | None
     if not found:
         return None
     return sorted(found, key=lambda e: (e.step, e.created_at or "", e.path.name))
+
+
+def _decimal(text: str) -> bool:
+    """Plain ASCII digits (``str.isdigit`` also takes ``"²"``, which ``int`` refuses)."""
+    return text.isascii() and text.isdigit()
 
 
 def _size(path: Path) -> int:
