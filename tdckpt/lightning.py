@@ -174,9 +174,7 @@ class TdckptCheckpointIO(CheckpointIO):
 def _local(path: Any, method: str) -> str:
     """``path`` as a local path; a URL is refused (this plugin writes and reads local files,
     and would otherwise make a folder named after the scheme, ``./s3:/...``)."""
-    text = os.fspath(path)
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
+    text: str = os.fsdecode(os.fspath(path))
     if "://" in text:
         raise ValueError(
             f"TdckptCheckpointIO.{method}: {text!r} is a URL; TdckptCheckpointIO writes and "
