@@ -643,3 +643,63 @@ def test_tensors_under_keys_too_long_for_a_file_name_are_saved(tmp_path: Path) -
         mgr.restore_into({"paths": fresh})
     assert list(fresh.state) == list(live.state)
     assert all(torch.equal(fresh.state[k], live.state[k]) for k in live.state)
+
+
+class _Color(__import__("enum").IntEnum):
+    RED = 1
+
+
+class _Mode(str, __import__("enum").Enum):
+    TRAIN = "train"
+
+
+_Pair = __import__("collections").namedtuple("_Pair", "a b")
+
+
+def test_subclasses_of_json_types_and_numpy_scalars_come_back_as_themselves(
+    tmp_path: Path,
+) -> None:
+    """tensordict writes any value json.dumps takes as JSON: an IntEnum read back as an int,
+    a namedtuple as a list, a defaultdict as a dict (its missing keys then KeyErrors), a
+    NumPy float64 as a float - silently. They now come back as they were saved: NumPy
+    scalars as 0-d tensor leaves (no pickle), the others pickled (so only with
+    allow_pickle) and listed in the manifest's pickle inventory."""
+    from collections import defaultdict
+
+    class Holder:
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+        def state_dict(self) -> dict[str, Any]:
+            return self.value
+
+        def load_state_dict(self, value: dict[str, Any]) -> None:
+            self.value = value
+
+    scalars = {"f64": np.float64(1.5), "i32": np.int32(-3), "b": np.bool_(True), "u8": np.uint8(7)}
+    subclasses = {
+        "enum": _Color.RED,
+        "strenum": _Mode.TRAIN,
+        "pair": _Pair(1, [2]),
+        "dd": defaultdict(list, {"k": [1]}),
+        _Mode.TRAIN: "a key that is a str Enum",
+    }
+    with CheckpointManager(tmp_path, fsync=False) as mgr:
+        mgr.save(1, {"holder": Holder(scalars)})
+        path = mgr.save(2, {"holder": Holder(subclasses)})
+        manifest = json.loads((path / MANIFEST_NAME).read_text())
+        assert len(manifest["pickles"]) == len(subclasses)
+        target = Holder(dict.fromkeys(scalars))
+        mgr.restore_into({"holder": target}, 1, allow_pickle=False)  # no pickle needed
+        for name, value in scalars.items():
+            assert type(target.value[name]) is type(value) and target.value[name] == value
+        with pytest.raises(tdckpt.errors.PickleNotAllowedError):
+            mgr.restore_into({"holder": Holder(dict.fromkeys(subclasses))}, 2, allow_pickle=False)
+        target = Holder(dict.fromkeys(subclasses))
+        mgr.restore_into({"holder": target}, 2, allow_pickle=True)
+    got = target.value
+    assert got.keys() == subclasses.keys()
+    for name, value in subclasses.items():
+        assert type(got[name]) is type(value) and got[name] == value, name
+    assert type(next(k for k in got if k == "train")) is _Mode
+    got["dd"]["missing"].append(1)  # still a defaultdict

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tdckpt._read.state_structure import structure_problem
-from tdckpt._state.encode import STRUCTURE_KEY
+from tdckpt._state.encode import PICKLED, STRUCTURE_KEY
 from tdckpt.errors import RestoreError
 from tdckpt.schema import StateRecord
 
@@ -115,9 +115,23 @@ class _Decoder:
                 return tensor.numpy()
             if tag == "td":
                 return self._leaf(body)
+            if tag == "npscalar":
+                tensor = self.tensor(body)
+                if tensor.dtype not in _NUMPY_DTYPES or tensor.dim() != 0:
+                    raise RestoreError(
+                        f"{self.where}: the leaf {body!r} should be a NumPy scalar, but it is a "
+                        f"{tensor.dtype} tensor of shape {list(tensor.shape)}; the step is "
+                        "damaged.",
+                        key=body,
+                    )
+                return tensor.numpy()[()]
             if tag == "pickle":
                 value = self._leaf(body)
-                return value.data if hasattr(value, "data") and _is_non_tensor(value) else value
+                if hasattr(value, "data") and _is_non_tensor(value):
+                    value = value.data
+                if type(value) is tuple and len(value) == 2 and value[1] == PICKLED:
+                    return value[0]  # a subclass of a JSON type, pickled as itself
+                return value
         raise RestoreError(
             f"{self.where}: the saved structure holds {node!r:.100}, which is not what tdckpt "
             "writes; the step is damaged or was not written by tdckpt.",

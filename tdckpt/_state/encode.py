@@ -29,7 +29,11 @@ dicts, non-finite floats, the same tensor twice (tied weights, saved once):
 ``{"alias": leaf}``    the same tensor object as an earlier leaf
 ``{"ndarray": leaf}``  a NumPy array, stored as a tensor leaf
 ``{"td": leaf}``       a TensorDict-like value, stored as a sub-TensorDict
-``{"pickle": leaf}``   any other value: a NonTensorData leaf (pickled by tensordict)
+``{"npscalar": leaf}`` a NumPy scalar (``np.float64``), stored as a 0-d tensor leaf
+``{"pickle": leaf}``   any other value: a NonTensorData leaf (pickled by tensordict); a
+                       subclass of a JSON type (an ``IntEnum``, a namedtuple, a
+                       ``defaultdict``) is stored as ``(value, PICKLED)``, which tensordict
+                       pickles rather than writing the value as plain JSON
 ====================  ======================================
 """
 
@@ -70,6 +74,11 @@ STRUCTURE_KEY = STATE_STRUCTURE_KEY
 _TAKEN = frozenset({STRUCTURE_KEY, "shape", "device", "_type"})
 #: The dict classes stored as JSON, each under its tag.
 _DICT_TAGS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter"}
+#: The types tensordict writes as JSON: a subclass of one (not stored as its own tag) is
+#: pickled instead, paired with :data:`PICKLED`, so that it reads back as itself.
+_JSON_BASES = (str, int, float, list, tuple, dict)
+#: The mark beside a value pickled so (bytes: tensordict never writes them as JSON).
+PICKLED = b"tdckpt:pickled"
 #: The longest file name a file system takes (a leaf's encoded name plus its suffix).
 _MAX_FILE_NAME = 255
 
@@ -155,7 +164,17 @@ class _Encoder:
         # and one whose file name would be too long (a dict keyed by file paths, say) a
         # short one.
         name = path or "value"
-        if len(encode_key(name).encode()) + len(LEAF_SUFFIX) > _MAX_FILE_NAME - 8:
+        try:
+            encoded = encode_key(name).encode()
+        except UnicodeEncodeError:
+            raise UnsupportedContentError(
+                f"state entry {self.entry!r}: its state_dict key {path!r} holds a lone "
+                "surrogate, which no file name (UTF-8) can hold, so nothing was written. "
+                "Rename the key, e.g. key.encode('utf-8', 'backslashreplace').decode().",
+                problems=[f"{self.entry}: a key not valid as UTF-8 at {path!r}"],
+                keys=[(self.entry,)],
+            ) from None
+        if len(encoded) + len(LEAF_SUFFIX) > _MAX_FILE_NAME - 8:
             name = "leaf"
         if name in _TAKEN or name in self.leaves:
             n = 1
@@ -225,13 +244,28 @@ class _Encoder:
             name = self._leaf_name(path)
             self.leaves[name] = torch.from_numpy(value.copy())
             return {"ndarray": name}
+        if _is_numpy_scalar(value) and value.dtype.kind in "biuf" and value.dtype.isnative:
+            name = self._leaf_name(path)
+            self.leaves[name] = torch.tensor(value)  # 0-d, its dtype
+            return {"npscalar": name}
         name = self._leaf_name(path)
+        if isinstance(value, _JSON_BASES):
+            # A subclass of a JSON type (an IntEnum, a namedtuple, a defaultdict, ...):
+            # tensordict would write it as JSON, and it would read back as the plain type.
+            # Paired with bytes (never JSON), it is pickled, and comes back as itself.
+            value = (value, PICKLED)
         self.leaves[name] = NonTensorData(data=value, batch_size=[])
         return {"pickle": name}
 
 
 def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
+
+
+def _is_numpy_scalar(value: Any) -> bool:
+    """A NumPy scalar (``np.float64(1.5)``, ``np.int32(3)``), without importing NumPy."""
+    cls = type(value)
+    return cls.__module__ == "numpy" and cls.__name__ != "ndarray" and hasattr(value, "dtype")
 
 
 def _is_ndarray(value: Any) -> bool:
