@@ -101,6 +101,52 @@ def test_content_tensordict_cannot_consolidate_is_refused_and_nothing_left(
     assert sorted(os.listdir(tmp_path)) == []
 
 
+@pytest.mark.parametrize("how", ["save", "manager", "save_async", "tensorclass"])
+def test_a_dtype_consolidate_cannot_name_is_refused_naming_the_key(
+    tmp_path: Path, how: str
+) -> None:
+    """tensordict's consolidate() has no name for float8 dtypes: refused before anything
+    is written, naming the key and the layout that stores it (was a raw KeyError from
+    inside tensordict, or an AttributeError from save_async)."""
+    from tensordict import tensorclass
+
+    f8 = torch.randn(3).to(torch.float8_e4m3fn)
+    td = TensorDict(ok=torch.ones(3), sub=TensorDict(w=f8))
+    match = r"cannot store 'sub\.w' \(torch\.float8_e4m3fn\).*layout='memmap'"
+    if how == "save":
+        with pytest.raises(UnsupportedContentError, match=match) as info:
+            tdckpt.save(td, tmp_path / "ckpt", layout="consolidated")
+        assert str(tmp_path / "ckpt") in str(info.value)
+    elif how == "tensorclass":
+
+        @tensorclass
+        class Pair:
+            w: torch.Tensor
+
+        with pytest.raises(UnsupportedContentError, match=r"cannot store 'w'"):
+            tdckpt.save(Pair(w=f8, batch_size=[3]), tmp_path / "ckpt", layout="consolidated")
+    else:
+        with tdckpt.CheckpointManager(tmp_path / "run", layout="consolidated") as mgr:
+            with pytest.raises(UnsupportedContentError, match=match):
+                if how == "save_async":
+                    mgr.save_async(1, td).result()
+                else:
+                    mgr.save(1, td)
+            assert mgr.steps() == []
+        root = tmp_path / "run"
+        assert set(os.listdir(root) if root.exists() else []) <= {".tdckpt.lock"}
+        if root.exists():
+            (root / ".tdckpt.lock").unlink(missing_ok=True)
+            root.rmdir()
+    assert sorted(os.listdir(tmp_path)) == []
+    tdckpt.save(td, tmp_path / "memmap")  # the per-leaf layout stores it
+    assert (
+        tdckpt.load_memmap(tmp_path / "memmap")["sub", "w"]
+        .view(torch.uint8)
+        .equal(f8.view(torch.uint8))
+    )
+
+
 def test_a_symlinked_data_file_is_refused(tmp_path: Path) -> None:
     prefix = tmp_path / "ckpt"
     tdckpt.save(make_td(), prefix, layout="consolidated")

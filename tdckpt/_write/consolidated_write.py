@@ -16,10 +16,13 @@ checks (refusing what it could not restore), fsyncs it and checksums it.
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tdckpt._read.consolidated import DATA_NAME, ConsolidatedStorage, open_consolidated
 from tdckpt._write.checksum import CHUNK_BYTES, DEFAULT_CHECKSUM, new_hasher
@@ -66,6 +69,43 @@ def check_consolidatable(obj: Any, dest_dir: str | os.PathLike[str]) -> None:
             f"(tensordict's consolidate()), not a {type(obj).__name__}. Use layout='memmap'.",
             path=str(dest_dir),
         )
+    names = _dtype_names()
+    if names is None:
+        return
+    try:
+        from tensordict import is_tensorclass
+
+        inner = obj._tensordict if is_tensorclass(obj) else obj  # a tensorclass's data
+        leaves = list(inner.items(include_nested=True, leaves_only=True))
+    except Exception:
+        return
+    bad = [
+        (key if isinstance(key, tuple) else (key,), value.dtype)
+        for key, value in leaves
+        if isinstance(value, torch.Tensor) and value.dtype not in names
+    ]
+    if bad:
+        shown = ", ".join(f"{'.'.join(k)!r} ({dtype})" for k, dtype in bad[:5])
+        raise UnsupportedContentError(
+            f"{dest_dir}: layout='consolidated' cannot store {shown}: tensordict's "
+            "consolidate() has no name for that dtype, so nothing was written. Use "
+            "layout='memmap', which stores every dtype.",
+            path=str(dest_dir),
+            keys=[k for k, _ in bad],
+        )
+
+
+def _dtype_names() -> dict[torch.dtype, str] | None:
+    """tensordict's table of the dtypes ``consolidate()`` writes (None: not found, then
+    tensordict's writer decides)."""
+    for module in ("tensordict._base.serialization", "tensordict.utils"):
+        try:
+            table = getattr(importlib.import_module(module), "_DTYPE_TO_STR_DTYPE", None)
+        except ImportError:
+            continue
+        if isinstance(table, dict):
+            return table
+    return None
 
 
 def write_consolidated(
@@ -114,7 +154,7 @@ def _consolidate(obj: Any, data: Path) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             source.consolidate(filename=data)
-    except (TypeError, RuntimeError, NotImplementedError, ValueError) as exc:
+    except (TypeError, RuntimeError, NotImplementedError, ValueError, KeyError) as exc:
         raise UnsupportedContentError(
             f"{data.parent}: tensordict cannot write this object as a consolidated file "
             f"({type(exc).__name__}: {exc}). Non-tensor data must be plain JSON data there; "

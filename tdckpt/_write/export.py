@@ -421,7 +421,7 @@ def save(
             storage_options=storage_options,
         )
     require_local_options(prefix, storage_options)
-    from tdckpt._write.consolidated_write import check_layout
+    from tdckpt._write.consolidated_write import check_consolidatable, check_layout
 
     consolidated = check_layout(layout) == "consolidated"
     dest = Path(prefix)
@@ -430,6 +430,8 @@ def save(
             f"{dest}: layout='consolidated' writes a folder (one data file and the manifest), "
             "not a .tdz archive; choose a prefix without the .tdz suffix."
         )
+    if consolidated:
+        check_consolidatable(obj, dest)  # refused naming the prefix, before anything is made
     _check_prefix(dest)
     if os.path.lexists(dest):
         if not overwrite:
