@@ -334,3 +334,18 @@ def test_cli_export_import_round_trip(tmp_path: Path, capsys: pytest.CaptureFixt
         run(capsys, "export", "x", str(tmp_path / "o"), "--root", str(tmp_path / "run"))
     with pytest.raises(SystemExit):
         run(capsys, "export", "5", str(tmp_path / "o"), "--max-shard-size", "lots")
+
+
+def test_an_export_to_a_missing_folder_or_over_a_folder_names_the_output(tmp_path: Path) -> None:
+    """Both were raw OSErrors naming the hidden temporary file beside the output."""
+    from tdckpt.errors import UnsafePathError
+
+    with pytest.raises(
+        UnsafePathError, match=r"missing/x\.safetensors: its folder .* does not exist"
+    ):
+        tdckpt.export_safetensors({"a": torch.ones(1)}, tmp_path / "missing" / "x.safetensors")
+    (tmp_path / "d.safetensors").mkdir()
+    with pytest.raises(CheckpointExistsError, match=r"d\.safetensors: is a folder"):
+        tdckpt.export_safetensors({"a": torch.ones(1)}, tmp_path / "d.safetensors", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors"]
+    assert not any((tmp_path / "d.safetensors").iterdir())

@@ -36,7 +36,12 @@ import torch
 
 from tdckpt._interop.safetensors_write import write_bytes, write_file
 from tdckpt._write.atomic import fsync_dir
-from tdckpt.errors import CheckpointExistsError, MetadataError, UnsupportedContentError
+from tdckpt.errors import (
+    CheckpointExistsError,
+    MetadataError,
+    UnsafePathError,
+    UnsupportedContentError,
+)
 
 __all__ = ["ExportReport", "export_safetensors", "load_safetensors"]
 
@@ -162,6 +167,19 @@ def export_safetensors(
             for i in range(1, len(groups) + 1)
         ]
     index = None if len(groups) == 1 else target / INDEX_NAME
+    if single and not target.parent.is_dir():
+        raise UnsafePathError(
+            f"{target}: its folder {target.parent} does not exist (or is not a folder); "
+            "nothing was written. Create it first, or export to an existing folder.",
+            path=str(target),
+        )
+    if single and os.path.isdir(target) and not os.path.islink(target):
+        raise CheckpointExistsError(
+            f"{target}: is a folder; a .safetensors file cannot replace it, overwrite or "
+            "not. Export to another name, or into that folder (a name without the "
+            ".safetensors suffix).",
+            path=str(target),
+        )
     if not single:
         target.mkdir(parents=True, exist_ok=True)
     # Another export's files in the folder would mix with these (an index naming old
