@@ -215,17 +215,20 @@ def test_verify_covers_every_file_of_a_state_step(tmp_path: Path) -> None:
         assert_same(snapshot(target), before)
 
 
+class Holder:
+    """A stateful object whose state_dict is the value it holds."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.value
+
+    def load_state_dict(self, value: dict[str, Any]) -> None:
+        self.value = value
+
+
 def test_non_json_values_are_pickled_and_inventoried(tmp_path: Path) -> None:
-    class Holder:
-        def __init__(self, value: Any) -> None:
-            self.value = value
-
-        def state_dict(self) -> dict[str, Any]:
-            return self.value
-
-        def load_state_dict(self, value: dict[str, Any]) -> None:
-            self.value = value
-
     value = {
         "dtype": torch.float16,
         "nums": (1, 2.5, float("inf"), float("nan")),
@@ -665,16 +668,6 @@ def test_subclasses_of_json_types_and_numpy_scalars_come_back_as_themselves(
     scalars as 0-d tensor leaves (no pickle), the others pickled (so only with
     allow_pickle) and listed in the manifest's pickle inventory."""
     from collections import defaultdict
-
-    class Holder:
-        def __init__(self, value: Any) -> None:
-            self.value = value
-
-        def state_dict(self) -> dict[str, Any]:
-            return self.value
-
-        def load_state_dict(self, value: dict[str, Any]) -> None:
-            self.value = value
 
     scalars = {"f64": np.float64(1.5), "i32": np.int32(-3), "b": np.bool_(True), "u8": np.uint8(7)}
     subclasses = {
