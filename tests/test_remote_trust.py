@@ -954,3 +954,24 @@ def test_a_record_with_a_lone_surrogate_is_damaged_not_a_crash() -> None:
         with pytest.warns(TdckptWarning, match=r"gc kept 1 attempt\(s\) of step 2.*surrogates"):
             mgr.gc(grace_period=0)
     assert fs.cat_file(path) == data.replace(b'"note": "x"', b'"note": "\\udcff"')  # kept
+
+
+def test_a_root_whose_url_has_glob_characters_is_really_cleaned(remote: Remote) -> None:
+    """fsspec's ``rm`` reads paths as glob patterns: under ``.../exp[lr=0.1]`` it matched
+    nothing, so retention, gc and a failed save's cleanup deleted nothing while gc listed
+    the attempts as removed. Objects are now deleted by their exact names."""
+    from dataclasses import replace
+
+    from tdckpt.retention import KeepLast
+
+    r = replace(remote, url=remote.url + "/exp[lr=0.1]*?")
+    fs = r.fs()
+    with _mgr(r, retention=KeepLast(1)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _td(step))
+        assert mgr.steps() == [3]
+        assert mgr.gc(grace_period=0) == []
+        assert _equal(mgr.restore(), _td(3))
+    left = sorted(p.rsplit("/", 2)[-2] for p in fs.find(r.path()) if "attempt" in p)
+    assert len(left) == 1 and left[0].startswith("3.attempt-"), left
+    assert not [p for p in fs.find(r.path()) if "/1." in p or "/2." in p]

@@ -330,16 +330,40 @@ class Store:
                 self._call("delete", rel, delete)
 
     def rm_tree(self, rel: str) -> None:
-        """Delete every object under ``rel`` (already gone is fine)."""
+        """Delete every object under ``rel`` (already gone is fine).
+
+        fsspec's ``rm`` reads its paths as glob patterns: under a root such as
+        ``s3://b/exp[lr=0.1]`` it matches nothing, and would delete nothing while the caller
+        reported the objects gone. Such paths are deleted object by object, by exact name.
+        """
         names = list(self.find(rel))
-        if names:
+        literal = _has_magic(self.full(rel))
+        if names and literal:
+            self.rm_files(f"{rel}/{n}" for n in names)
+        elif names:
             full = [self.full(f"{rel}/{n}") for n in names]
             with contextlib.suppress(FileNotFoundError):
                 self._call("delete", rel, lambda: self.fs.rm(full))
         with contextlib.suppress(Exception):  # the directory of a filesystem that has them
-            if self.fs.exists(self.full(rel)):
-                self.fs.rm(self.full(rel), recursive=True)
+            path = self.full(rel)
+            if self.fs.exists(path):
+                if literal:  # its (now empty) folders, deepest first, by exact name
+                    dirs = [
+                        d
+                        for d, info in self.fs.find(path, withdirs=True, detail=True).items()
+                        if info.get("type") == "directory"
+                    ]
+                    for d in sorted(dirs, key=len, reverse=True):
+                        self.fs.rmdir(d)
+                    self.fs.rmdir(path)
+                else:
+                    self.fs.rm(path, recursive=True)
         self.invalidate()
+
+
+def _has_magic(path: str) -> bool:
+    """Whether fsspec would read ``path`` as a glob pattern (``*``, ``?`` or ``[``)."""
+    return any(c in path for c in "*?[")
 
 
 def mtime(info: dict[str, Any]) -> float | None:
