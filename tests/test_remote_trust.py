@@ -975,3 +975,38 @@ def test_a_root_whose_url_has_glob_characters_is_really_cleaned(remote: Remote) 
     left = sorted(p.rsplit("/", 2)[-2] for p in fs.find(r.path()) if "attempt" in p)
     assert len(left) == 1 and left[0].startswith("3.attempt-"), left
     assert not [p for p in fs.find(r.path()) if "/1." in p or "/2." in p]
+
+
+@pytest.mark.parametrize("damage", ["missing", "short"])
+def test_a_selective_restore_is_not_stopped_by_a_leaf_it_leaves_out(
+    remote: Remote, damage: str
+) -> None:
+    """As on a local root (docs/remote.rst): a leaf a selective restore does not select is
+    never read, so the loss of its object does not stop it; a whole restore, restore_into
+    and verify still refuse or report it, the target unchanged. Before, opening the step
+    refused it for any damaged object."""
+    from tensordict import TensorDict
+
+    from tdckpt.errors import IntegrityError
+
+    td = TensorDict(w=torch.arange(400_000.0), b=torch.ones(2))  # w: an object of its own
+    with _mgr(r := remote) as mgr:
+        mgr.save(1, td)
+    fs = r.fs()
+    (big,) = [o for o in fs.find(r.path()) if "attempt" in o and fs.info(o)["size"] > 1 << 20]
+    if damage == "missing":
+        fs.rm_file(big)
+    else:
+        fs.pipe_file(big, fs.cat_file(big)[:1000])
+    with _mgr(r) as mgr:
+        assert torch.equal(mgr.restore(1, keys="b")["b"], td["b"])
+        target = TensorDict(w=torch.zeros(400_000), b=torch.zeros(2))
+        with pytest.raises(IntegrityError, match=rf"{damage}: w\.memmap"):
+            mgr.restore(1)
+        with pytest.raises(IntegrityError, match=rf"{damage}: w\.memmap"):
+            mgr.restore_into(target, 1)
+        assert not target["w"].any() and not target["b"].any()
+        mgr.restore_into(target, 1, keys="b")
+        assert torch.equal(target["b"], td["b"]) and not target["w"].any()
+        report = mgr.verify(1)
+        assert not report.ok and [p.path for p in report.problems] == ["w.memmap"]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from tdckpt._read.object_storage import ObjectStorage, Span
+from tdckpt._read.object_storage import ObjectStorage, Span, is_leaf
 from tdckpt._read.storage import Storage
 from tdckpt._remote.urls import is_url, require_local_options
 from tdckpt._report import ProblemKind, VerifyProblem
@@ -206,8 +206,11 @@ def open_step_storage(
             read_error = exc
         listed = listing.result()
     found = _listing_problems(record, objects, listed, files)
-    if found:
-        raise storage.damage(found[0])
+    if any(not is_leaf(problem.path) for problem in found):
+        raise storage.damage(found[0])  # metadata every restore reads
+    # A leaf in a damaged object is refused when it is read: a selective restore that
+    # leaves it out is not stopped by it (a whole restore reads it ahead, and stops).
+    storage.hold_damage(found)
     if read_error is not None:
         raise read_error
     return storage

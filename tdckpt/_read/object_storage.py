@@ -59,7 +59,7 @@ from tdckpt.schema import MANIFEST_NAME
 if TYPE_CHECKING:
     from tdckpt._remote.store import Store
 
-__all__ = ["ObjectStorage", "Span"]
+__all__ = ["ObjectStorage", "Span", "is_leaf"]
 
 #: Bytes per ranged read, and bytes in flight per batch of ranged reads.
 RANGE_BYTES = 16 << 20
@@ -85,7 +85,7 @@ class Span:
     key: tuple[str, ...] | None = None
 
 
-def _is_leaf(rel: str) -> bool:
+def is_leaf(rel: str) -> bool:
     """Whether ``rel`` holds a tensor's bytes (read only when restored, never ahead)."""
     return rel.endswith(".memmap") and not rel.endswith(NESTED_SHAPE_SUFFIX)
 
@@ -143,6 +143,8 @@ class ObjectStorage(Storage):
         self._lock = threading.Lock()
         #: verified bytes read ahead, taken by read_bytes / map
         self._ready: dict[str, bytearray] = {}
+        #: leaves the object listing found gone or short: refused when read (hold_damage)
+        self._held: dict[str, VerifyProblem] = {}
         #: bytes and ranged reads this storage fetched (tests and the benchmark count them)
         self.bytes_fetched = 0
         self.ranges_fetched = 0
@@ -268,7 +270,15 @@ class ObjectStorage(Storage):
         file that does not match its span raises :class:`~tdckpt.errors.IntegrityError`, or
         with ``on_problem`` is given to it and skipped (``verify`` reports every problem).
         """
-        batches = _batches(self._runs(list(rels)))
+        wanted = list(rels)
+        if self._held:
+            for rel in wanted:
+                if rel in self._held:
+                    if on_problem is None:
+                        raise self.damage(self._held[rel])
+                    on_problem(self._held[rel])
+            wanted = [rel for rel in wanted if rel not in self._held]
+        batches = _batches(self._runs(wanted))
         read = self._read_ahead(batches) if read_ahead else map(self._read_batch, batches)
         for batch, (buffers, held) in zip(batches, read, strict=True):
             for (_, start, end, files), buf, got in zip(batch, buffers, held, strict=True):
@@ -403,6 +413,12 @@ class ObjectStorage(Storage):
         on_problem(problem)
         return None
 
+    def hold_damage(self, problems: Iterable[VerifyProblem]) -> None:
+        """Leaves whose objects the listing found gone or short: each is refused with its
+        problem when it is read, and only then - a selective restore that does not read it
+        is not stopped by it (verify reports it)."""
+        self._held.update((problem.path, problem) for problem in problems)
+
     def damage(self, problem: VerifyProblem) -> IntegrityError:
         """The error refusing the checkpoint for ``problem`` (naming the file's URL)."""
         return IntegrityError(
@@ -439,7 +455,7 @@ class ObjectStorage(Storage):
         # more in memory than the local reader would parse).
         small, total = [], 0
         for rel, span in sorted(self._spans.items(), key=lambda item: item[1].size):
-            if _is_leaf(rel) or span.size > _cap(rel):
+            if is_leaf(rel) or span.size > _cap(rel):
                 continue
             if total + span.size > MAX_METADATA_BYTES:
                 break

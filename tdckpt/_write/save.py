@@ -211,7 +211,7 @@ def prepare_checkpoint(obj: Any, where: str | os.PathLike[str]) -> PreparedCheck
     """
     from tensordict import is_tensor_collection
 
-    dest = Path(where)
+    dest = os.fspath(where)  # as given: Path() would fold a URL's "//" into "/"
     if not is_tensor_collection(obj):
         raise UnsupportedContentError(
             f"{dest}: cannot save a {type(obj).__name__}; expected a TensorDict, "
