@@ -11,8 +11,12 @@ removes it.
 The manager decides policy - what is saved, restored and deleted, and when - over a
 :class:`~tdckpt._store.base.StepStore` (:mod:`tdckpt._store`), which lists, opens, begins,
 commits, retires and collects the steps of a local folder or of an fsspec URL; the manager
-asks the store's capabilities, never its type. A step is re-read against its manifest
-through :mod:`tdckpt._manage.verify`.
+asks the store's capabilities, never its type. The mechanics are collaborators it owns
+and never reaches into (:mod:`tdckpt._manage`): :class:`~tdckpt._manage.saver.StepSaver`
+claims, writes and commits a step, then applies retention;
+:class:`~tdckpt._manage.reader.StepReader` restores one; both keep the steps being read
+or overwritten in :class:`~tdckpt._manage.pins.StepPins`. A step is re-read against its
+manifest through :mod:`tdckpt._manage.verify`.
 :meth:`CheckpointManager.save_async` stages a snapshot of the state on the caller's thread
 (:mod:`tdckpt._write.snapshot`) and runs the same save on one background thread
 (:mod:`tdckpt._manage.background`).
@@ -39,7 +43,6 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -395,11 +398,6 @@ class CheckpointManager:
         leftovers of crashed saves (``incomplete``, removed by :meth:`gc`).
         """
         return self._steps.statuses()
-
-    def _using(self, step: int | None) -> AbstractContextManager[tuple[int, Path, Manifest]]:
-        """The step pinned against retention while the block runs, as ``(step, path,
-        manifest)``, for a local root's readers (:meth:`StepPins.using`)."""
-        return self._pins.using(step)
 
     # -- saving ----------------------------------------------------------------------------
     def save(
