@@ -70,6 +70,7 @@ from tdckpt.schema import Manifest
 from tdckpt.warnings import TdckptDeprecationWarning
 
 if TYPE_CHECKING:
+    from tdckpt._shard.steps import ShardSteps
     from tdckpt._write.lock import RootLock
 
 __all__ = [
@@ -725,7 +726,7 @@ class CheckpointManager:
             incremental, where=str(self.root), archive=self.archive, layout=self.layout
         )
 
-    def _shard_steps(self) -> Any:
+    def _shard_steps(self) -> ShardSteps:
         """This root's steps as the shard layer drives them (:mod:`tdckpt._shard.steps`)."""
         from tdckpt._shard.steps import ShardSteps
 
