@@ -15,8 +15,8 @@ taken its in-process write lock (``_writing``) and the root's writer lock:
   pinned one; a failure then is a warning (:meth:`StepSaver.retain`), never a failed save.
 
 The background thread of ``save_async`` (:mod:`tdckpt._manage.background`) runs the same
-body (:meth:`StepSaver.save_in_background`). Lock order, everywhere: ``_writing``, then the
-writer lock, then the state lock.
+body (:meth:`StepSaver.save_in_background`). Lock order, as everywhere in the manager:
+``_writing`` before the state lock, never the reverse.
 """
 
 from __future__ import annotations
