@@ -11,8 +11,12 @@ removes it.
 The manager decides policy - what is saved, restored and deleted, and when - over a
 :class:`~tdckpt._store.base.StepStore` (:mod:`tdckpt._store`), which lists, opens, begins,
 commits, retires and collects the steps of a local folder or of an fsspec URL; the manager
-asks the store's capabilities, never its type. A step is re-read against its manifest
-through :mod:`tdckpt._manage.verify`.
+asks the store's capabilities, never its type. The mechanics are collaborators it owns
+and never reaches into (:mod:`tdckpt._manage`): :class:`~tdckpt._manage.saver.StepSaver`
+claims, writes and commits a step, then applies retention;
+:class:`~tdckpt._manage.reader.StepReader` restores one; both keep the steps being read
+or overwritten in :class:`~tdckpt._manage.pins.StepPins`. A step is re-read against its
+manifest through :mod:`tdckpt._manage.verify`.
 :meth:`CheckpointManager.save_async` stages a snapshot of the state on the caller's thread
 (:mod:`tdckpt._write.snapshot`) and runs the same save on one background thread
 (:mod:`tdckpt._manage.background`).
@@ -33,49 +37,40 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import threading
 import uuid
 import warnings
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from tdckpt._manage import background as _background
 from tdckpt._manage.background import BackgroundSaver, SaveFuture
+from tdckpt._manage.pins import StepPins
+from tdckpt._manage.reader import StepReader
+from tdckpt._manage.saver import StepSaver, saveable, step_info
 from tdckpt._manage.schedule import SaveSchedule
 from tdckpt._manage.steps import StepStatus
 from tdckpt._manage.verify import Progress, VerifyProblem, VerifyReport
 from tdckpt._progress import ProgressArg, progress_bar
 from tdckpt._shard.group import DEFAULT_TIMEOUT as _SHARD_TIMEOUT
 from tdckpt._shard.group import resolve_group, wants_group
-from tdckpt._state import holds_live_objects, is_state_mapping, to_tensordict
-from tdckpt._store import StepRecord, StepStore, open_step_store
+from tdckpt._state import is_state_mapping
+from tdckpt._store import StepStore, open_step_store
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
-from tdckpt._write.incremental import check_incremental, writes_reach_files
+from tdckpt._write.incremental import check_incremental
 from tdckpt._write.save import check_json_data, prepare_checkpoint
 from tdckpt._write.snapshot import StagingBuffers
-from tdckpt.errors import (
-    AsyncSaveError,
-    CheckpointExistsError,
-    IntegrityError,
-    RemoteError,
-    RestoreError,
-    TdckptError,
-    UnsupportedContentError,
-)
+from tdckpt.errors import AsyncSaveError, UnsupportedContentError
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
 from tdckpt.save_policy import SavePolicy
-from tdckpt.schema import Manifest, ShardedManifest, StateRecord
-from tdckpt.warnings import TdckptDeprecationWarning, TdckptWarning
+from tdckpt.schema import Manifest
+from tdckpt.warnings import TdckptDeprecationWarning
 
 if TYPE_CHECKING:
-    from tdckpt._read.pipeline import OpenedCheckpoint
-    from tdckpt._read.storage import Storage
+    from tdckpt._shard.steps import ShardSteps
     from tdckpt._write.lock import RootLock
 
 __all__ = [
@@ -242,13 +237,11 @@ class CheckpointManager:
         # (checked here, before any collective; joined and installed at the end).
         self._schedule = SaveSchedule(save_policy, clock)
         self._schedule.check_thread(str(self.root))
-        # Signalled when an overwrite ends: a restore of that step waits for it rather than
-        # read a folder that is being swapped.
-        self._swapped = threading.Condition(self._state)
-        self._overwriting: set[int] = set()
+        # The steps being read (kept from retention) or overwritten (reads of them wait).
+        self._pins = StepPins(self._steps, self._state)
         # One write (save, retention, gc) at a time within this process.
         self._writing = threading.Lock()
-        self._in_use: Counter[int] = Counter()
+        self._saver = StepSaver(self._steps, self._pins, writing=self._writing, state=self._state)
         # The arguments are refused before the group is made (a collective): every rank
         # refuses alike, and no group is left behind by a manager that never was.
         collective = caps.collective and wants_group(group)
@@ -271,6 +264,9 @@ class CheckpointManager:
         self._background = BackgroundSaver(self.root)
         self._staging = StagingBuffers()
         self._staging_lock = threading.Lock()
+        self._reader = StepReader(
+            self._steps, self._pins, shard=self._shard, background=self._background
+        )
         if self._shard is not None and save_policy is not None:
             self._schedule.join_group(self._shard.pg, timeout)  # collective, as the above
         self._schedule.install(str(self.root))
@@ -350,9 +346,6 @@ class CheckpointManager:
         if failure is not None:
             raise failure
 
-    def _ensure_lock(self) -> None:
-        self._steps.lock()
-
     # -- listing ---------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """The committed steps, in increasing order (never an attempt or foreign entry)."""
@@ -396,7 +389,7 @@ class CheckpointManager:
 
     def step_infos(self) -> list[StepInfo]:
         """What retention policies see: every committed step with its metadata, oldest first."""
-        return [_info(record) for _, record in sorted(self._steps.records().items())]
+        return [step_info(record) for _, record in sorted(self._steps.records().items())]
 
     def list_steps(self) -> list[StepStatus]:
         """Every step-like entry of the root with its status, for ``tdckpt ls``.
@@ -406,29 +399,6 @@ class CheckpointManager:
         leftovers of crashed saves (``incomplete``, removed by :meth:`gc`).
         """
         return self._steps.statuses()
-
-    @contextlib.contextmanager
-    def _pinned(self, step: int | None) -> Iterator[StepRecord]:
-        """Pick a committed step and protect it from retention until the block ends."""
-        with self._state:
-            record = self._steps.resolve(step)
-            while record.step in self._overwriting:
-                self._swapped.wait()
-                record = self._steps.resolve(step)
-            self._in_use[record.step] += 1
-        try:
-            yield record
-        finally:
-            with self._state:
-                self._in_use[record.step] -= 1
-                if self._in_use[record.step] <= 0:
-                    del self._in_use[record.step]
-
-    @contextlib.contextmanager
-    def _using(self, step: int | None) -> Iterator[tuple[int, Path, Manifest]]:
-        """:meth:`_pinned` as ``(step, path, manifest)``, for a local root's readers."""
-        with self._pinned(step) as record:
-            yield record.step, Path(record.where), record.manifest
 
     # -- saving ----------------------------------------------------------------------------
     def save(
@@ -498,8 +468,15 @@ class CheckpointManager:
                 )
             incremental = self._wants_incremental(incremental)
             answered = self._schedule.save_started()
-            shared = self._save_collective(
-                step, obj, metadata, overwrite, replicated, incremental=incremental
+            shared = self._saver.save_collective(
+                self._shard_steps(),
+                self.retention,
+                step,
+                obj,
+                metadata,
+                overwrite,
+                replicated,
+                incremental=incremental,
             )
             self._schedule.saved(step, answered)
             return shared
@@ -515,15 +492,16 @@ class CheckpointManager:
         incremental = self._wants_incremental(incremental)
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
-        obj, state = self._saveable(obj)
+        obj, state = saveable(obj)
         self._background.drain(before=f"this save of step {step} started", stacklevel=2)
         answered = self._schedule.save_started()
         with self._writing:
-            self._ensure_lock()
-            path = self._save_locked(
+            self._saver.lock_root()
+            path = self._saver.save_locked(
                 step,
                 obj,
                 metadata,
+                self.retention,
                 overwrite=overwrite,
                 progress=progress,
                 state=state,
@@ -617,7 +595,7 @@ class CheckpointManager:
         if metadata is not None:
             check_json_data(metadata)  # before taking the lock or creating anything
             metadata = copy.deepcopy(metadata)  # plain JSON: later edits must not reach it
-        obj, record = self._saveable(state)  # on the caller's thread, before the snapshot
+        obj, record = saveable(state)  # on the caller's thread, before the snapshot
         consolidated = self.layout == "consolidated"
         if consolidated:  # written whole by tensordict's consolidate: refused now, not later
             from tdckpt._write.consolidated_write import check_consolidatable
@@ -627,7 +605,7 @@ class CheckpointManager:
             self._background.drain(before=f"this save of step {step} started", stacklevel=2)
             if not collective:  # (a collective save checks on rank 0, in the protocol)
                 with self._writing:
-                    self._ensure_lock()
+                    self._saver.lock_root()
                     if self._steps.existing(step):
                         raise self._steps.exists_error(step)
             answered = self._schedule.save_started()
@@ -643,12 +621,19 @@ class CheckpointManager:
                 snapshot = self._staging.stage(prepared)
             if collective:
                 shards = tuple(replicated)
-                job = lambda: self._save_collective(  # noqa: E731
-                    step, snapshot, metadata, False, shards, incremental=incremental
+                job = lambda: self._saver.save_collective(  # noqa: E731
+                    self._shard_steps(),
+                    self.retention,
+                    step,
+                    snapshot,
+                    metadata,
+                    False,
+                    shards,
+                    incremental=incremental,
                 )
             else:
-                job = lambda: self._save_in_background(  # noqa: E731
-                    step, snapshot, metadata, record, incremental
+                job = lambda: self._saver.save_in_background(  # noqa: E731
+                    step, snapshot, metadata, record, self.retention, incremental
                 )
             future = self._background.submit(step, job)
         self._schedule.saved(step, answered)
@@ -733,96 +718,6 @@ class CheckpointManager:
             return None
         return future._future.result()
 
-    def _save_in_background(
-        self,
-        step: int,
-        snapshot: Any,
-        metadata: dict[str, Any] | None,
-        state: StateRecord | None,
-        incremental: bool = False,
-    ) -> Path | str:
-        with self._writing:
-            self._ensure_lock()
-            return self._save_locked(
-                step, snapshot, metadata, overwrite=False, state=state, incremental=incremental
-            )
-
-    @staticmethod
-    def _saveable(obj: Any) -> tuple[Any, StateRecord | None]:
-        """What ``save``/``save_async`` write for ``obj``, and the training-state record.
-
-        A training state (a mapping holding modules, optimizers, ...) becomes one
-        TensorDict of every entry's state (:func:`tdckpt._state.to_tensordict`); anything
-        else is written as it is. Runs on the caller's thread, before any snapshot.
-        """
-        if is_state_mapping(obj):
-            return to_tensordict(obj)
-        return obj, None
-
-    @contextlib.contextmanager
-    def _claimed(self, step: int, overwrite: bool) -> Iterator[None]:
-        """Under ``_writing`` and the writer lock: ``step`` claimed while the block runs -
-        refused if it exists without ``overwrite``, or is being restored or verified; an
-        existing one is marked as being overwritten (restores of it wait)."""
-        if not self._steps.existing(step):
-            yield
-            return
-        if not overwrite:
-            raise self._steps.exists_error(step)
-        with self._state:
-            if self._in_use.get(step):
-                raise CheckpointExistsError(
-                    f"{self.root}: step {step} is being restored or verified right "
-                    "now; it cannot be overwritten until that finishes. Save under "
-                    "another step, or retry.",
-                    path=str(self.root),
-                    step=step,
-                )
-            self._overwriting.add(step)
-        try:
-            yield
-        finally:
-            with self._state:
-                self._overwriting.discard(step)
-                self._swapped.notify_all()
-
-    def _save_locked(
-        self,
-        step: int,
-        obj: Any,
-        metadata: dict[str, Any] | None,
-        *,
-        overwrite: bool,
-        progress: ProgressArg = None,
-        state: StateRecord | None = None,
-        incremental: bool = False,
-    ) -> Path | str:
-        """The body of a save, under ``_writing`` and the writer lock: begin, write,
-        commit, then retention.
-
-        ``obj`` is what to write: an object, or a staged snapshot of one (the background
-        thread of :meth:`save_async`).
-        """
-        with self._claimed(step, overwrite):
-            attempt = self._steps.begin(step, overwrite=overwrite)
-            try:
-                with progress_bar(progress, "save") as report:
-                    self._steps.write(
-                        attempt,
-                        obj,
-                        metadata=metadata,
-                        state=state,
-                        progress=report,
-                        incremental=incremental,
-                    )
-            except BaseException:
-                self._steps.abort(attempt)
-                raise
-            # _warn_not_removed <- remove <- commit <- _save_locked <- save <- caller
-            path = self._steps.commit(attempt, stacklevel=4)
-        self._retain(step, stacklevel=4)  # _retain <- _save_locked <- save <- caller
-        return path
-
     def _wants_incremental(self, incremental: bool | None) -> bool:
         """A save's ``incremental`` (None: the manager's), refused where it cannot apply."""
         if incremental is None:
@@ -831,51 +726,7 @@ class CheckpointManager:
             incremental, where=str(self.root), archive=self.archive, layout=self.layout
         )
 
-    def _retain(self, step: int, *, stacklevel: int) -> None:
-        """Retention after ``step`` committed: from here on nothing may make the save look
-        failed, so a failure is a warning (``stacklevel`` counted from this method; on
-        save_async's thread it is kept and issued on the caller's)."""
-        try:
-            self._apply_retention(just_saved=step, stacklevel=stacklevel + 1)
-        except (OSError, TdckptError) as exc:
-            _background.warn(
-                f"{self._steps.commit_point(step)}: step {step} is committed, but applying "
-                "the retention policy after "
-                f"it failed ({_why(exc)}); older steps it would have deleted may still be "
-                "listed, and data of a deleted step may be left for gc. Run prune() and gc() "
-                "(or `tdckpt gc`) again once the root answers.",
-                TdckptWarning,
-                stacklevel=stacklevel,
-            )
-
-    def _save_collective(
-        self,
-        step: int,
-        obj: Any,
-        metadata: dict[str, Any] | None,
-        overwrite: bool,
-        replicated: Any,
-        *,
-        incremental: bool = False,
-    ) -> Path:
-        """The sharded save protocol (every rank), then retention on rank 0."""
-        from tdckpt._shard.save import collective_save
-
-        path = collective_save(
-            self._shard_steps(),
-            step,
-            obj,
-            metadata=metadata,
-            overwrite=overwrite,
-            replicated=replicated,
-            incremental=incremental,
-        )
-        if self._shard is not None and self._shard.rank == 0:
-            with self._writing:
-                self._retain(step, stacklevel=4)  # <- _save_collective <- save <- caller
-        return path
-
-    def _shard_steps(self) -> Any:
+    def _shard_steps(self) -> ShardSteps:
         """This root's steps as the shard layer drives them (:mod:`tdckpt._shard.steps`)."""
         from tdckpt._shard.steps import ShardSteps
 
@@ -885,39 +736,11 @@ class CheckpointManager:
             fsync=self.fsync,
             checksum=self.checksum,
             resolve=self._resolve,
-            using=self._using,
-            verified=self._verified,
-            turn=self._turn,
+            using=self._pins.using,
+            verified=self._reader.verified,
+            turn=self._saver.turn,
             layout=self.layout,
         )
-
-    @contextlib.contextmanager
-    def _turn(self, step: int, overwrite: bool) -> Iterator[None]:
-        """This process's exclusive turn to write ``step`` (see :meth:`_claimed`)."""
-        with self._writing:
-            self._ensure_lock()
-            with self._claimed(step, overwrite):
-                yield
-
-    def _apply_retention(self, *, just_saved: int | None, stacklevel: int) -> list[Path | str]:
-        """Retire the steps the policy does not keep, then remove them. ``stacklevel``: of
-        a warning about a step that could not be removed, counted from this method."""
-        if type(self.retention) is KeepAll:
-            return []  # keeps everything: no listing needed
-        with self._state:
-            records = self._steps.records()
-            infos = [_info(record) for _, record in sorted(records.items())]
-            if not infos:
-                return []
-            keep = set(self.retention.select_to_keep(infos))
-            # Never: the newest committed step, the one just saved, one in use.
-            keep.add(infos[-1].step)
-            if just_saved is not None:
-                keep.add(just_saved)
-            keep.update(self._in_use)
-            retired = self._steps.retire([records[i.step] for i in infos if i.step not in keep])
-        # The (slow) removal runs without _state: restores of other steps need not wait.
-        return self._steps.remove(retired, stacklevel=stacklevel + 1)
 
     def prune(self) -> list[Path | str]:
         """Apply the retention policy now (it also runs after every save); return what went."""
@@ -926,9 +749,9 @@ class CheckpointManager:
         with self._writing:
             if not self._steps.exists():
                 return []
-            self._ensure_lock()
-            # _warn_not_removed <- remove <- _apply_retention <- prune <- caller
-            return self._apply_retention(just_saved=None, stacklevel=3)
+            self._saver.lock_root()
+            # _warn_not_removed <- remove <- apply_retention <- prune <- caller
+            return self._saver.apply_retention(self.retention, just_saved=None, stacklevel=3)
 
     def gc(self, *, grace_period: float | None = None) -> list[Path | str]:
         """Remove what crashed saves and deletes left behind; return the removed paths.
@@ -955,7 +778,7 @@ class CheckpointManager:
         with self._writing:
             if not self._steps.exists():
                 return []
-            self._ensure_lock()
+            self._saver.lock_root()
             # the warning <- store.gc <- gc <- caller
             return self._steps.gc(grace_period, stacklevel=3)
 
@@ -1005,29 +828,14 @@ class CheckpointManager:
     ) -> VerifyReport:
         if step is not None:
             step = _atomic.check_step(step)
-            with self._state:
-                while step in self._overwriting:
-                    self._swapped.wait()
+            self._pins.settle(step)
             damaged = self._steps.damaged(step)
             if damaged is not None:
                 return damaged
-        with self._pinned(step) as record:
+        with self._pins.pinned(step) as record:
             return self._steps.verify(record, progress, shared=shared)
 
     # -- restoring -------------------------------------------------------------------------
-    def _verified(self, step: int, path: Path | str, manifest: Manifest) -> None:
-        report = self._steps.verify(StepRecord(step, path, manifest), None)
-        if not report.ok:
-            raise IntegrityError(
-                f"{path}: step {step} failed verification, so nothing was restored and the "
-                f"target is unchanged.\n{report.summary()}\nRestore another step (see "
-                "steps()), or re-save this one.",
-                path=str(path),
-                step=step,
-                report=report,
-                problems=list(report.problems),
-            )
-
     def restore_into(
         self,
         td: Any,
@@ -1096,81 +904,19 @@ class CheckpointManager:
             IntegrityError: ``verify=True`` and the step is damaged (every problem listed).
             RestoreError: ``strict=True`` and the keys differ (``.missing``/``.unexpected``).
         """
-        from tdckpt._restore.engine import _check_args, load_local, restore_in_place
-        from tdckpt._restore.select import RestoreReport, Selection
-
-        _check_args(True, allow_pickle, mode)
-        mode = self._mode(mode)
-        selection = Selection.of_report(keys, exclude, report, in_place=True)
-        if holds_live_objects(td):  # a training state (a dict of tensors is a nested-dict target)
-            from tdckpt._restore.transform import check_device
-            from tdckpt._state.select import restore_entries
-
-            check_device(device, str(self.root))
-            done = RestoreReport()
-            with self._reading(step, verify, writes_reach_files(mode)) as (record, path):
-
-                def read(part: Selection | None) -> Any:
-                    with _metadata_checked(path, record):
-                        return load_local(
-                            path,
-                            robust_key=True,
-                            allow_pickle=allow_pickle,
-                            mode=mode,
-                            manifest_checked=True,
-                            selection=part,
-                            report=done,
-                        )
-
-                restore_entries(
-                    td,
-                    read,
-                    record.manifest.state,
-                    selection,
-                    where=f"{record.where}: step {record.step}",
-                    strict=strict,
-                    device=device,
-                    report=done,
-                )
-            return (td, done) if report else td
-        if device is not None:
-            raise ValueError(
-                "device= applies to a training state (a mapping of names to modules, ...); "
-                "a TensorDict is restored memory-mapped on the CPU: move it afterwards."
-            )
-        if self._sharded_path(step, None):
-            from tdckpt._shard.restore import restore_into_rows
-
-            done = RestoreReport()
-            restore_into_rows(
-                self._shard_steps(),
-                td,
-                step,
-                allow_pickle=allow_pickle,
-                mode=mode,
-                verify=verify,
-                strict=strict,
-                selection=selection,
-                report=done,
-            )
-            return (td, done) if report else td
-        done = RestoreReport()
-        with self._reading(step, verify, writes_reach_files(mode)) as (record, path):
-            same_keys = _same_keys(td, str(record.where), record.step, selection)
-            with _metadata_checked(path, record):
-                restore_in_place(
-                    td,
-                    path,
-                    True,
-                    allow_pickle=allow_pickle,
-                    mode=mode,
-                    check=same_keys if strict else None,
-                    manifest_checked=True,  # the store validated it
-                    selection=selection,
-                    strict=strict,
-                    report=done if report else None,  # a report only when asked for
-                )
-        return (td, done) if report else td
+        return self._reader.restore_into(
+            td,
+            step,
+            allow_pickle=allow_pickle,
+            mode=mode,
+            verify=verify,
+            strict=strict,
+            device=device,
+            keys=keys,
+            exclude=exclude,
+            report=report,
+            shard_steps=self._shard_steps,
+        )
 
     def restore(
         self,
@@ -1208,169 +954,21 @@ class CheckpointManager:
             RestoreError: ``strict`` and a pattern of ``keys`` selects nothing; a
                 ``device`` this process does not have (before anything is read).
         """
-        from tdckpt._restore.engine import _check_args, load_local
-        from tdckpt._restore.select import RestoreReport, Selection
-        from tdckpt._restore.transform import apply_transforms, check_device, check_transforms
-
-        check_transforms(rename, dtype)
-        check_device(device, str(self.root))
-        selection = Selection.of_report(keys, exclude, report)
-        if rows is not None and not self._steps.capabilities.collective:
-            raise ValueError(
-                f"{self.root}: rows= selects rows of a sharded step; sharded steps are saved "
-                "to local roots. Restore the whole step and slice it."
-            )
-        if self._sharded_path(step, rows):
-            from tdckpt._shard.restore import restore_rows
-
-            def transform(obj: Any) -> Any:
-                obj = apply_transforms(obj, rename=rename, dtype=dtype, where=str(self.root))
-                return obj if device is None else obj.to(device)
-
-            done = RestoreReport()
-            part = restore_rows(
-                self._shard_steps(),
-                step,
-                rows,
-                allow_pickle=allow_pickle,
-                mode=mode,
-                verify=verify,
-                selection=selection,
-                strict=strict,
-                report=done,
-                transform=transform if (rename, dtype, device) != (None, None, None) else None,
-            )
-            return (part, done) if report else part
-        _check_args(True, allow_pickle, mode)
-        mode = self._mode(mode)
-        done = RestoreReport()
-        with self._reading(step, verify, writes_reach_files(mode)) as (record, path):
-            if record.manifest.state is not None:  # a training state: patterns name its entries
-                from tdckpt._state.select import check_entry_patterns
-
-                check_entry_patterns(selection, f"{record.where}: step {record.step}")
-            with _metadata_checked(path, record):
-                obj = load_local(
-                    path,
-                    robust_key=True,
-                    allow_pickle=allow_pickle,
-                    mode=mode,
-                    device=device,
-                    manifest_checked=True,  # the store validated it
-                    selection=selection,
-                    strict=strict,
-                    report=done,
-                )
-            obj = apply_transforms(
-                obj, rename=rename, dtype=dtype, where=f"{self.root}: step {record.step}"
-            )
-        return (obj, done) if report else obj
-
-    @contextlib.contextmanager
-    def _reading(
-        self, step: int | None, verify: bool, writes: bool = False
-    ) -> Iterator[tuple[StepRecord, Path | Storage]]:
-        """A committed step, pinned against retention and opened by the store (a local
-        folder or archive, or the store's own reader), verified first when asked and the
-        store's reads are not verified anyway. ``writes``: the restore maps files shared and
-        writable (the store first gives this step private copies of the files it shares)."""
-        with self._pinned(step) as record:
-            if verify and not self._steps.capabilities.verifies_reads:
-                self._verified(record.step, record.where, record.manifest)
-            with self._steps.open(record, writes=writes) as path:
-                yield record, path
-
-    def _mode(self, mode: Literal["r", "r+"] | None) -> Literal["r", "r+"] | None:
-        """``mode`` as the store can honour it: a step not read in place is read into a
-        private copy, where ``"r+"`` would promise writes that never reach the step."""
-        if self._steps.capabilities.file_backed:
-            return mode
-        if mode == "r+":
-            raise ValueError(
-                "mode='r+' maps the checkpoint's files shared so writes reach them; a step in "
-                "object storage is read into memory, so writes could never reach it. "
-                "Use mode='r' (default)."
-            )
-        return "r"
-
-    def _sharded_path(self, step: int | None, rows: Any) -> bool:
-        """Whether a restore is collective, of a sharded step, or of some rows."""
-        if self._shard is not None or rows is not None:
-            # One user of tdckpt's group at a time: a save in flight finishes first.
-            self._background.drain(before="this restore started", stacklevel=4)
-            return True
-        if not self._steps.capabilities.collective:
-            return False  # no sharded step there: no listing to find out
-        try:
-            return isinstance(self._resolve(step)[2], ShardedManifest)
-        except TdckptError:
-            return False  # the plain path raises the error
-
-
-def _info(record: StepRecord) -> StepInfo:
-    return StepInfo(
-        step=record.step,
-        path=record.where,
-        metadata=copy.deepcopy(record.manifest.user_metadata),
-        created=record.manifest.created,
-    )
-
-
-def _metadata_checked(path: Path | Storage, record: StepRecord) -> Any:
-    """Every file the restore reads whole (``meta.json``, ...) checked against the manifest.
-
-    Always, not only under ``verify=True``: those files are read anyway (see
-    :mod:`tdckpt._read.expected`). A mismatch raises an IntegrityError, target untouched.
-    A store's own reader (object storage) checks every file it reads itself.
-    """
-    from tdckpt._read.expected import expecting
-
-    if not isinstance(path, (str, os.PathLike)):
-        return contextlib.nullcontext()
-    return expecting(path, record.manifest, where=f"{record.where}: step {record.step}")
-
-
-def _same_keys(
-    td: Any, where: str, step: int, selection: Any = None
-) -> Callable[[OpenedCheckpoint], None]:
-    """The ``strict=True`` check of :meth:`CheckpointManager.restore_into`.
-
-    Runs on the validated node tree, before any leaf is mapped or value unpickled, and
-    raises a RestoreError listing the keys that differ (``where``: the step's path or URL).
-    With a ``selection`` (a selective restore), only the target's keys it concerns count.
-    """
-    from tdckpt._restore.keys import selected_difference, show_keys, structures_match
-
-    def check(opened: OpenedCheckpoint) -> None:
-        if opened.root is not None and structures_match(opened.root, td):
-            return  # the same keys, level by level: nothing to list
-        missing, unexpected = selected_difference(opened, td, selection)
-        if missing or unexpected:
-            raise RestoreError(
-                f"{where}: step {step} does not have the target's keys (strict=True); "
-                f"nothing was changed. In the target but not the checkpoint: "
-                f"{show_keys(missing)}. In the checkpoint but not the target: "
-                f"{show_keys(unexpected)}. Pass strict=False to give the target the "
-                "checkpoint's structure, or use restore() for a new object.",
-                path=where,
-                step=step,
-                missing=missing,
-                unexpected=unexpected,
-            )
-
-    return check
-
-
-def _why(exc: BaseException) -> str:
-    """What went wrong, for a warning issued after a commit: a store failure's operation,
-    object and cause (not its "Nothing was committed" advice, which is for failed saves)."""
-    from tdckpt._remote.store import shorten
-
-    if isinstance(exc, RemoteError) and "operation" in exc.facts:
-        cause = exc.__cause__
-        shown = repr(cause) if cause is not None else exc.message
-        return f"{exc.facts['operation']} of {exc.facts.get('path')}: {shorten(shown, 300)}"
-    return shorten(str(exc), 400)
+        return self._reader.restore(
+            step,
+            allow_pickle=allow_pickle,
+            mode=mode,
+            verify=verify,
+            rows=rows,
+            keys=keys,
+            exclude=exclude,
+            strict=strict,
+            report=report,
+            rename=rename,
+            dtype=dtype,
+            device=device,
+            shard_steps=self._shard_steps,
+        )
 
 
 def RemoteCheckpointManager(root: str, **kwargs: Any) -> CheckpointManager:

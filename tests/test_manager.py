@@ -462,7 +462,10 @@ def test_a_restore_waits_for_an_overwrite_of_its_step(
 
 def test_a_step_in_use_cannot_be_overwritten(mgr: CheckpointManager) -> None:
     mgr.save(1, make_td(1))
-    with mgr._using(1), pytest.raises(CheckpointExistsError, match="being restored or verified"):
+    with (
+        mgr._pins.using(1),
+        pytest.raises(CheckpointExistsError, match="being restored or verified"),
+    ):
         mgr.save(1, make_td(2), overwrite=True)
     mgr.save(1, make_td(2), overwrite=True)
 

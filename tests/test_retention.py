@@ -178,7 +178,7 @@ def test_retention_sees_the_metadata_and_runs_after_the_commit(tmp_path: Path) -
 def test_a_step_being_restored_is_never_deleted(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, retention=KeepLast(1), fsync=False) as mgr:
         _save_all(mgr, [1])
-        with mgr._using(1):  # what restore_into/restore/verify hold while they read
+        with mgr._pins.using(1):  # what restore_into/restore/verify hold while they read
             _save_all(mgr, [2, 3])
             assert mgr.steps() == [1, 3]
         mgr.save(4, _td(4))

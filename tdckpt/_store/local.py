@@ -267,7 +267,7 @@ class LocalStepStore:
                     if self.fsync:  # the root's own name must survive a crash too
                         _atomic.fsync_dir(self.root.parent)
                 new = RootLock(self.root, manager_id=self._id, fsync=self.fsync)
-                # warning -> acquire <- lock <- _ensure_lock <- save/gc <- the user's line
+                # warning -> acquire <- lock <- StepSaver.lock_root <- save/gc <- the user's line
                 new.acquire(stacklevel=4)
                 self.root_lock = new
 
