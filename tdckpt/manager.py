@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import numbers
 import os
 import threading
 import uuid
@@ -771,8 +772,14 @@ class CheckpointManager:
         running), an hour in object storage (a save may still be uploading, and the
         store's clock decides).
         """
-        if grace_period is not None and not grace_period >= 0:
-            raise ValueError(f"grace_period must be >= 0 seconds, got {grace_period!r}")
+        if grace_period is not None and (
+            not isinstance(grace_period, numbers.Real)
+            or isinstance(grace_period, bool)
+            or not grace_period >= 0
+        ):
+            raise ValueError(
+                f"grace_period must be None or a number of seconds >= 0, got {grace_period!r}"
+            )
         if self._shard is not None and self._shard.rank != 0:
             return []  # rank 0 cleans the shared root
         with self._writing:
