@@ -614,6 +614,10 @@ class CheckpointManager:
             if collective or not self._steps.capabilities.file_backed or consolidated:
                 from tdckpt._write.snapshot import detached_copy
 
+                if not collective and not consolidated:
+                    # content the format cannot store is refused here, naming the key, as
+                    # for a local root (the background thread would find it only later)
+                    prepare_checkpoint(obj, f"{self.root}/{_atomic.step_name(step)}")
                 # tensors cloned, non-tensor values deep-copied; a shard's errors (a bad
                 # shard, ...) surface in the protocol, on every rank
                 snapshot = detached_copy(obj)

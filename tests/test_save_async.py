@@ -617,3 +617,41 @@ def test_a_forked_child_saves_on_its_own_thread(tmp_path: Path) -> None:
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
         assert mgr.steps() == [1, 2]
         assert mgr.restore(2)["a"].tolist() == [1.0, 1.0]
+
+
+class Unpicklable:
+    def __reduce__(self) -> Any:
+        raise RuntimeError("cannot pickle me")
+
+
+class NoDeepcopy:
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise RuntimeError("cannot deepcopy me")
+
+
+def test_save_async_to_object_storage_refuses_content_on_the_callers_thread() -> None:
+    """As for a local root (docs/async.rst): content the format cannot store is refused by
+    save_async itself, naming the key, before anything is copied; a value that cannot be
+    copied is an UnsupportedContentError saying so (save() still stores it). Before, an
+    object storage root raised the value's own RuntimeError from the copy, and refused a
+    meta tensor only later, from result()."""
+    import uuid
+
+    from tdckpt.errors import UnsupportedContentError
+
+    root = f"memory://a{uuid.uuid4().hex[:12]}/run"
+    with CheckpointManager(root) as mgr:
+        for value, key in ((Unpicklable(), "o"), (torch.empty(3, device="meta"), "w")):
+            td = TensorDict(
+                {key: value if isinstance(value, torch.Tensor) else NonTensorData(value)}
+            )
+            with pytest.raises(UnsupportedContentError, match=rf"(?s){root}/1: .*key \('{key}',\)"):
+                mgr.save_async(1, td)
+        td = TensorDict(w=torch.ones(2), n=NonTensorData(NoDeepcopy()))
+        with pytest.raises(
+            UnsupportedContentError, match=r"copying it failed .*cannot deepcopy me"
+        ):
+            mgr.save_async(1, td)
+        assert mgr.steps() == []
+        mgr.save(1, td)  # the synchronous save stores it
+        assert mgr.steps() == [1]

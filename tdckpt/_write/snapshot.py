@@ -32,6 +32,7 @@ import torch
 from tdckpt._write.save import PreparedCheckpoint
 from tdckpt._write.save_plan import Op, Plan
 from tdckpt._write.writer import pieces
+from tdckpt.errors import UnsupportedContentError
 
 __all__ = ["StagingBuffers"]
 
@@ -198,4 +199,11 @@ def detached_copy(obj: Any) -> Any:
 
     if not is_tensor_collection(obj):
         return obj  # the save protocol refuses it, on every rank, with the usual message
-    return pickle.loads(pickle.dumps(obj.clone(), protocol=pickle.HIGHEST_PROTOCOL))
+    try:
+        return pickle.loads(pickle.dumps(obj.clone(), protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:  # a value's own copy or pickle code raised
+        raise UnsupportedContentError(
+            "save_async takes a copy of the state that later writes cannot reach, and "
+            f"copying it failed ({type(exc).__name__}: {exc}); nothing was saved. Make its "
+            "non-tensor values copyable (copy.deepcopy and pickle), or use save().",
+        ) from exc
