@@ -1010,3 +1010,48 @@ def test_a_selective_restore_is_not_stopped_by_a_leaf_it_leaves_out(
         assert torch.equal(target["b"], td["b"]) and not target["w"].any()
         report = mgr.verify(1)
         assert not report.ok and [p.path for p in report.problems] == ["w.memmap"]
+
+
+def _child_saving(url: str, end: str) -> str:
+    return (
+        "import os, signal, torch\n"
+        "from tensordict import TensorDict\n"
+        "from tdckpt import CheckpointManager\n"
+        f"m = CheckpointManager({url!r})\n"
+        "m.save(1, TensorDict(w=torch.ones(2)))\n"
+        + ("os.kill(os.getpid(), signal.SIGKILL)\n" if end == "killed" else "")
+    )
+
+
+@pytest.mark.parametrize("end", ["exits", "killed"])
+def test_a_process_that_never_closes_its_manager_does_not_lock_the_root_out(
+    tmp_path: Path, end: str
+) -> None:
+    """A script that ends without close() releases its lease as it exits (a local root's
+    flock goes with the process too): the next run saves at once. Before, the root stayed
+    locked for the lease's time to live (10 minutes). A process killed outright cannot
+    release it: the refusal then says that its holder is gone."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    from tdckpt.errors import LockError
+
+    url = f"file://{tmp_path}/run"
+    child = subprocess.run(
+        [sys.executable, "-c", _child_saving(url, end)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == (0 if end == "exits" else -9), child.stderr
+    with CheckpointManager(url) as mgr:
+        if end == "exits":
+            mgr.save(2, _td(2))
+            assert mgr.steps() == [1, 2]
+        else:
+            with pytest.raises(LockError, match=r"no longer running on this host: it was killed"):
+                mgr.save(2, _td(2))
+            assert mgr.steps() == [1]

@@ -12,7 +12,10 @@ highest generation, while that record is unexpired.
 * renew (at every save, before the commit, and at every prune / gc): the highest
   generation must still be ours, else LockError ("lease lost"); if less than half the
   time to live is left, create the next generation with a new expiry.
-* release (close): delete our record; the previous generations were already deleted.
+* release (close): delete our record; the previous generations were already deleted. A
+  process that ends without closing its manager releases its leases as it exits (as the
+  operating system drops a local root's ``flock``); one that is killed leaves its lease to
+  expire, and a writer refused by it is told when its holder, on the same host, is gone.
 
 What it guarantees: two managers that both follow the protocol never hold the lease at
 the same time, provided every writer renews more often than the time to live (default
@@ -30,11 +33,13 @@ breaks the guarantee.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import socket
 import time
+import weakref
 from typing import Any
 
 from tdckpt._remote.layout import LEASE_DIR
@@ -127,6 +132,7 @@ class Lease:
             return False
         self.generation = gen
         self.expires = record["expires"]
+        _HELD.add(self)
         return True
 
     def acquire(self) -> None:
@@ -141,10 +147,17 @@ class Lease:
                 now = time.time()
                 if current.get("owner") != self.owner and expires is not None and expires > now:
                     holder = {k: _field(current.get(k)) for k in ("host", "pid", "owner")}
+                    gone = (
+                        f" Its process is no longer running on this host: it was killed "
+                        f"before it could release the lease, which expires in "
+                        f"{expires - now:.0f} s."
+                        if _gone(current)
+                        else ""
+                    )
                     raise LockError(
                         f"{self.store.show(LEASE_DIR)}: another writer holds this root's lease "
                         f"(host {holder['host']}, pid {holder['pid']}, manager "
-                        f"{holder['owner']}, expires in {expires - now:.0f} s). Only one "
+                        f"{holder['owner']}, expires in {expires - now:.0f} s).{gone} Only one "
                         "process saves to a root at a time: close the other manager, or wait "
                         "for its lease to expire if it crashed.",
                         root=self.store.url,
@@ -195,12 +208,45 @@ class Lease:
             self._cleanup([old])
 
     def release(self) -> None:
+        _HELD.discard(self)
         if self.generation is None:
             return
         gen, self.generation = self.generation, None
         with contextlib.suppress(Exception):
             if (self._read(gen) or {}).get("owner") == self.owner:
                 self.store.rm_files([self._name(gen)])
+
+
+#: The leases this process holds: released at exit (:func:`_release_at_exit`).
+_HELD: weakref.WeakSet[Lease] = weakref.WeakSet()
+
+
+def _release_at_exit() -> None:
+    """Release every lease a manager that was never closed still holds (best effort: the
+    store may be unreachable by then). ``atexit`` hooks run after the interpreter has
+    joined its threads, so a save still in flight at exit has finished (or failed) first."""
+    for lease in list(_HELD):
+        with contextlib.suppress(Exception):
+            lease.release()
+
+
+atexit.register(_release_at_exit)
+
+
+def _gone(record: dict[str, Any]) -> bool:
+    """Whether the lease ``record`` names a process of this host that no longer runs."""
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0:
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, OSError):
+        return False
+    return False
 
 
 def _expiry(value: Any) -> float | None:
