@@ -736,3 +736,100 @@ def test_an_optimizer_state_with_a_key_that_is_no_name_is_refused(step: Path, wh
     node = (lambda s: _group(s)) if where == "group" else (lambda s: _pstate(s, 0))
     tamper(step, "optim", lambda s: pairs(node(s)).append([{"tensor": "state.0.step"}, 1]))
     _refused(step, "entry 'optim'", "keys that are not names")
+
+
+# -- NumPy generator states in any entry, and tensors placed twice ------------------------------
+
+
+def _rng_holder_step(tmp_path: Path, value: Any) -> Path:
+    with CheckpointManager(tmp_path / "run") as mgr:
+        return mgr.save(1, {"h": Holder(value)})
+
+
+def _find(node: Any, test: Any) -> Any:
+    """The first tagged node under ``node`` for which ``test`` holds (depth first)."""
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        if test(cur):
+            return cur
+        if isinstance(cur, dict):
+            stack.extend(cur.values())
+        elif isinstance(cur, list):
+            stack.extend(cur)
+    raise LookupError("not found")
+
+
+@pytest.mark.parametrize("pos", [700, 100_000_000, -1, "3"])
+@pytest.mark.parametrize("form", ["legacy", "bit_generator"])
+def test_a_numpy_generator_state_in_any_entry_is_checked(
+    tmp_path: Path, form: str, pos: Any
+) -> None:
+    """NumPy does not check an MT19937 state's position: past 624 it reads out of bounds
+    (garbage numbers, then a segfault). tdckpt.RandomState checked its own; a state held by
+    any other entry (TorchRL's GlobalRNGState, an environment) restored unchecked. Both
+    forms - np.random.get_state()'s tuple and a bit generator's state dict - are checked."""
+    value = (
+        np.random.get_state(legacy=True)
+        if form == "legacy"
+        else np.random.RandomState(0)._bit_generator.state
+    )
+    step = _rng_holder_step(tmp_path, value)
+
+    def edit(s: Any) -> None:
+        if form == "legacy":
+            _find(s, lambda n: isinstance(n, dict) and "tuple" in n)["tuple"][2] = pos
+        else:
+            holder = _find(
+                s, lambda n: isinstance(n, dict) and any(p[0] == "pos" for p in n.get("dict", []))
+            )
+            set_item(holder, "pos", pos)
+
+    tamper(step, "h", edit)
+    before = np.random.get_state(legacy=True)
+    _refused_holder(step, r"a NumPy MT19937 generator state with a position")
+    after = np.random.get_state(legacy=True)
+    assert after[2] == before[2] and np.array_equal(after[1], before[1])
+    # an intact state still restores exactly
+    good = _rng_holder_step(tmp_path / "good", value)
+    target = Holder(None)
+    with CheckpointManager(good.parent) as mgr:
+        mgr.restore_into({"h": target}, allow_pickle=False)
+    assert str(target.value) == str(value)
+
+
+def test_an_optimizer_alias_is_refused_and_a_leaf_placed_twice_is_two_tensors(
+    step: Path,
+) -> None:
+    """The encoder places each tensor once and a second place of the same tensor object as
+    an alias; an optimizer's state never shares one. A crafted step that made two optimizer
+    slots one tensor (a step counter shared by two parameters, exp_avg one with exp_avg_sq)
+    restored and then trained silently wrong."""
+    import shutil
+
+    copy_ = step.parent.parent / "copy"
+    shutil.copytree(step.parent, copy_)
+    state = lambda s: item(_sd(s), "state")  # noqa: E731
+    first = lambda s: item(state(s), 0)  # noqa: E731
+    second = lambda s: item(state(s), 1)  # noqa: E731
+    # one parameter's step counter made an alias of another's
+    tamper(
+        step,
+        "optim",
+        lambda s: set_item(first(s), "step", {"alias": item(second(s), "step")["tensor"]}),
+    )
+    _refused(step, "entry 'optim'", "makes two of its values one tensor")
+    # exp_avg placed on exp_avg_sq's leaf: one leaf in two places gets two tensors
+    other = copy_ / "1"
+    tamper(
+        other, "optim", lambda s: set_item(first(s), "exp_avg", dict(item(first(s), "exp_avg_sq")))
+    )
+    target = _fresh()
+    with CheckpointManager(other.parent) as mgr:
+        mgr.restore_into(target, allow_pickle=False)
+    slots = target["optim"].state[next(iter(target["optim"].state))]
+    assert torch.equal(slots["exp_avg"], slots["exp_avg_sq"])
+    assert (
+        slots["exp_avg"].untyped_storage().data_ptr()
+        != slots["exp_avg_sq"].untyped_storage().data_ptr()
+    )

@@ -22,11 +22,15 @@ from tdckpt.schema import StateRecord
 
 __all__ = ["saved_structure", "to_state_dicts"]
 
-#: The dtypes a NumPy array is saved as (``encode`` stores only bool, ints, uints, floats).
+#: The dtypes a NumPy array is saved as (``encode`` stores only bool, ints, uints, floats;
+#: ``np.random.get_state()``'s key is uint32).
 _NUMPY_DTYPES = frozenset(
     {
         torch.bool,
         torch.uint8,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
         torch.int8,
         torch.int16,
         torch.int32,
@@ -52,10 +56,44 @@ def _plain(tensor: Any) -> Any:
 
 
 class _Decoder:
-    def __init__(self, entry_td: Any, where: str) -> None:
+    def __init__(self, entry_td: Any, where: str, *, aliases: bool = True) -> None:
         self.td = entry_td
         self.where = where
         self.tensors: dict[str, Any] = {}
+        #: whether the entry may hold the same tensor twice (an optimizer's state never does)
+        self.aliases = aliases
+        #: leaves already placed by a tensor / ndarray / npscalar tag, and by which (the
+        #: encoder places each tensor once; a second place of it is an alias)
+        self.placed: dict[str, str] = {}
+
+    def _place(self, name: Any, tag: str) -> bool:
+        """Record that ``tag`` places leaf ``name``; True when a tensor / ndarray / npscalar
+        tag places a leaf placed before (the encoder writes a second place of the same
+        tensor as an alias: such a place gets a copy of its own, never the same tensor).
+        An alias must follow the tensor it names, and an entry whose state never shares
+        tensors (an optimizer's) may hold none."""
+        if type(name) is not str:
+            return False  # tensor() says what is wrong with it
+        if tag == "alias":
+            if not self.aliases:
+                raise RestoreError(
+                    f"{self.where}: the saved structure makes two of its values one tensor "
+                    f"({name!r}); this entry's state never shares tensors, so the step is "
+                    "damaged or hostile. Restore another step.",
+                    key=name,
+                )
+            if self.placed.get(name) != "tensor":
+                raise RestoreError(
+                    f"{self.where}: the saved structure holds an alias of {name!r:.100}, which "
+                    "no earlier value is; tdckpt never writes that: the step is damaged or "
+                    "hostile.",
+                    key=name,
+                )
+            return False
+        if name in self.placed:
+            return True
+        self.placed[name] = tag
+        return False
 
     def _leaf(self, name: Any) -> Any:
         if type(name) is not str or name not in self.td.keys():  # noqa: SIM118 (TensorDict has no 'in')
@@ -86,7 +124,9 @@ class _Decoder:
         if type(node) is dict and len(node) == 1:
             ((tag, body),) = node.items()
             if tag == "tuple" and type(body) is list:
-                return tuple(self.decode(v) for v in body)
+                values = tuple(self.decode(v) for v in body)
+                _check_mt19937_legacy(values, self.where)
+                return values
             if tag in _DICT_CLASSES and type(body) is list:
                 out: dict[Any, Any] = _DICT_CLASSES[tag]()
                 for pair in body:
@@ -99,13 +139,16 @@ class _Decoder:
                         break  # a key tdckpt cannot have written: refused below
                     out[key] = self.decode(pair[1])
                 else:
+                    _check_mt19937_dict(out, self.where)
                     return out
             if tag == "float" and body in ("nan", "inf", "-inf"):
                 return float(body)
             if tag in ("tensor", "alias"):
-                return self.tensor(body)
+                again = self._place(body, tag)
+                return self.tensor(body).clone() if again else self.tensor(body)
             if tag == "ndarray":
-                tensor = self.tensor(body)
+                again = self._place(body, tag)
+                tensor = self.tensor(body).clone() if again else self.tensor(body)
                 if tensor.dtype not in _NUMPY_DTYPES:
                     raise RestoreError(
                         f"{self.where}: the leaf {body!r} should be a NumPy array, but its "
@@ -116,6 +159,7 @@ class _Decoder:
             if tag == "td":
                 return self._leaf(body)
             if tag == "npscalar":
+                self._place(body, tag)  # (a scalar is a new value either way)
                 tensor = self.tensor(body)
                 if tensor.dtype not in _NUMPY_DTYPES or tensor.dim() != 0:
                     raise RestoreError(
@@ -138,13 +182,67 @@ class _Decoder:
         )
 
 
+#: Words of an MT19937 key, and the largest position in it (NumPy checks neither, and
+#: reads out of bounds past them).
+_MT_WORDS = 624
+
+
+def _mt19937_problem(key: Any, pos: Any) -> str | None:
+    """What is wrong with an MT19937 state's key and position, as NumPy would use them."""
+    if type(pos) is not int or not 0 <= pos <= _MT_WORDS:
+        return f"position {pos!r:.40} (expected an int in 0..{_MT_WORDS})"
+    size = getattr(key, "shape", None)
+    length = (
+        int(size[0])
+        if size is not None and len(size) == 1
+        else len(key)
+        if isinstance(key, list)
+        else None
+    )
+    if length != _MT_WORDS:
+        return f"key of {length if length is not None else 'no'} words (expected {_MT_WORDS})"
+    return None
+
+
+def _refuse_mt19937(problem: str, where: str) -> RestoreError:
+    return RestoreError(
+        f"{where}: the saved state holds a NumPy MT19937 generator state with a {problem}; "
+        "NumPy does not check it and would read past the generator's memory, so nothing "
+        "was restored. The step is damaged or hostile: restore another step.",
+    )
+
+
+def _check_mt19937_legacy(values: tuple[Any, ...], where: str) -> None:
+    """``np.random.get_state()``'s tuple ``('MT19937', key, pos, has_gauss, gauss)`` (in any
+    entry: TorchRL's ``GlobalRNGState``, an environment's state), checked as
+    :class:`tdckpt.RandomState` checks its own."""
+    if len(values) == 5 and values[0] == "MT19937":
+        problem = _mt19937_problem(values[1], values[2])
+        if problem is not None:
+            raise _refuse_mt19937(problem, where)
+
+
+def _check_mt19937_dict(value: dict[Any, Any], where: str) -> None:
+    """A bit generator's ``state`` dict, ``{"bit_generator": "MT19937", "state": {"key",
+    "pos"}, ...}``, checked likewise."""
+    if value.get("bit_generator") == "MT19937":
+        state = value.get("state")
+        problem = (
+            _mt19937_problem(state.get("key"), state.get("pos"))
+            if isinstance(state, dict)
+            else f"state {state!r:.40} (expected a dict of key and pos)"
+        )
+        if problem is not None:
+            raise _refuse_mt19937(problem, where)
+
+
 def _is_non_tensor(value: Any) -> bool:
     from tensordict import is_non_tensor
 
     return bool(is_non_tensor(value))
 
 
-def saved_structure(entry_td: Any, where: str) -> dict[str, Any]:
+def saved_structure(entry_td: Any, where: str, *, aliases: bool = True) -> dict[str, Any]:
     from tensordict import is_tensor_collection
 
     if not is_tensor_collection(entry_td) or STRUCTURE_KEY not in entry_td.keys():  # noqa: SIM118
@@ -153,7 +251,7 @@ def saved_structure(entry_td: Any, where: str) -> dict[str, Any]:
             "it is damaged or was not written by tdckpt.",
         )
     raw = entry_td[STRUCTURE_KEY]
-    decoded = _Decoder(entry_td, where)
+    decoded = _Decoder(entry_td, where, aliases=aliases)
     if type(raw) is not dict or "state_dict" not in raw:
         raise RestoreError(f"{where}: the saved structure is not a dict with a state_dict.")
     beyond = structure_problem(raw)  # the encoder's budgets: depth, values, integer size

@@ -448,7 +448,8 @@ def restore_state(
             action = _tensordict_action(name, target, entry_td, problems)
         else:
             try:
-                saved = saved_structure(entry_td, f"entry {name!r}")
+                # an optimizer's state never shares a tensor between two of its values
+                saved = saved_structure(entry_td, f"entry {name!r}", aliases=kind != "optimizer")
             except RestoreError as exc:  # damaged: reported with every other entry's problems
                 problems.append(str(exc))
                 continue
