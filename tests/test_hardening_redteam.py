@@ -288,12 +288,16 @@ def _not_checkpoints(tmp_path: Path) -> dict[str, Path]:
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "thesis.tex").write_text("mine")
     os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dataset").mkdir()  # a meta.json that is not tensordict's
+    (tmp_path / "dataset" / "meta.json").write_text('{"title": "my dataset"}')
+    (tmp_path / "dataset" / "thesis.tex").write_text("mine")
     (tmp_path / "folder.tdz").mkdir()
     (tmp_path / "text.tdz").write_text("mine")
     return {
         "file-for-a-folder": tmp_path / "notes.txt",
         "folder-of-other-files": tmp_path / "home",
         "fifo": tmp_path / "fifo",
+        "folder-with-a-foreign-meta-json": tmp_path / "dataset",
         "folder-for-an-archive": tmp_path / "folder.tdz",
         "text-for-an-archive": tmp_path / "text.tdz",
     }
@@ -305,6 +309,7 @@ def _not_checkpoints(tmp_path: Path) -> dict[str, Path]:
         "file-for-a-folder",
         "folder-of-other-files",
         "fifo",
+        "folder-with-a-foreign-meta-json",
         "folder-for-an-archive",
         "text-for-an-archive",
     ],
@@ -319,7 +324,7 @@ def test_save_overwrite_refuses_what_is_not_a_checkpoint(
     assert sorted((p.name, p.is_dir()) for p in tmp_path.rglob("*")) == before
     if case in ("file-for-a-folder", "text-for-an-archive"):
         assert dest.read_text() == "mine"
-    if case == "folder-of-other-files":
+    if case in ("folder-of-other-files", "folder-with-a-foreign-meta-json"):
         assert (dest / "thesis.tex").read_text() == "mine"
 
 

@@ -55,7 +55,7 @@ from tdckpt._write.journal import OPEN_RECORD as _OPEN
 from tdckpt._write.journal import drop_record, write_record
 from tdckpt._write.lock import same_file, try_flock
 from tdckpt._write.save import write_checkpoint
-from tdckpt.errors import CheckpointExistsError, LockError, UnsafePathError
+from tdckpt.errors import CheckpointExistsError, LockError, TdckptError, UnsafePathError
 from tdckpt.schema import MANIFEST_NAME, Manifest
 from tdckpt.warnings import TdckptWarning
 
@@ -283,18 +283,51 @@ def _check_replaceable(dest: Path) -> None:
         expected = "a .tdz archive"
     else:
         if stat.S_ISDIR(st.st_mode):
-            markers = ("meta.json", "meta.pt", MANIFEST_NAME)
-            if any(os.path.lexists(dest / m) for m in markers):
+            if _holds_checkpoint_metadata(dest):
                 return
             with os.scandir(dest) as entries:
                 if next(entries, None) is None:
                     return
-        expected = "a checkpoint folder (one holding meta.json) or an empty folder"
+        expected = (
+            "a checkpoint folder (one holding tensordict's meta.json, meta.pt or tdckpt's "
+            "manifest) or an empty folder"
+        )
     raise CheckpointExistsError(
         f"{dest}: exists and is not {expected}; overwrite=True replaces only a checkpoint, "
         "so nothing was written. Remove it yourself, or choose another prefix.",
         path=str(dest),
     )
+
+
+def _holds_checkpoint_metadata(folder: Path) -> bool:
+    """Whether ``folder`` holds a checkpoint's top-level metadata: tdckpt's manifest, an
+    old tensordict's ``meta.pt``, or a ``meta.json`` that is a tensordict level's (a file
+    of that name holding anything else - a dataset's description - is not one)."""
+    from tdckpt._read.detect import level_kind
+    from tdckpt._read.storage import MAX_JSON_BYTES, parse_json
+
+    for name in (MANIFEST_NAME, "meta.pt"):
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(folder / name).st_mode):
+                return True
+    try:
+        fd = os.open(
+            folder / "meta.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        )
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_JSON_BYTES:
+            return False
+        data = os.read(fd, st.st_size + 1)
+    finally:
+        os.close(fd)
+    try:
+        meta = parse_json(data, where=str(folder / "meta.json"))
+    except TdckptError:
+        return False
+    return isinstance(meta, dict) and level_kind(meta) != "unknown"
 
 
 def _starts_like_zip(path: Path) -> bool:
