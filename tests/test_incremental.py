@@ -640,3 +640,54 @@ def test_the_saves_of_one_process_link_their_own_files_unread(
         four = mgr.save(4, td)
         assert reads == []
         assert all(_ino(four / f"w{i}.memmap") == _ino(one / f"w{i}.memmap") for i in range(4))
+
+
+def _sub_folder_linked_out(step: Path, outside: Path) -> None:
+    """Replace the step's folder ``nested`` by a symlink to a copy of it outside the root
+    (the same bytes, the files still read-only, their times kept)."""
+    shutil.copytree(step / "nested", outside)
+    shutil.rmtree(step / "nested")
+    os.symlink(outside, step / "nested")
+
+
+def test_a_base_leaf_reached_through_a_symlinked_folder_is_never_linked(tmp_path: Path) -> None:
+    """lstat of a leaf checks its last component only: a base step whose sub-folder was
+    made a symlink out of the root had the outside file hard-linked into the new step,
+    whose data then changed with that file. Such a leaf is now written, not linked."""
+    td = _state()
+    root = tmp_path / "run"
+    with CheckpointManager(root, incremental=True, fsync=False) as mgr:
+        mgr.save(1, td)
+        two = mgr.save(2, td)
+    outside = tmp_path / "outside"
+    _sub_folder_linked_out(two, outside)
+    with CheckpointManager(root, incremental=True, fsync=False) as mgr:
+        three = mgr.save(3, td)
+        for leaf in (three / "nested").iterdir():
+            if leaf.suffix == ".memmap":
+                assert not os.path.samefile(leaf, outside / leaf.name), leaf.name
+                assert os.stat(outside / leaf.name).st_nlink == 1
+        assert (mgr.restore(3) == td).all()
+        assert _ino(three / "w0.memmap") == _ino(mgr.path(1) / "w0.memmap")  # others still shared
+
+
+def test_restore_r_plus_never_writes_through_a_symlinked_folder(tmp_path: Path) -> None:
+    """A mode='r+' restore gives the step's shared files private copies before it maps them:
+    a file reached through a symlinked sub-folder (outside the checkpoint) was replaced by
+    a writable copy, even though the restore then refused the step for that symlink."""
+    from tdckpt.errors import TdckptError
+
+    td = _state()
+    root = tmp_path / "run"
+    with CheckpointManager(root, incremental=True, fsync=False) as mgr:
+        mgr.save(1, td)
+        two = mgr.save(2, td)
+    outside = tmp_path / "outside"
+    _sub_folder_linked_out(two, outside)
+    before = {p.name: (os.stat(p).st_ino, os.stat(p).st_mode) for p in outside.iterdir()}
+    with (
+        CheckpointManager(root, incremental=True, fsync=False) as mgr,
+        pytest.raises(TdckptError, match="outside the checkpoint"),
+    ):
+        mgr.restore(2, mode="r+")
+    assert {p.name: (os.stat(p).st_ino, os.stat(p).st_mode) for p in outside.iterdir()} == before

@@ -190,6 +190,8 @@ class IncrementalBase:
     _meta: dict[str, Any] = field(default_factory=dict)
     #: None: not tried yet; False: this file system refused a reflink (hard links then).
     reflink: bool | None = None
+    #: sub-folder -> whether it is a plain folder of the step (:meth:`_plain_folder`)
+    _folders: dict[str, bool] = field(default_factory=dict)
 
     @classmethod
     def of_step(
@@ -227,6 +229,8 @@ class IncrementalBase:
         fields = ("dtype", "shape", "is_nested")
         if old and entry and any(old.get(f) != entry.get(f) for f in fields):
             return None
+        if not self._plain_folder(rel.rpartition("/")[0]):
+            return None  # reached through a symlink: maybe outside the root, never linked
         try:
             st = os.lstat(self.path / rel)
         except OSError:
@@ -234,6 +238,31 @@ class IncrementalBase:
         if not _read_only(st) or st.st_size != size or st.st_mtime_ns > self.committed_ns:
             return None  # writable, or written after the step was committed: not shared
         return record
+
+    def _plain_folder(self, folder: str) -> bool:
+        """Whether the step's ``folder`` is one of its real folders (:func:`_plain_folder`)."""
+        return _plain_folder(self.path, folder, self._folders)
+
+
+def _plain_folder(root: Path, folder: str, cache: dict[str, bool]) -> bool:
+    """Whether ``folder`` (relative to the step folder ``root``) is a real folder of the
+    step: every component a directory, none a symlink (``lstat`` of a leaf checks only its
+    last component, and a symlinked sub-folder leads anywhere). Cached in ``cache``."""
+    known = cache.get(folder)
+    if known is None:
+        known = True
+        parts = folder.split("/") if folder else []
+        for i in range(len(parts)):
+            try:
+                st = os.lstat(root.joinpath(*parts[: i + 1]))
+            except OSError:
+                known = False
+                break
+            if not stat.S_ISDIR(st.st_mode):  # a symlink, or not a folder at all
+                known = False
+                break
+        cache[folder] = known
+    return known
 
 
 def _leaf_entry(
@@ -381,9 +410,12 @@ def unshare_for_write(path: Path, manifest: Any, *, fsync: bool = True) -> list[
     if type(manifest) is not Manifest or not path.is_dir():
         return []
     done: list[str] = []
+    folders: dict[str, bool] = {}
     for record in manifest.files:
         if record.key is None:
             continue
+        if not _plain_folder(path, record.path.rpartition("/")[0], folders):
+            continue  # reached through a symlink (maybe out of the step): the restore refuses it
         target = path / record.path
         try:
             st = os.lstat(target)
@@ -395,7 +427,8 @@ def unshare_for_write(path: Path, manifest: Any, *, fsync: bool = True) -> list[
             continue
         tmp = target.with_name(f".{target.name}.tdckpt-unshare-{uuid.uuid4().hex}")
         try:
-            with open(target, "rb") as src:
+            src_fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            with os.fdopen(src_fd, "rb") as src:
                 fd = os.open(tmp, CREATE_NEW, 0o666)
                 with os.fdopen(fd, "wb") as dst:
                     shutil.copyfileobj(src, dst, 8 << 20)
