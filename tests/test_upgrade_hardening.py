@@ -191,13 +191,13 @@ PLANTED = [
 ]
 
 
-def _assert_refused(exc: BaseException, prefix: Path) -> None:
+def _assert_refused(exc: BaseException, prefix: Path, remove: Path | None = None) -> None:
     message = str(exc)
     assert isinstance(exc, TdckptError)
     assert str(journal_of(prefix)) in message, message
     assert "refusing this upgrade journal" in message
     assert "nothing was renamed or removed" in message
-    assert f"rm {journal_of(prefix)}" in message  # what to do
+    assert f"rm {remove or journal_of(prefix)})" in message  # what to do
 
 
 @pytest.mark.parametrize("case", PLANTED)
@@ -307,9 +307,22 @@ def test_planted_temporary_journal_symlink_is_never_written_through(
     before = tree_digest(tmp_path)
     with pytest.raises(UnsafePathError, match="not a regular file") as info:
         upgrade(prefix)
-    _assert_refused(info.value, prefix)
+    # the advice names the file to remove (not the journal, which does not exist)
+    _assert_refused(info.value, prefix, remove=tmp_journal)
     assert victims["file"].read_text() == "keep me too"
     assert tree_digest(tmp_path) == before
+
+
+def test_a_planted_temporary_journal_folder_is_named_with_how_to_remove_it(
+    prefix: Path, tmp_path: Path
+) -> None:
+    tmp_journal = prefix.parent / f".{prefix.name}{JOURNAL_SUFFIX}.tmp"
+    tmp_journal.mkdir()
+    with pytest.raises(UnsafePathError, match="not a regular file") as info:
+        upgrade(prefix)
+    assert f"(rm -r {tmp_journal})" in str(info.value)
+    tmp_journal.rmdir()  # following it, the upgrade runs
+    upgrade(prefix)
 
 
 def test_a_genuine_interrupted_journal_is_still_recovered(tmp_path: Path) -> None:

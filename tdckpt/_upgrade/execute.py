@@ -413,7 +413,11 @@ def recover(prefix: str | os.PathLike[str]) -> str | None:
         tmp = journal_tmp(path)
         if os.path.lexists(tmp):
             if not stat.S_ISREG(os.lstat(tmp).st_mode):
-                raise refuse(path, f"has a temporary file {tmp.name} that is not a regular file")
+                raise refuse(
+                    path,
+                    f"has a temporary file {tmp.name} that is not a regular file",
+                    culprit=tmp,
+                )
             # created but never linked into place: nothing else was done yet
             remove_journal(path)
             return "an upgrade that had not started writing; its journal was removed"

@@ -267,13 +267,19 @@ def check_journal(prefix: Path, state: Any) -> dict[str, Any]:
     return state
 
 
-def refuse(prefix: Path, why: str, *, unsafe: bool = True) -> TdckptError:
-    """The error for a journal tdckpt will not act on; it says that nothing was changed."""
+def refuse(
+    prefix: Path, why: str, *, unsafe: bool = True, culprit: Path | None = None
+) -> TdckptError:
+    """The error for a journal tdckpt will not act on; it says that nothing was changed.
+    ``culprit``: the file to remove by hand, when it is not the journal itself (its
+    temporary file)."""
     journal = journal_path(prefix)
+    bad = culprit if culprit is not None else journal
+    remove = "rm -r" if culprit is not None and bad.is_dir() and not bad.is_symlink() else "rm"
     message = (
         f"{journal}: refusing this upgrade journal: it {why}. tdckpt did not write it for "
         f"{prefix.name!r}, so nothing was renamed or removed. If no tdckpt upgrade is "
-        f"running here, inspect it and remove it by hand (rm {journal}), then run "
+        f"running here, inspect it and remove it by hand ({remove} {bad}), then run "
         "`tdckpt upgrade` again."
     )
     if unsafe:
