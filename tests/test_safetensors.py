@@ -347,5 +347,9 @@ def test_an_export_to_a_missing_folder_or_over_a_folder_names_the_output(tmp_pat
     (tmp_path / "d.safetensors").mkdir()
     with pytest.raises(CheckpointExistsError, match=r"d\.safetensors: is a folder"):
         tdckpt.export_safetensors({"a": torch.ones(1)}, tmp_path / "d.safetensors", overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors"]
+    (tmp_path / "notes").write_text("mine")  # a file where the export's folder belongs
+    with pytest.raises(CheckpointExistsError, match=r"notes: is a file, not a folder"):
+        tdckpt.export_safetensors({"a": torch.ones(1)}, tmp_path / "notes", overwrite=True)
+    assert (tmp_path / "notes").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors", "notes"]
     assert not any((tmp_path / "d.safetensors").iterdir())

@@ -180,6 +180,13 @@ def export_safetensors(
             ".safetensors suffix).",
             path=str(target),
         )
+    if not single and os.path.lexists(target) and not target.is_dir():
+        raise CheckpointExistsError(
+            f"{target}: is a file, not a folder; a name without the .safetensors suffix is "
+            "the folder an export writes its file(s) into, overwrite or not. Pass a name "
+            "ending in .safetensors for one file, or a folder.",
+            path=str(target),
+        )
     if not single:
         target.mkdir(parents=True, exist_ok=True)
     # Another export's files in the folder would mix with these (an index naming old
