@@ -696,3 +696,17 @@ def test_subclasses_of_json_types_and_numpy_scalars_come_back_as_themselves(
         assert type(got[name]) is type(value) and got[name] == value, name
     assert type(next(k for k in got if k == "train")) is _Mode
     got["dd"]["missing"].append(1)  # still a defaultdict
+
+
+def test_a_lazy_module_before_its_first_forward_is_refused_clearly(tmp_path: Path) -> None:
+    """Its parameters have no values yet: an UnsupportedContentError naming the entry and
+    the key (was torch's raw ValueError from deep inside the encoder)."""
+    with CheckpointManager(tmp_path, fsync=False) as mgr:
+        with pytest.raises(
+            UnsupportedContentError, match=r"entry 'model'.*uninitialized parameter at 'weight'"
+        ):
+            mgr.save(1, {"model": torch.nn.LazyLinear(3)})
+        lazy = torch.nn.LazyLinear(3)
+        lazy(torch.zeros(2, 4))  # materialized: saved like any module
+        mgr.save(1, {"model": lazy})
+        assert mgr.steps() == [1]

@@ -79,6 +79,8 @@ _DICT_TAGS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "cou
 _JSON_BASES = (str, int, float, list, tuple, dict)
 #: The mark beside a value pickled so (bytes: tensordict never writes them as JSON).
 PICKLED = b"tdckpt:pickled"
+#: A lazy module's parameter or buffer before its first forward pass (no values).
+_UNINITIALIZED: type = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
 #: The longest file name a file system takes (a leaf's encoded name plus its suffix).
 _MAX_FILE_NAME = 255
 
@@ -225,6 +227,15 @@ class _Encoder:
             ]
             return {_DICT_TAGS[kind]: items}
         if isinstance(value, torch.Tensor):
+            if isinstance(value, _UNINITIALIZED):
+                raise UnsupportedContentError(
+                    f"state entry {self.entry!r}: its state_dict holds an uninitialized "
+                    f"parameter at {path!r} (a lazy module that has not run forward yet), "
+                    "which has no values to save; nothing was written. Run one forward pass "
+                    "first (it gives the parameter its shape), then save.",
+                    problems=[f"{self.entry}: an uninitialized parameter at {path!r}"],
+                    keys=[(self.entry,)],
+                )
             seen = self._seen.get(id(value))
             if seen is not None:
                 return {"alias": seen}
