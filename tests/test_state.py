@@ -710,3 +710,38 @@ def test_a_lazy_module_before_its_first_forward_is_refused_clearly(tmp_path: Pat
         lazy(torch.zeros(2, 4))  # materialized: saved like any module
         mgr.save(1, {"model": lazy})
         assert mgr.steps() == [1]
+
+
+def test_an_optimizer_over_meta_parameters_restored_in_the_same_call_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The restore replaces a module's meta parameters with new ones: an optimizer built
+    over the meta ones and restored in the same call kept stepping the discarded ones (the
+    model never changed again). Refused, nothing changed; the documented flow - modules
+    first, the optimizer built after and restored in a second call - works."""
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    with CheckpointManager(tmp_path, fsync=False) as mgr:
+        mgr.save(1, {"model": model, "opt": opt})
+        with torch.device("meta"):
+            fresh_model = build()
+        meta_opt = torch.optim.Adam(fresh_model.parameters(), lr=0.1)
+        with pytest.raises(RestoreError, match=r"entry 'opt': it optimizes parameters of 'model'"):
+            mgr.restore_into({"model": fresh_model, "opt": meta_opt}, device="cpu")
+        assert {p.device.type for p in fresh_model.parameters()} == {"meta"}
+        mgr.restore_into({"model": fresh_model}, device="cpu", strict=False)
+        new_opt = torch.optim.Adam(fresh_model.parameters(), lr=0.1)
+        mgr.restore_into({"opt": new_opt}, strict=False)
+    for a, b in zip(fresh_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    before = [p.clone() for p in fresh_model.parameters()]
+    fresh_model(torch.randn(5, 3)).sum().backward()
+    new_opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, fresh_model.parameters(), strict=True))

@@ -24,7 +24,8 @@ and takes the step's memory-mapped tensor as its data (``param.data = ...``), mo
 parameter's device when it lives elsewhere. Any other module goes through
 ``load_state_dict(strict=True)``. Parameters on the ``meta`` device are replaced by new
 ones on ``device`` (tied ones by one shared parameter): build the optimizer after such a
-restore, or restore it in the same call.
+restore and restore it in a second call (an optimizer over the meta parameters, restored in
+the same call, would keep the discarded ones: it is refused).
 """
 
 from __future__ import annotations
@@ -388,6 +389,40 @@ def _tensordict_action(name: str, target: Any, saved: Any, problems: list[str]) 
 # -- the whole state ------------------------------------------------------------------------
 
 
+def _meta_optimizer_problems(state: Mapping[str, Any]) -> list[str]:
+    """An optimizer of the state that optimizes a module's ``meta`` parameters: the restore
+    replaces those with new parameters, which the optimizer would never see (it would keep
+    stepping the discarded ones while training changes nothing)."""
+    owners: dict[int, str] = {}
+    for name, target in state.items():
+        if isinstance(target, torch.nn.Module):
+            for param in target.parameters():
+                if param.device.type == "meta":
+                    owners[id(param)] = str(name)
+    if not owners:
+        return []
+    problems = []
+    for name, target in state.items():
+        if not isinstance(target, torch.optim.Optimizer):
+            continue
+        modules = sorted(
+            {
+                owners[id(p)]
+                for group in target.param_groups
+                for p in group["params"]
+                if id(p) in owners
+            }
+        )
+        if modules:
+            problems.append(
+                f"entry {name!r}: it optimizes parameters of {_list(modules)} on the meta "
+                "device, which this restore replaces with new parameters that it would never "
+                "see. Restore the modules first, then build the optimizer over their new "
+                "parameters and restore it in a second call."
+            )
+    return problems
+
+
 def restore_state(
     state: Mapping[str, Any],
     loaded: Any,
@@ -420,7 +455,7 @@ def restore_state(
             "names to modules, optimizers, ...); nothing was changed. Restore it into a "
             "TensorDict, or use restore() for a new object.",
         )
-    problems: list[str] = []
+    problems: list[str] = _meta_optimizer_problems(state)
     actions: list[_Action] = []
     for name, target in state.items():
         entry = record.entries.get(name) if isinstance(name, str) else None
