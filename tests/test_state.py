@@ -745,3 +745,31 @@ def test_an_optimizer_over_meta_parameters_restored_in_the_same_call_is_refused(
     fresh_model(torch.randn(5, 3)).sum().backward()
     new_opt.step()
     assert all(not torch.equal(a, b) for a, b in zip(before, fresh_model.parameters(), strict=True))
+
+
+class _FailsToLoad:
+    def state_dict(self) -> dict[str, Any]:
+        return {"x": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise RuntimeError("cannot load")
+
+
+def test_a_lazy_module_before_its_first_forward_is_restored_or_put_back(tmp_path: Path) -> None:
+    """torch's load_state_dict materializes a lazy module's parameters; the restore failed
+    on its own snapshot (clone of an uninitialized parameter). It now restores them, and
+    when a later entry fails, puts them back uninitialized."""
+    torch.manual_seed(0)
+    trained = torch.nn.Sequential(torch.nn.LazyLinear(3))
+    trained(torch.randn(2, 4))
+    with CheckpointManager(tmp_path, fsync=False) as mgr:
+        mgr.save(1, {"model": trained, "h": _FailsToLoad()})
+        lazy = torch.nn.Sequential(torch.nn.LazyLinear(3))
+        with pytest.raises(RestoreError, match=r"restoring entry 'h' failed .*put back"):
+            mgr.restore_into({"model": lazy, "h": _FailsToLoad()})
+        assert isinstance(lazy[0].weight, torch.nn.parameter.UninitializedParameter)
+        lazy(torch.randn(2, 5))  # still lazy: takes another input size
+        lazy = torch.nn.Sequential(torch.nn.LazyLinear(3))
+        mgr.restore_into({"model": lazy}, strict=False)
+    assert torch.equal(lazy[0].weight, trained[0].weight)
+    assert torch.equal(lazy(torch.ones(1, 4)), trained(torch.ones(1, 4)))

@@ -233,17 +233,25 @@ def _module_action(
     else:
         to_load = state
     before: dict[str, Any] = {}
+    # A lazy module's parameters before its first forward pass: torch's load materializes
+    # them in place (their class and data change); put back, they are uninitialized again.
+    lazy = [(t, type(t), t.dtype, t.device) for _, t in named if isinstance(t, _UNINITIALIZED)]
 
     def apply() -> None:
         before.update(
             (k, v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
             for k, v in module.state_dict().items()
+            if not isinstance(v, _UNINITIALIZED)  # nothing to keep: put back as they were
         )
         module.load_state_dict(to_load, strict=True, assign=on_meta)
 
     def undo() -> None:
         if before:
             module.load_state_dict(before, strict=False, assign=on_meta)
+        for tensor, cls, dtype, where in lazy:
+            if type(tensor) is not cls:
+                tensor.data = torch.empty(0, dtype=dtype, device=where)
+                tensor.__class__ = cls
 
     return _Action(name, apply, undo)
 
