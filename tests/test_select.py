@@ -326,3 +326,68 @@ def test_rename_refuses_what_it_cannot_move(tmp_path: Path) -> None:
     TensorDict(v=NonTensorData("x")).memmap(tmp_path / "nt")
     out = tdckpt.load_memmap(tmp_path / "nt", rename={"v": "w"})
     assert out["w"] == "x"
+
+
+# -- in place: what the selection does not select stays ----------------------------------------
+
+
+def _vals(td: Any) -> dict[tuple[str, ...], list[float]]:
+    return {
+        (k if isinstance(k, tuple) else (k,)): v.tolist()
+        for k, v in td.items(include_nested=True, leaves_only=True)
+    }
+
+
+def test_a_wildcard_pattern_keeps_the_target_entries_it_does_not_select(tmp_path: Path) -> None:
+    """keys='*.x' reaches below every top-level name; an entry it reaches below without
+    selecting anything there (a leaf 'a') stayed out of the restored part and was DELETED
+    from the target, and reported missing. It stays; only m.x is restored."""
+    prefix = tmp_path / "ck"
+    TensorDict(a=torch.ones(2), m=TensorDict(x=torch.ones(2))).memmap(prefix)
+    for strict in (True, False):
+        target = TensorDict(
+            a=torch.full((2,), 7.0), m=TensorDict(x=torch.zeros(2), y=torch.zeros(2))
+        )
+        _, report = tdckpt.load_memmap_(target, prefix, keys="*.x", strict=strict, report=True)
+        assert _vals(target) == {("a",): [7.0, 7.0], ("m", "x"): [1.0, 1.0], ("m", "y"): [0.0, 0.0]}
+        assert report.missing == [] and report.loaded == [("m", "x")]
+    with tdckpt.CheckpointManager(tmp_path / "run", fsync=False) as mgr:
+        mgr.save(1, TensorDict(a=torch.ones(2), b=torch.ones(2), m=TensorDict(x=torch.ones(2))))
+        target = TensorDict(
+            a=torch.zeros(2), b=torch.zeros(2), m=TensorDict(x=torch.zeros(2), y=torch.zeros(2))
+        )
+        mgr.restore_into(target, keys="*.x")  # strict: the step holds every key it concerns
+        assert _vals(target) == {
+            ("a",): [0.0, 0.0],
+            ("b",): [0.0, 0.0],
+            ("m", "x"): [1.0, 1.0],
+            ("m", "y"): [0.0, 0.0],
+        }
+
+
+def test_a_selected_key_the_checkpoint_lacks_takes_only_itself_away(tmp_path: Path) -> None:
+    """keys='m.x', strict=False, a checkpoint whose m lacks x: the target's whole m was
+    deleted (m.y with it) and m.x reported missing twice. Only m.x goes, reported once."""
+    prefix = tmp_path / "ck"
+    TensorDict(a=torch.ones(2), m=TensorDict(z=torch.ones(2))).memmap(prefix)
+    target = TensorDict(a=torch.zeros(2), m=TensorDict(x=torch.zeros(2), y=torch.full((2,), 5.0)))
+    inner = target["m"]
+    _, report = tdckpt.load_memmap_(target, prefix, keys="m.x", strict=False, report=True)
+    assert _vals(target) == {("a",): [0.0, 0.0], ("m", "y"): [5.0, 5.0]}
+    assert target["m"] is inner  # the target's own nested tensordict, less the key
+    assert report.missing == [("m", "x")]
+    with pytest.raises(RestoreError, match=r"select nothing: m\.x"):
+        tdckpt.load_memmap_(target, prefix, keys="m.x")
+
+
+def test_overlapping_patterns_select_what_either_selects(tmp_path: Path) -> None:
+    """keys=['m', 'm.x']: 'm' restores m whole, which holds m.x; 'm.x' was reported as
+    selecting nothing (refused under strict=True)."""
+    prefix = tmp_path / "ck"
+    TensorDict(a=torch.ones(2), m=TensorDict(x=torch.ones(2), y=torch.ones(2))).memmap(prefix)
+    part = tdckpt.load_memmap(prefix, keys=["m", "m.x"])
+    assert set(_vals(part)) == {("m", "x"), ("m", "y")}
+    target = TensorDict(a=torch.zeros(2), m=TensorDict(x=torch.zeros(2), y=torch.zeros(2)))
+    _, report = tdckpt.load_memmap_(target, prefix, keys=["m", "m.x"], report=True)
+    assert report.missing == []
+    assert _vals(target) == {("a",): [0.0, 0.0], ("m", "x"): [1.0, 1.0], ("m", "y"): [1.0, 1.0]}

@@ -8,7 +8,6 @@ that has not been read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,9 +81,11 @@ class TensorDictNode:
     device: str | None
     names: list[str | None] | None
     entries: dict[str, Node] = field(default_factory=dict)
-    #: A selective restore in place: the target's entries for which ``keep(name)`` is True
-    #: are outside the selection and stay as they are (None: a whole restore).
-    keep: Callable[[str], bool] | None = field(default=None, compare=False, repr=False)
+    #: A selective restore in place: ``keep(name)`` says what becomes of a target's entry
+    #: this level does not hold - ``"keep"`` (outside the selection: it stays as it is),
+    #: ``"drop"`` (selected, and the checkpoint lacks it) or ``"below"`` (it stays, less the
+    #: selected keys below it: ``keep.child(name)`` judges those); None: a whole restore.
+    keep: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass

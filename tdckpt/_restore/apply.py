@@ -46,6 +46,7 @@ from tdckpt._restore.plan import (
     non_tensor_value,
     tensorclass_fields,
 )
+from tdckpt._restore.select import BELOW, KEEP
 from tdckpt.errors import RestoreError
 
 __all__ = ["Preparer"]
@@ -372,6 +373,23 @@ class Preparer:
                 new[key] = self.builder.build(sub, node.batch_size)
         self.plan.items.append((target, new))
 
+    def _kept_below(self, value: Any, keep: Any) -> Any:
+        """A target's entry the checkpoint's selected part does not hold, though a pattern
+        reaches below it: it stays, less the selected keys below it (the checkpoint lacks
+        them). Anything but a plain TensorDict stays whole: nothing below it is dropped."""
+        if not is_td(value) or is_lazy_stack(value) or view_kind(value) is not None:
+            return value
+        items: dict[str, Any] = {}
+        for name, child in value._tensordict.items():
+            verdict = keep(name)
+            if verdict == KEEP:
+                items[name] = child
+            elif verdict == BELOW:
+                items[name] = self._kept_below(child, keep.child(name))
+        if len(items) != len(value._tensordict):
+            self.plan.items.append((value._tensordict, items))
+        return value
+
     def _batch_error(self, sub: Node, shape: tuple[int, ...], batch: tuple[int, ...]) -> None:
         raise RestoreError(
             _batch_error_message(self.where(sub), sub, shape, batch),
@@ -477,8 +495,13 @@ class Preparer:
         mapped = dict(zip(leaf_keys, self.mapper.leaves(leaves), strict=True))
         if node.keep is not None:  # a selective restore: what it does not select stays
             for name, value in target._tensordict.items():
-                if name not in mapped and name not in new and node.keep(name):
+                if name in mapped or name in new:
+                    continue
+                verdict = node.keep(name)
+                if verdict == KEEP:
                     new[name] = value
+                elif verdict == BELOW:
+                    new[name] = self._kept_below(value, node.keep.child(name))
         self.plan.items.append(
             (target._tensordict, tensordict_order(target._tensordict, mapped, new))
         )

@@ -89,7 +89,7 @@ def report_difference(opened: OpenedCheckpoint, target: Any, report: Any, select
     missing, unexpected = selected_difference(opened, target, selection)
     assert opened.root is not None
     named = _Unstacked(target, opened.root)
-    report.missing = [*report.missing, *dict.fromkeys(map(named, _deepest(missing)))]
+    report.missing = list(dict.fromkeys([*report.missing, *map(named, _deepest(missing))]))
     report.unexpected = list(dict.fromkeys(map(named, _deepest(unexpected))))
 
 
@@ -108,7 +108,9 @@ def selected_difference(
     if selection is not None:
         assert opened.root is not None
         named = _Unstacked(target, opened.root)
-        missing = [k for k in missing if selection.touches(named(k))]
+        # a target key is missing when the selection selects it and the checkpoint lacks it
+        # (one a pattern only reaches below stays as it is: its selected keys are listed)
+        missing = [k for k in missing if selection.selects(named(k))]
     return missing, unexpected
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,16 @@ from tdckpt._read.nodes import (
 )
 from tdckpt.errors import RestoreError
 
-__all__ = ["RestoreReport", "Selection", "parse_patterns", "prune"]
+__all__ = [
+    "BELOW",
+    "DROP",
+    "KEEP",
+    "Keeper",
+    "RestoreReport",
+    "Selection",
+    "parse_patterns",
+    "prune",
+]
 
 Key = tuple[str, ...]
 #: Nodes with keys below them that are kept or left out whole.
@@ -279,7 +288,10 @@ def _prune(
     if selection.selects(key):
         _mark(key, selection, used)
         if not selection.exclude:
+            start = len(report.loaded)
             _leaves(node, key, report.loaded)
+            # a longer pattern (keys=["m", "m.x"]) selects something inside this whole level
+            _mark_inside(key, report.loaded[start:], selection, used)
             return node
     if isinstance(node, TensorDictNode):
         entries = {}
@@ -318,19 +330,50 @@ def _prune(
     return None
 
 
-def _keeper(selection: Selection, key: Key) -> Callable[[str], bool]:
-    """For a level at ``key``: whether the target's entry ``name`` is outside the selection
-    (no pattern selects it or reaches below it), so that an in-place restore keeps it."""
+#: What an in-place selective restore does with a target's entry the checkpoint's selected
+#: part does not hold: keep it, drop it (it is selected: the checkpoint lacks it), or keep
+#: it with the selected keys below it dropped (a pattern reaches below it).
+KEEP, DROP, BELOW = "keep", "drop", "below"
 
-    def keep(name: str) -> bool:
-        return not selection.touches((*key, name))
 
-    return keep
+@dataclass(frozen=True)
+class Keeper:
+    """For a level at ``key`` of an in-place selective restore: the verdict on each target
+    entry the checkpoint's selected part does not hold (:data:`KEEP`, :data:`DROP`,
+    :data:`BELOW`), and the keeper of a level below it."""
+
+    selection: Selection
+    key: Key
+
+    def __call__(self, name: str) -> str:
+        full = (*self.key, name)
+        if self.selection.selects(full):
+            return DROP
+        if self.selection.reaches_below(full):
+            return BELOW
+        return KEEP
+
+    def child(self, name: str) -> Keeper:
+        return Keeper(self.selection, (*self.key, name))
+
+
+def _keeper(selection: Selection, key: Key) -> Keeper:
+    return Keeper(selection, key)
 
 
 def _mark(key: Key, selection: Selection, used: set[Key]) -> None:
     for pattern in selection.keys or []:
         if _covers(pattern, key):
+            used.add(pattern)
+
+
+def _mark_inside(key: Key, inside: list[Key], selection: Selection, used: set[Key]) -> None:
+    """Mark the patterns longer than ``key`` that name one of the keys ``inside`` it (or a
+    level above one of them): the level at ``key`` is restored whole, so they select."""
+    for pattern in selection.keys or []:
+        if pattern in used or len(pattern) <= len(key) or not _covers(pattern[: len(key)], key):
+            continue
+        if any(_covers(pattern, k) for k in inside):
             used.add(pattern)
 
 
