@@ -391,3 +391,19 @@ def test_overlapping_patterns_select_what_either_selects(tmp_path: Path) -> None
     _, report = tdckpt.load_memmap_(target, prefix, keys=["m", "m.x"], report=True)
     assert report.missing == []
     assert _vals(target) == {("a",): [0.0, 0.0], ("m", "x"): [1.0, 1.0], ("m", "y"): [1.0, 1.0]}
+
+
+def test_regex_renames_move_at_once_and_refuse_a_leaf_over_a_level(tmp_path: Path) -> None:
+    """Regex pairs are applied to each key's name at once: a swap (a <-> b) lost one leaf
+    silently (renamed one after the other, the second overwrote the first); one key onto a
+    level above another's new name (a -> p, b -> p.q) lost a leaf or raised a raw KeyError."""
+    prefix = tmp_path / "ck"
+    TensorDict(a=torch.ones(2), b=torch.tensor([7, 8]), y=TensorDict(z=torch.zeros(2))).memmap(
+        prefix
+    )
+    out = tdckpt.load_memmap(prefix, rename=[(r"^a$", "TMP"), (r"^b$", "a"), (r"^TMP$", "b")])
+    assert _vals(out) == {("a",): [7, 8], ("b",): [1.0, 1.0], ("y", "z"): [0.0, 0.0]}
+    assert out["a"].dtype == torch.int64 and out["b"].dtype == torch.float32
+    for pairs in ([(r"^a$", "p.q"), (r"^b$", "p")], [(r"^a$", "p"), (r"^y\.z$", "p.q")]):
+        with pytest.raises(RestoreError, match=r"rename= maps .* below it .*nothing was restored"):
+            tdckpt.load_memmap(prefix, rename=pairs)

@@ -20,6 +20,7 @@ restore that fails returns nothing.
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -194,14 +195,29 @@ def _renamed(td: Any, rename: Any, where: str) -> Any:
                 f"{_text(new)!r}; nothing was restored."
             )
         targets[new] = old
+    # one key moved onto a level above another moved key (a -> p, b -> p.q): p would be
+    # both a leaf and a level
+    above = {new[:i] for new in targets for i in range(1, len(new))}
+    for new, old in targets.items():
+        if new in above:
+            below = next(n for n in targets if n[: len(new)] == new and n != new)
+            raise RestoreError(
+                f"{where}: rename= maps {_text(old)!r} onto {_text(new)!r} and "
+                f"{_text(targets[below])!r} below it ({_text(below)!r}); nothing was restored."
+            )
     staying = [k for k in leaves if k not in moves]
     for new, old in targets.items():
         if any(s[: len(new)] == new or new[: len(s)] == s for s in staying):
             raise _onto_existing(where, old, new)
-    for old, new in moves.items():
-        td.rename_key_(_arg(old), _arg(new))
+    # The moves happen at once (a <-> b swaps): each key goes to a name of its own first.
+    token = uuid.uuid4().hex
+    parked = {old: (f"__tdckpt_rename_{i}_{token}",) for i, old in enumerate(moves)}
+    for old, temp in parked.items():
+        td.rename_key_(_arg(old), _arg(temp))
     for old in moves:
         _drop_emptied(td, old)
+    for old, new in moves.items():
+        td.rename_key_(_arg(parked[old]), _arg(new))
     return td
 
 
