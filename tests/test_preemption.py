@@ -215,3 +215,79 @@ def test_ranks_asking_about_different_steps_all_get_an_error(tmp_path: Path) -> 
             f"rank {rank} of 2: should_save was called for different steps" in (result["message"])
         )
         assert "rank 0: 5, rank 1: 6" in result["message"]
+
+
+_TWO_MANAGERS = """
+import os, signal, sys, tempfile
+from tdckpt import CheckpointManager
+from tdckpt.save_policy import SaveOnPreemption
+root = tempfile.mkdtemp()
+policy = SaveOnPreemption([signal.SIGTERM])
+a = CheckpointManager(root + "/a", save_policy=policy)
+b = CheckpointManager(root + "/b", save_policy=policy)
+a.close()
+os.kill(os.getpid(), signal.SIGTERM)
+print("alive", b.preempted, a.preempted, flush=True)
+b.close()
+print("restored", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
+c = CheckpointManager(root + "/c", save_policy=policy)
+os.kill(os.getpid(), signal.SIGTERM)
+print("alive", c.preempted, flush=True)
+c.close()
+os.kill(os.getpid(), signal.SIGTERM)
+print("not reached", flush=True)
+"""
+
+_FORKED_CHILD = """
+import multiprocessing as mp, signal, tempfile, time
+from tdckpt import CheckpointManager
+from tdckpt.save_policy import SaveOnPreemption
+
+def work():
+    time.sleep(30)
+
+if __name__ == "__main__":
+    mgr = CheckpointManager(tempfile.mkdtemp(), save_policy=SaveOnPreemption([signal.SIGTERM]))
+    child = mp.get_context("fork").Process(target=work)
+    child.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    child.terminate()
+    child.join(20)
+    quick = time.monotonic() - started < 10
+    print("child", child.exitcode, quick, mgr.preempted, flush=True)
+    mgr.close()
+"""
+
+
+def test_every_open_manager_counts_the_signal_and_closing_them_all_restores_it() -> None:
+    """Two managers with SaveOnPreemption: closing the first left its handler in the chain,
+    which then gave SIGTERM its default action and the process died though the second was
+    open; closing both left a stale handler that killed a third manager's process too. One
+    handler now serves every open manager, and the last close puts the default back."""
+    out = subprocess.run(
+        [sys.executable, "-c", _TWO_MANAGERS],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert out.stdout.split("\n")[:3] == ["alive True False", "restored True", "alive True"], (
+        out.stdout + out.stderr
+    )
+    assert out.returncode == -signal.SIGTERM  # all closed: SIGTERM ends the process again
+    assert "not reached" not in out.stdout
+
+
+def test_a_forked_child_keeps_the_default_sigterm() -> None:
+    """A child forked while a manager with SaveOnPreemption is open (a DataLoader worker,
+    a pool) inherits its handler: SIGTERM was counted there, by nobody, and the child ran
+    on. The signal now acts on a forked child as it would without tdckpt."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKED_CHILD],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert out.stdout.strip() == f"child {-signal.SIGTERM} True False", out.stdout + out.stderr

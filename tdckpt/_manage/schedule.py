@@ -5,15 +5,18 @@
 preemption signal handlers of a policy holding
 :class:`~tdckpt.save_policy.SaveOnPreemption`:
 
-* a handler only counts the signal (nothing else is safe in a signal handler: the main
-  thread may be anywhere, inside a save included) and then calls the handler that was
-  installed before it, if that was a Python callable;
+* one handler per signal serves every manager of the process (:class:`_Dispatcher`): it
+  only counts the signal for each open manager (nothing else is safe in a signal handler:
+  the main thread may be anywhere, inside a save included) and then calls the handler that
+  was installed before tdckpt's, if that was a Python callable;
 * a signal is *pending* from its arrival until a save starts after it; ``should_save``
   returns True while one is pending;
-* :meth:`SaveSchedule.uninstall` (the manager's ``close()``) puts the previous handlers
-  back. Where it cannot (a ``close()`` off the main thread, or a handler installed over
-  ours since) ours stays installed but only passes the signal on - for a previous default
-  action, by restoring it and raising the signal again, so the process still ends.
+* :meth:`SaveSchedule.uninstall` (the manager's ``close()``) stops counting; the last open
+  manager puts the original handler back. Where that cannot be done (a ``close()`` off the
+  main thread, or a handler installed over tdckpt's since), tdckpt's stays installed but
+  acts as the original - for a default action, by restoring it and raising the signal
+  again, so the process still ends. A forked child (a DataLoader worker) counts nothing:
+  the signal acts on it as the original handler would.
 
 In a group of ranks the answer is agreed: every rank's step, answer and pending flag are
 gathered over a gloo group of the schedule's own (never the one a background save uses),
@@ -61,13 +64,12 @@ class SaveSchedule:
         self._handled = 0  # the count when the last save started
         self._agreed = False  # another rank's signal, learnt in an agreement
         self.signal: int | None = None  # the last preemption signal received (number)
-        self._installed: list[tuple[int, _Handler, Callable[[int, FrameType | None], None]]] = []
+        self._installed: list[int] = []  # the signals this schedule counts
         self._active = False
         self._pg: Any = None
         self._rank = 0
         self._size = 1
         self._timeout = 0.0
-        self._pid = os.getpid()
 
     # -- preemption handlers ---------------------------------------------------------------
     def check_thread(self, where: str) -> None:
@@ -80,38 +82,31 @@ class SaveSchedule:
             )
 
     def install(self, where: str) -> None:
-        """Install the handlers of the policy's signals (main thread only)."""
+        """Count the policy's signals from now on (main thread only)."""
         self.check_thread(where)
         if not self.signals:
             return
         self._active = True
         for sig in self.signals:
-            previous = signal.getsignal(sig)
-            handler = self._handler(previous)
-            signal.signal(sig, handler)
-            self._installed.append((sig, previous, handler))
+            _dispatcher(sig).schedules.append(self)
+            self._installed.append(sig)
 
-    def _handler(self, previous: _Handler) -> Callable[[int, FrameType | None], None]:
-        def handler(signum: int, frame: FrameType | None) -> None:
-            if self._active:
-                self._received += 1
-                self.signal = signum
-            if callable(previous):
-                previous(signum, frame)
-            elif not self._active and previous == signal.SIG_DFL:
-                # Uninstalled but still in place: the default action, as if we were gone.
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-
-        return handler
+    def count(self, signum: int) -> None:
+        """A preemption signal arrived (called in the signal handler: counting only)."""
+        if self._active:
+            self._received += 1
+            self.signal = signum
 
     def uninstall(self) -> None:
-        """Stop counting signals; put the previous handlers back where that is possible."""
+        """Stop counting signals; the last open manager puts the original handlers back."""
         self._active = False
-        if threading.current_thread() is threading.main_thread():
-            for sig, previous, handler in reversed(self._installed):
-                if signal.getsignal(sig) is handler:
-                    signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        for sig in self._installed:
+            found = _DISPATCHERS.get(sig)
+            if found is None:
+                continue
+            found.schedules[:] = [s for s in found.schedules if s is not self]
+            if not found.schedules:
+                found.release()
         self._installed = []
 
     # -- collective agreement --------------------------------------------------------------
@@ -222,3 +217,72 @@ class SaveSchedule:
         self._last_time = self.clock()
         self._baseline = True
         self._handled = max(self._handled, answered)
+
+
+class _Dispatcher:
+    """The one handler of a signal for every manager of this process: it counts the signal
+    for each open one (:attr:`schedules`), then calls the handler installed before it if
+    that is a Python callable. With no manager open (closed off the main thread, or a
+    handler installed over it since), or in a forked child, it acts as that handler would:
+    for the default action, by restoring it and raising the signal again."""
+
+    def __init__(self, sig: int, original: _Handler) -> None:
+        self.sig = sig
+        self.original = original
+        self.pid = os.getpid()
+        self.schedules: list[SaveSchedule] = []
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid:  # a forked child: as if tdckpt were not there
+            self._as_original(signum, frame)
+            return
+        for schedule in list(self.schedules):
+            schedule.count(signum)
+        current = _DISPATCHERS.get(self.sig)
+        if self.schedules or (current is not None and current is not self):
+            # counted (or superseded by a newer dispatcher, which decides): pass it on
+            if callable(self.original):
+                self.original(signum, frame)
+            return
+        self._as_original(signum, frame)
+
+    def _as_original(self, signum: int, frame: FrameType | None) -> None:
+        if callable(self.original):
+            self.original(signum, frame)
+        elif self.original in (signal.SIG_DFL, None):
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        # SIG_IGN: ignored, as before tdckpt
+
+    def release(self) -> None:
+        """Put the original handler back (on the main thread, while this one is in place)."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # stays installed, acting as the original
+        sig, original = self.sig, self.original
+        if signal.getsignal(sig) is self:
+            signal.signal(sig, signal.SIG_DFL if original is None else original)
+        if _DISPATCHERS.get(sig) is self:
+            del _DISPATCHERS[sig]
+
+
+#: The dispatcher of each signal some open manager counts (this process's).
+_DISPATCHERS: dict[int, _Dispatcher] = {}
+
+
+def _dispatcher(sig: int) -> _Dispatcher:
+    """The dispatcher of ``sig`` in this process, installed as its handler if it is not yet
+    (main thread: the caller checked)."""
+    found = _DISPATCHERS.get(sig)
+    current = signal.getsignal(sig)
+    if found is not None and found.pid == os.getpid() and id(current) == id(found):
+        return found  # (id: mypy would narrow ``found`` to the handler's type)
+    if isinstance(current, _Dispatcher):  # inherited through fork: its original is ours
+        current = current.original
+    dispatcher = _DISPATCHERS[sig] = _Dispatcher(sig, current)
+    if found is not None and found.pid == os.getpid():
+        # replaced since (another library set its handler, which now runs after ours):
+        # the managers still open keep counting
+        dispatcher.schedules = found.schedules
+        found.schedules = []
+    signal.signal(sig, dispatcher)
+    return dispatcher
