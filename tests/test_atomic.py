@@ -362,3 +362,58 @@ def test_sigkill_during_saves_never_damages_committed_steps(tmp_path: Path) -> N
     if trials >= 5:
         # Nearly all of a writer's time is spent inside a save: most kills interrupt one.
         assert interrupted >= 1, f"no kill landed inside a save (seed {seed})"
+
+
+_OVERWRITE_KILLED = r"""
+import os, sys, torch
+from tensordict import TensorDict
+from tdckpt import CheckpointManager
+from tdckpt._store import local
+def die(*a, **k):
+    os._exit(9)  # the instant after the new form's commit, before the old one is retired
+local.LocalStepStore._retire_paths = die
+with CheckpointManager(sys.argv[1], archive=sys.argv[2] == "archive", fsync=False) as m:
+    m.save(5, TensorDict(w=torch.ones(3)), overwrite=True, metadata={"v": "new"})
+"""
+
+
+@pytest.mark.parametrize("new_form", ["archive", "dir"])
+def test_an_overwrite_that_changes_the_form_and_is_killed_reads_one_way(
+    tmp_path: Path, new_form: str
+) -> None:
+    """An overwrite from a folder to an archive (or back) commits the new form, then removes
+    the old one: killed in between, both were listed as committed, each reader read the
+    form its own manager writes, and gc kept both. Every reader now reads the newer one,
+    and gc removes the older."""
+    import subprocess
+    import sys
+
+    import torch
+    from conftest import subprocess_env
+    from tensordict import TensorDict
+
+    from tdckpt import CheckpointManager
+
+    with CheckpointManager(tmp_path, archive=new_form == "dir", fsync=False) as mgr:
+        mgr.save(5, TensorDict(w=torch.zeros(3)), metadata={"v": "old"})
+    child = subprocess.run(
+        [sys.executable, "-c", _OVERWRITE_KILLED, str(tmp_path), new_form],
+        env=subprocess_env(),
+        capture_output=True,
+        timeout=120,
+    )
+    assert child.returncode == 9, child.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "5",
+        "5.tdz",
+    ]
+    for archive in (False, True):
+        with CheckpointManager(tmp_path, archive=archive) as reader:
+            assert reader.metadata(5) == {"v": "new"}
+            assert reader.restore(5)["w"].tolist() == [1.0, 1.0, 1.0]
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.warns(TdckptWarning, match="took over the lock .* no longer running"):
+            (gone,) = mgr.gc()  # (the killed writer's lock is taken over, with a warning)
+        assert gone.name == ("5" if new_form == "archive" else "5.tdz")
+        assert [(s.step, s.status) for s in mgr.list_steps()] == [(5, "committed")]
+        assert mgr.verify(5).ok and mgr.metadata(5) == {"v": "new"}

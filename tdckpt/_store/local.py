@@ -15,6 +15,7 @@ import contextlib
 import os
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -139,8 +140,10 @@ class LocalStepStore:
                     valid[kind] = StepRecord(step, path, self._index.manifest(path, kind))
                 except MetadataError:
                     continue
-            if valid:
-                out[step] = preferred(valid, archive=self.archive)
+            if len(valid) > 1:
+                out[step] = _newest(valid, archive=self.archive)
+            elif valid:
+                out[step] = next(iter(valid.values()))
         return out
 
     def resolve(self, step: int | None) -> StepRecord:
@@ -424,9 +427,24 @@ class LocalStepStore:
 
     def gc(self, grace_period: float | None, *, stacklevel: int) -> list[Path | str]:
         """Remove every temporary entry older than ``grace_period`` (None: all of them);
-        rename back a step an interrupted overwrite had set aside."""
+        rename back a step an interrupted overwrite had set aside; remove the older form of
+        a step committed both as a folder and as an archive (an overwrite that changed the
+        form, interrupted before it removed the old one: every reader reads the newer)."""
         removed: list[Path | str] = []
         now = time.time()
+        older = []
+        for step, record in self._records_once().items():
+            for path in self.entries().get(step, {}).values():
+                if path != Path(record.where):
+                    older.append((step, path))
+        if older:
+            for path, aside in self._retire_paths(older):
+                try:
+                    _atomic.remove_retired(aside)
+                except OSError as exc:
+                    _warn_not_removed(aside, exc, stacklevel=stacklevel + 1)
+                    continue
+                removed.append(path)
         for name in sorted(os.listdir(self.root)):
             if _atomic.is_tmp_name(name) and _older(self.root / name, now, grace_period):
                 try:
@@ -462,6 +480,23 @@ class LocalStepStore:
         if isinstance(record.manifest, ShardedManifest):
             report.problems += shard_problems(where, record.manifest)
         return report
+
+
+def _newest(forms: dict[str, StepRecord], *, archive: bool) -> StepRecord:
+    """Of a step committed both as a folder and as an archive (an overwrite that changed the
+    form, interrupted before it removed the old one), the one saved last - the same for
+    every reader, whatever form its manager writes; the manager's own form on a tie."""
+
+    def created(record: StepRecord) -> float:
+        try:
+            return datetime.fromisoformat(record.manifest.created).timestamp()
+        except (TypeError, ValueError):
+            return float("-inf")
+
+    ranked = sorted(forms.values(), key=created)
+    if created(ranked[-1]) > created(ranked[0]):
+        return ranked[-1]
+    return preferred(forms, archive=archive)  # type: ignore[no-any-return]
 
 
 def _older(path: Path, now: float, grace_period: float | None) -> bool:
