@@ -844,7 +844,11 @@ class CheckpointManager:
             if damaged is not None:
                 return damaged
         with self._pins.pinned(step) as record:
-            return self._steps.verify(record, progress, shared=shared)
+            report = self._steps.verify(record, progress, shared=shared)
+        if not report.ok and record.step not in self._steps.records():
+            # deleted meanwhile (by another process's retention): not damage - say so
+            self._steps.resolve(record.step)  # CheckpointNotFoundError
+        return report
 
     # -- restoring -------------------------------------------------------------------------
     def restore_into(

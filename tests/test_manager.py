@@ -497,3 +497,32 @@ def test_metadata_with_a_lone_surrogate_is_refused_before_anything_is_written(
         assert mgr.metadata(1) == {"note": "fine"}
         assert torch.equal(mgr.restore(1)["w"], td["w"])
         assert mgr.verify().ok
+
+
+def test_a_step_deleted_by_another_writer_while_verified_is_not_found_not_damaged(
+    tmp_path: Path,
+) -> None:
+    """Another process's retention may delete a step this manager is verifying (its pins
+    protect the step from its own retention only): verify reported every file missing, and
+    restore_into(verify=True) an IntegrityError, as if the step were damaged. Both now say
+    the step is no longer committed."""
+    from tdckpt.errors import CheckpointNotFoundError
+    from tdckpt.retention import KeepLast
+
+    td = TensorDict({f"l{i}": torch.zeros(1000) for i in range(4)})
+    with (
+        CheckpointManager(tmp_path, retention=KeepLast(1), fsync=False) as writer,
+        CheckpointManager(tmp_path) as reader,  # another process, as far as pins go
+    ):
+        writer.save(1, td)
+        fired: list[int] = []
+
+        def progress(done: int, total: int) -> None:
+            if not fired:
+                fired.append(done)
+                writer.save(2, td)  # commits, and KeepLast(1) deletes the step being read
+
+        with pytest.raises(CheckpointNotFoundError, match=r"no committed step 1 \(committed"):
+            reader.verify(1, progress=progress)
+        assert fired
+        assert reader.verify(2).ok

@@ -249,6 +249,9 @@ class StepReader:
     def verified(self, step: int, path: Path | str, manifest: Manifest) -> None:
         """Raise :class:`~tdckpt.errors.IntegrityError` unless the step passes verification."""
         report = self._store.verify(StepRecord(step, path, manifest), None)
+        if not report.ok and step not in self._store.records():
+            # deleted meanwhile (by another process's retention): not damage - say so
+            self._store.resolve(step)  # CheckpointNotFoundError
         if not report.ok:
             raise IntegrityError(
                 f"{path}: step {step} failed verification, so nothing was restored and the "
