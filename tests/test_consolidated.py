@@ -308,6 +308,18 @@ def test_unknown_dtype_and_bad_shape(tmp_path: Path) -> None:
     _refused(_rewrite(tmp_path, shape), "holds -3")
 
 
+def test_a_zero_element_shape_whose_strides_overflow_is_refused(tmp_path: Path) -> None:
+    """[0, 2**62, 2**62] holds no byte, but torch cannot build it ("Stride calculation
+    overflowed"): validate said ok and the restore failed with "report it as a tdckpt bug".
+    Refused by both, naming the key, as for a directory checkpoint."""
+
+    def shape(meta: dict[str, Any]) -> None:
+        leaf = meta["leaves"]["i64"]
+        leaf[1], leaf[3], leaf[4] = [0, 2**62, 2**62], leaf[2], 0
+
+    _refused(_rewrite(tmp_path, shape), r"'i64'.*past the 2\*\*63 - 1 a tensor's strides")
+
+
 def test_misaligned_leaf(tmp_path: Path) -> None:
     path = write(TensorDict(a=torch.ones(2, dtype=torch.float64)), tmp_path / "one.bin")
     data, meta = split(path)

@@ -29,6 +29,15 @@ __all__ = ["MAX_NDIM", "LeafEntries"]
 MAX_NDIM = 64
 
 _ITEMSIZE = operator.attrgetter("itemsize")
+#: The largest product of a shape's dims (zeros counted as 1) torch's strides can hold.
+_MAX_STRIDE_SPAN = 2**63 - 1
+
+
+def _stride_span(shape: Any) -> int:
+    """The product of ``shape``'s dims with each zero counted as 1, as torch computes the
+    strides (a zero-element leaf with huge other dims cannot be built)."""
+    return math.prod(max(d, 1) for d in shape)
+
 
 #: ``fail(key, what, cls)``: the error to raise for ``what`` at ``key`` (see the parser).
 Fail = Callable[..., MetadataError]
@@ -127,6 +136,8 @@ class LeafEntries:
         dims = set(itertools.chain.from_iterable(distinct))
         if dims and min(dims) < 0:
             return None
+        if max(map(_stride_span, distinct)) > _MAX_STRIDE_SPAN:
+            return None  # each leaf checked on its own says which
         names = list(set(dtype_names))
         found = list(map(DTYPES.get, names))
         if None in found:
@@ -192,7 +203,8 @@ class LeafEntries:
         item = dtype.itemsize
         nbytes = math.prod(shape) * item
         if (
-            not 0 <= start <= stop <= self.data_size
+            _stride_span(shape) > _MAX_STRIDE_SPAN
+            or not 0 <= start <= stop <= self.data_size
             or not 0 <= pad < 8
             or stop - start - pad != nbytes
             or start % item
@@ -216,6 +228,13 @@ class LeafEntries:
         for d in shape:
             if type(d) is not int or d < 0:
                 raise self.fail(shown, f"the shape {shape!r} holds {d!r}")
+        if _stride_span(shape) > _MAX_STRIDE_SPAN:
+            raise self.fail(
+                shown,
+                f"the shape {shape!r:.200}: its dims multiply past the 2**63 - 1 a tensor's "
+                "strides can hold (a zero counted as 1, as torch counts it), so no tensor of "
+                "this shape can exist, even with zero elements",
+            )
         for what, value in (("start", start), ("stop", stop), ("pad", pad)):
             if type(value) is not int:
                 raise self.fail(shown, f"the {what} offset {value!r} is not an int")
