@@ -51,6 +51,7 @@ def write_sharded(
         for result in results[1:]:
             result.leaves = results[0].leaves
             result.batch_tail = results[0].batch_tail
+            result.structure = results[0].structure
     manifest = build_manifest(
         results, step=step, attempt=attempt, user_metadata=metadata or {}, layout=layout
     )

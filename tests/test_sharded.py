@@ -390,3 +390,27 @@ def test_save_async_in_a_group_commits_the_values_at_the_call(tmp_path: Path) ->
     for case in CASES:  # the shards were overwritten right after each call: not in the step
         assert_same(mgr.restore(step_of(case)), make_case(case, sum(LENGTHS[2])), case)
         assert mgr.verify(step_of(case)).ok
+
+
+def test_a_lazy_stack_along_dim_0_with_uneven_shards_is_refused_before_the_commit(
+    tmp_path: Path,
+) -> None:
+    """A lazy stack's shard saves its members by index ('0', '1', ...): shards of 3 and 5
+    members read back with different keys, which every restore refused - the save had
+    committed a step no restore could read. The save now compares the shards as a restore
+    reads them back, and refuses before the commit; equal shards still save and restore."""
+    from _shard_local import write_sharded
+    from tensordict import LazyStackedTensorDict, TensorDict
+
+    from tdckpt._shard.manifest import CoverageError
+
+    def lazy(a: int, b: int) -> Any:
+        return LazyStackedTensorDict(
+            *[TensorDict(x=torch.full((2,), float(i))) for i in range(a, b)], stack_dim=0
+        )
+
+    with pytest.raises(CoverageError, match=r"rank 1's shard reads back with other keys"):
+        write_sharded(tmp_path / "uneven", 1, [lazy(0, 3), lazy(3, 8)])
+    write_sharded(tmp_path / "even", 1, [lazy(0, 4), lazy(4, 8)])
+    with CheckpointManager(tmp_path / "even", group=False) as mgr:
+        assert mgr.restore(1)["x"][:, 0].tolist() == [float(i) for i in range(8)]

@@ -43,6 +43,7 @@ __all__ = [
     "SplitCheck",
     "check_shards",
     "open_checked",
+    "prefix_digest",
     "shard_problems",
     "structure_digest",
 ]
@@ -227,6 +228,18 @@ class SplitCheck:
         no rank refused one, and every digest (None: a rank that checked none) is one."""
         digests = {digest for _, digest in outcomes if digest is not None}
         return not any(refused for refused, _ in outcomes) and len(digests) <= 1
+
+
+def prefix_digest(prefix: Path) -> str:
+    """:func:`structure_digest` of the shard written at ``prefix`` (its metadata read back,
+    as a restore will read it): a save compares the ranks' digests before it commits."""
+    from tdckpt._read.pipeline import open_checkpoint
+
+    opened = open_checkpoint(prefix, robust_key=True)
+    try:
+        return structure_digest(_structure(opened))
+    finally:
+        opened.close()
 
 
 def structure_digest(structure: ShardStructure) -> str:

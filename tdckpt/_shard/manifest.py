@@ -129,6 +129,8 @@ class ShardResult:
     replicated: list[list[str]] = field(default_factory=list)
     replicated_prefix: str | None = None
     writer: dict[str, Any] = field(default_factory=dict)
+    #: the digest of the shard's structure as a restore reads it back (all but its rows)
+    structure: str = ""
 
 
 class CoverageError(MetadataError):
@@ -179,6 +181,14 @@ def build_manifest(
                 problems.append(
                     f"the key {'.'.join(key)!r} is {_leaf(res.leaves[key])} on rank {res.rank} "
                     f"and {_leaf(first.leaves[key])} on rank 0"
+                )
+    if not problems:
+        for res in results[1:]:
+            if res.structure != first.structure:
+                problems.append(
+                    f"rank {res.rank}'s shard reads back with other keys than rank 0's (a "
+                    "lazy stack along dim 0 saves its members by index: every rank must then "
+                    "hold as many of its rows)"
                 )
     if problems:
         shown = "\n  ".join(problems[:20])

@@ -37,6 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tdckpt._shard.check import prefix_digest
 from tdckpt._shard.group import ShardGroup, rank0_refusal
 from tdckpt._shard.manifest import ShardResult, build_manifest, step_document
 from tdckpt._shard.steps import ShardSteps
@@ -250,6 +251,7 @@ def _write_shard(
         result.leaves = _leaves(shard)
         result.replicated = rep_keys
         result.writer = writer_versions().model_dump(mode="json")
+        result.structure = prefix_digest(staging / rel)  # as a restore will read it back
         return result, None
     except Exception as exc:  # reported to rank 0, so that every rank raises
         return ShardResult(rank=group.rank, error=(type(exc).__name__, str(exc))), exc
