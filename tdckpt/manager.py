@@ -64,7 +64,7 @@ from tdckpt._write.checksum import DEFAULT_CHECKSUM, new_hasher
 from tdckpt._write.incremental import check_incremental
 from tdckpt._write.save import check_json_data, prepare_checkpoint
 from tdckpt._write.snapshot import StagingBuffers
-from tdckpt.errors import AsyncSaveError, UnsupportedContentError
+from tdckpt.errors import AsyncSaveError, TdckptError, UnsupportedContentError
 from tdckpt.retention import KeepAll, RetentionPolicy, StepInfo, metric_value
 from tdckpt.save_policy import SavePolicy
 from tdckpt.schema import Manifest
@@ -575,6 +575,11 @@ class CheckpointManager:
                 store (every such key is listed); nothing was staged or written.
             MetadataError: ``metadata`` is not plain JSON data.
 
+            In a collective manager these two refusals of one rank's own state or metadata
+            come from every rank's ``result()`` instead (as from :meth:`save`, through the
+            protocol): a rank that skipped the save would take the ranks' collectives out
+            of step.
+
         Example:
             >>> import tempfile, torch
             >>> from tensordict import TensorDict
@@ -593,15 +598,24 @@ class CheckpointManager:
         self._refuse_replicated(replicated)
         step = _atomic.check_step(step)
         incremental = self._wants_incremental(incremental)
-        if metadata is not None:
-            check_json_data(metadata)  # before taking the lock or creating anything
-            metadata = copy.deepcopy(metadata)  # plain JSON: later edits must not reach it
-        obj, record = saveable(state)  # on the caller's thread, before the snapshot
         consolidated = self.layout == "consolidated"
-        if consolidated:  # written whole by tensordict's consolidate: refused now, not later
-            from tdckpt._write.consolidated_write import check_consolidatable
+        # In a collective manager a refusal of this rank's state or metadata alone is
+        # carried into the protocol (every rank's result() raises it), never raised here:
+        # one rank skipping the save would take the ranks' collectives out of step.
+        refused: BaseException | None = None
+        try:
+            if metadata is not None:
+                check_json_data(metadata)  # before taking the lock or creating anything
+                metadata = copy.deepcopy(metadata)  # plain JSON: later edits cannot reach it
+            obj, record = saveable(state)  # on the caller's thread, before the snapshot
+            if consolidated:  # written whole by tensordict's consolidate: refused now
+                from tdckpt._write.consolidated_write import check_consolidatable
 
-            check_consolidatable(obj, Path(self.root, _atomic.step_name(step)))
+                check_consolidatable(obj, Path(self.root, _atomic.step_name(step)))
+        except (TdckptError, TypeError, ValueError) as exc:
+            if not collective:
+                raise
+            refused, obj, record = exc, None, None
         with self._staging_lock:  # one snapshot at a time uses the staging buffer
             self._background.drain(before=f"this save of step {step} started", stacklevel=2)
             if not collective:  # (a collective save checks on rank 0, in the protocol)
@@ -620,7 +634,15 @@ class CheckpointManager:
                     prepare_checkpoint(obj, f"{self.root}/{_atomic.step_name(step)}")
                 # tensors cloned, non-tensor values deep-copied; a shard's errors (a bad
                 # shard, ...) surface in the protocol, on every rank
-                snapshot = detached_copy(obj)
+                if refused is None:
+                    try:
+                        snapshot = detached_copy(obj)
+                    except TdckptError as exc:
+                        if not collective:
+                            raise
+                        refused = exc
+                if refused is not None:
+                    snapshot = None
             else:  # staged into reused buffers, written as files by the background thread
                 prepared = prepare_checkpoint(obj, Path(self.root, _atomic.step_name(step)))
                 snapshot = self._staging.stage(prepared)
@@ -631,10 +653,11 @@ class CheckpointManager:
                     self.retention,
                     step,
                     snapshot,
-                    metadata,
+                    metadata if refused is None else None,
                     False,
                     shards,
                     incremental=incremental,
+                    refused=refused,
                 )
             else:
                 job = lambda: self._saver.save_in_background(  # noqa: E731

@@ -368,6 +368,19 @@ def cmd_async(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
     return mgr.steps()
 
 
+def cmd_async_refusal(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> Any:
+    """save_async whose metadata only rank 1 refuses (a NaN loss), then a good save_async
+    and a restore: the refusal reaches every rank's result(), and the group stays usable."""
+    shard = shard_of("nested", world, rank)
+    loss = float("nan") if rank == 1 else 0.5
+    outcomes = [_outcome(lambda: mgr.save_async(2, shard, metadata={"loss": loss}).result(60))]
+    outcomes.append(_outcome(lambda: mgr.save_async(3, shard, metadata={"loss": 0.1}).result(60)))
+    restored = mgr.restore(3)
+    keys = sorted(map(str, shard.keys(include_nested=True, leaves_only=True)))
+    outcomes.append(sorted(map(str, restored.keys(include_nested=True, leaves_only=True))) == keys)
+    return {"outcomes": outcomes, "steps": mgr.steps()}
+
+
 def _outcome(call: Any) -> list[Any]:
     try:
         call()
@@ -631,6 +644,7 @@ COMMANDS = {
     "close": cmd_close,
     "disagree": cmd_disagree,
     "async": cmd_async,
+    "async_refusal": cmd_async_refusal,
     "subgroup": cmd_subgroup,
     "save": cmd_save,
     "restore": cmd_restore,

@@ -392,6 +392,23 @@ def test_save_async_in_a_group_commits_the_values_at_the_call(tmp_path: Path) ->
         assert mgr.verify(step_of(case)).ok
 
 
+def test_a_save_async_one_rank_refuses_fails_on_every_rank_and_the_group_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's metadata (a NaN loss) was refused on its own thread, so it made one fewer
+    collective call than rank 0: every later save and restore paired each rank's calls with
+    the other's wrong ones. The refusal now runs through the protocol: every rank's result()
+    raises, nothing is committed, and the next save and restore work."""
+    args = {"out": str(tmp_path / "o"), "root": str(tmp_path / "root")}
+    results = ok_results(spawn_ranks("async_refusal", 2, args), "async_refusal")
+    for rank, result in enumerate(results):
+        (kind2, says2), (kind3, _), restored = result["outcomes"]
+        assert kind2 == ("CollectiveError" if rank == 0 else "MetadataError"), says2
+        assert "nan is not valid JSON" in says2
+        assert kind3 == "returned" and restored is True
+        assert result["steps"] == [3]
+
+
 def test_a_lazy_stack_along_dim_0_with_uneven_shards_is_refused_before_the_commit(
     tmp_path: Path,
 ) -> None:

@@ -155,8 +155,10 @@ class StepSaver:
         replicated: Any,
         *,
         incremental: bool = False,
+        refused: BaseException | None = None,
     ) -> Path:
-        """The sharded save protocol over ``steps`` (every rank), then retention on rank 0."""
+        """The sharded save protocol over ``steps`` (every rank), then retention on rank 0;
+        ``refused``: this rank's state or metadata was refused before (every rank raises)."""
         from tdckpt._shard.save import collective_save
 
         path = collective_save(
@@ -167,6 +169,7 @@ class StepSaver:
             overwrite=overwrite,
             replicated=replicated,
             incremental=incremental,
+            refused=refused,
         )
         if steps.group is not None and steps.group.rank == 0:
             with self._writing:

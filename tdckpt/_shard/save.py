@@ -325,11 +325,14 @@ def collective_save(
     overwrite: bool,
     replicated: Iterable[Any],
     incremental: bool = False,
+    refused: BaseException | None = None,
 ) -> Path:
     """Save this rank's shard ``obj`` as part of ``step`` (every rank calls it). See module.
 
     ``incremental``: rank 0 announces the latest step's shard folders with the attempt;
-    each rank links its unchanged leaves from its own shard of that step."""
+    each rank links its unchanged leaves from its own shard of that step. ``refused``:
+    this rank's state or metadata was refused before the protocol (``save_async`` checks
+    them on the caller's thread): the protocol runs, and every rank raises."""
     group = steps.group
     assert group is not None
     # Every rank saves the same step, or none writes anything (one all_gather).
@@ -342,6 +345,8 @@ def collective_save(
     step = checked
     prepared: tuple[Any, Any, list[list[str]]] | BaseException
     try:
+        if refused is not None:
+            raise refused
         if metadata is not None:
             check_json_data(metadata)
         prepared = split_shard(obj, replicated)
