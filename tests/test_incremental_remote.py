@@ -275,3 +275,36 @@ def test_verify_steps_reads_an_object_several_records_name_once(remote: Remote) 
         assert [r.shared_checked for r in reports] == [0, 2, 2]  # a and c: read for step 1
         assert reports[1].files_checked == reports[0].files_checked
         assert reports[1].bytes_checked < reports[0].bytes_checked
+
+
+def test_retention_removes_the_objects_only_a_retired_record_named() -> None:
+    """An incremental record names objects of earlier attempts; once the steps that wrote
+    them were retired, retiring the last record naming an object left it behind (a storage
+    leak until someone ran gc). Retention now deletes them too - by name, no listing - and
+    every object a kept record names stays."""
+    import uuid
+
+    import fsspec
+    from tensordict import TensorDict
+
+    url = f"memory://o{uuid.uuid4().hex[:12]}/run"
+    fs = fsspec.filesystem("memory")
+    td = TensorDict(a=torch.zeros(300_000), b=torch.zeros(300_000))  # an object each
+    with CheckpointManager(url, incremental=True, retention=KeepLast(1)) as mgr:
+        for step in range(1, 7):
+            if step % 2 == 0:
+                td["a"] += 1  # a changes every other step: later records name earlier objects
+            td["b"] += 1
+            mgr.save(step, td)
+        assert mgr.steps() == [6]
+        root = url.removeprefix("memory:/")
+        named = set()
+        for path in fs.find(root):
+            if path.endswith(".tdckpt.json"):
+                record = json.loads(fs.cat_file(path))
+                own = f"{path.rsplit('/', 1)[1].split('.')[0]}.attempt-{record['attempt']}"
+                named |= {f"{root}/{o.get('prefix') or own}/{o['name']}" for o in record["objects"]}
+        objects = {p for p in fs.find(root) if ".attempt-" in p}
+        assert objects == named, sorted(objects - named)
+        assert mgr.gc(grace_period=0) == []
+        assert torch.equal(mgr.restore()["a"], td["a"]) and mgr.verify().ok

@@ -390,7 +390,9 @@ class ObjectStepStore:
             self.store.rm_tree(str(attempt.where))
 
     # -- deleting --------------------------------------------------------------------------
-    def retire(self, records: list[StepRecord]) -> list[tuple[str, Protected]]:
+    def retire(
+        self, records: list[StepRecord]
+    ) -> list[tuple[str, Protected, tuple[str, ...] | None]]:
         """Delete each step's commit record (from then on it is not listed); the URLs of
         their attempts, which :meth:`remove` deletes, each with what it must keep: the
         objects the remaining records name (an incremental step refers to an earlier
@@ -409,15 +411,46 @@ class ObjectStepStore:
             keep = ({}, None)  # cannot tell what is named: the data is left for gc
         for record in records:
             self.store.rm_files([layout.commit_name(record.step)])
-        return [(str(record.where), keep) for record in records]
+        out: list[tuple[str, Protected, tuple[str, ...] | None]] = [
+            (str(record.where), keep, None) for record in records
+        ]
+        # An incremental step names objects of earlier attempts: once those steps were
+        # retired, these records may be the last to name some of them. Those objects go too
+        # (by name: no listing) - else they stayed until someone ran gc.
+        live = {layout.attempt_name(s, r.attempt) for s, r in remaining.items()}
+        own = {str(record.where)[len(self.store.url) + 1 :] for record in records}
+        earlier: dict[str, set[str]] = {}
+        for record in records:
+            for obj in getattr(record.handle, "objects", ()):
+                prefix = obj.prefix
+                if (
+                    prefix
+                    and prefix not in live
+                    and prefix not in own
+                    and layout.parse_attempt(prefix) is not None
+                ):
+                    earlier.setdefault(prefix, set()).add(obj.name)
+        named, mentioned = keep
+        for name, held in sorted(earlier.items()):
+            if mentioned is None or name in mentioned:
+                continue  # a record that cannot be read may name them: left for gc
+            orphaned = tuple(sorted(held - named.get(name, set())))
+            if orphaned:
+                out.append((self.store.show(name), keep, orphaned))
+        return out
 
     def remove(self, retired: list[Any], *, stacklevel: int) -> list[Path | str]:
-        """Delete the retired attempts' objects that no remaining record names; the rest
-        is left for gc."""
-        for url, keep in retired:
+        """Delete the retired attempts' objects that no remaining record names, and the
+        objects of earlier attempts only the retired records named; the rest is left for
+        gc. Returns the retired steps' URLs."""
+        for url, keep, objects in retired:
+            rel = url[len(self.store.url) + 1 :]
             with contextlib.suppress(OSError, RemoteError):  # else left for gc: no record
-                remove_attempt(self.store, url[len(self.store.url) + 1 :], keep)
-        return [url for url, _ in retired]
+                if objects is None:
+                    remove_attempt(self.store, rel, keep)
+                else:
+                    self.store.rm_files(f"{rel}/{name}" for name in objects)
+        return [url for url, _, objects in retired if objects is None]
 
     def gc(self, grace_period: float | None, *, stacklevel: int) -> list[Path | str]:
         """Delete attempt prefixes that no commit record names and that nothing has written
