@@ -234,3 +234,35 @@ def test_json_types_need_no_pickle(fc: FixtureCase, tmp_path: Path) -> None:
     else:  # tensordict 0.14 knows no json_types.json: it would have to unpickle
         with pytest.raises(RuntimeError, match="Refusing to load pickled"):
             TensorDict.load_memmap(prefix, allow_pickle=False)
+
+
+def test_a_refusal_under_robust_key_true_points_to_the_same_report_and_the_way_out(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint of raw key names (0.8.3, a key holding '/') refused under the default
+    robust_key=True: the message sent the user to `tdckpt validate <prefix>`, which reads
+    with the detected encoding and said ok. It now gives the same policy to validate, and
+    says that such a checkpoint reads with robust_key=None."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    from tdckpt.errors import ValidationError
+
+    prefix = copy_case(tmp_path, "0.8.3", "odd_nested__default")
+    with pytest.raises(ValidationError) as info:
+        tdckpt.load_memmap(prefix)
+    message = str(info.value)
+    assert f"tdckpt validate {prefix} --robust-key true" in message
+    assert "reads with robust_key=None (detected) or False" in message
+    out = subprocess.run(
+        [sys.executable, "-m", "tdckpt", "validate", str(prefix), "--robust-key", "true"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr  # the same refusal, as the hint says
+    with pytest.warns(TdckptWarning, match="had already lost some content"):
+        assert tdckpt.load_memmap(prefix, robust_key=None) is not None

@@ -80,13 +80,24 @@ def _swapped(prefix: str | os.PathLike[str] | Storage, before: _Identity | None)
     return now is not None and now != before
 
 
-def _format_errors(opened: OpenedCheckpoint) -> str:
+def _format_errors(opened: OpenedCheckpoint, robust_key: bool | None = None) -> str:
     errs = opened.errors
     shown = "\n".join(f"  - {p}" for p in errs[:20])
     more = f"\n  ... and {len(errs) - 20} more" if len(errs) > 20 else ""
+    # the report of the same read: validate with the key-encoding policy this read used
+    flag = "" if robust_key is None else f" --robust-key {str(robust_key).lower()}"
+    missing = any(p.code.startswith("missing") for p in errs)
+    hint = (
+        " This read took key names as percent-encoded (robust_key=True, tensordict's "
+        "current names): a checkpoint written with raw key names (older releases) keeps "
+        "its levels under those names, and reads with robust_key=None (detected) or False."
+        if robust_key is True and missing
+        else ""
+    )
     return (
         f"{opened.prefix}: cannot restore, the checkpoint has {len(errs)} problem(s); nothing "
-        f"was changed:\n{shown}{more}\nRun `tdckpt validate {opened.prefix}` for the full report."
+        f"was changed:\n{shown}{more}\nRun `tdckpt validate {opened.prefix}{flag}` for the "
+        f"full report.{hint}"
     )
 
 
@@ -167,7 +178,9 @@ def _open_valid(
     if opened.root is None or (opened.problems and opened.errors):
         opened.close()
         raise ValidationError(
-            _format_errors(opened), report=opened.validation_report(), prefix=opened.prefix
+            _format_errors(opened, robust_key),
+            report=opened.validation_report(),
+            prefix=opened.prefix,
         )
     return opened
 
