@@ -691,3 +691,23 @@ def test_restore_r_plus_never_writes_through_a_symlinked_folder(tmp_path: Path) 
     ):
         mgr.restore(2, mode="r+")
     assert {p.name: (os.stat(p).st_ino, os.stat(p).st_mode) for p in outside.iterdir()} == before
+
+
+def test_a_refused_r_plus_restore_leaves_the_steps_sharing_intact(tmp_path: Path) -> None:
+    """A mode='r+' restore gives a step's shared files private copies before it maps them;
+    it did so before validating, so a step then refused (a leaf deleted) had already lost
+    its sharing - 'nothing was changed' was not true. The step is validated first."""
+    from tdckpt.errors import ValidationError
+
+    td = _state()
+    with CheckpointManager(tmp_path, incremental=True, fsync=False) as mgr:
+        mgr.save(1, td)
+        two = mgr.save(2, td)
+        (two / "w3.memmap").unlink()
+        before = {p.name: (_ino(p), os.stat(p).st_nlink) for p in two.glob("*.memmap")}
+        with pytest.raises(ValidationError, match="nothing was changed"):
+            mgr.restore(2, mode="r+")
+        with pytest.raises(ValidationError, match="nothing was changed"):
+            mgr.restore_into(td.clone(), 2, mode="r+")
+        assert {p.name: (_ino(p), os.stat(p).st_nlink) for p in two.glob("*.memmap")} == before
+        assert _ino(two / "w0.memmap") == _ino(mgr.path(1) / "w0.memmap")

@@ -274,6 +274,12 @@ class StepReader:
         with self._pins.pinned(step) as record:
             if verify and not self._store.capabilities.verifies_reads:
                 self.verified(record.step, record.where, record.manifest)
+            if writes and self._store.capabilities.file_backed:
+                # validated before the store gives the step's shared files private copies:
+                # a step refused (every problem listed) is left exactly as it was
+                from tdckpt._restore.reading import admit
+
+                admit(record.where, robust_key=True, manifest_checked=True).close()
             with self._store.open(record, writes=writes) as path:
                 yield record, path
 
