@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,6 +30,7 @@ from tdckpt._remote.layout import (
     ObjectRecord,
     attempt_name,
     commit_name,
+    parse_attempt,
 )
 from tdckpt._remote.store import Store
 from tdckpt.errors import TdckptError
@@ -37,6 +38,7 @@ from tdckpt.errors import TdckptError
 __all__ = [
     "Protected",
     "mentioned_attempts",
+    "orphaned_objects",
     "protected",
     "referenced_objects",
     "remove_attempt",
@@ -147,6 +149,39 @@ def protected(
             return named, None  # unreadable: it might name anything
         mentioned |= mentioned_attempts(raw)
     return named, mentioned
+
+
+def orphaned_objects(
+    retired: Iterable[Any],
+    own: Collection[str],
+    remaining: dict[int, CommitRecord],
+    keep: Protected,
+) -> list[tuple[str, tuple[str, ...]]]:
+    """``(attempt, object names)`` of earlier attempts whose objects only the ``retired``
+    commit records (their own attempts ``own``) named: an incremental record names objects
+    of an earlier step's attempt, which stay while a record names them. Attempts of the
+    ``remaining`` records, and any a record that cannot be read may name, are left alone."""
+    live = {attempt_name(s, r.attempt) for s, r in remaining.items()}
+    earlier: dict[str, set[str]] = {}
+    for record in retired:
+        for obj in getattr(record, "objects", ()):
+            prefix = obj.prefix
+            if (
+                prefix
+                and prefix not in live
+                and prefix not in own
+                and parse_attempt(prefix) is not None
+            ):
+                earlier.setdefault(prefix, set()).add(obj.name)
+    named, mentioned = keep
+    out = []
+    for name, held in sorted(earlier.items()):
+        if mentioned is None or name in mentioned:
+            continue  # a record that cannot be read may name them: left for gc
+        orphaned = tuple(sorted(held - named.get(name, set())))
+        if orphaned:
+            out.append((name, orphaned))
+    return out
 
 
 def remove_attempt(store: Store, name: str, keep: Protected) -> bool:

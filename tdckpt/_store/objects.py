@@ -41,7 +41,7 @@ from tdckpt._read.object_open import open_step_storage
 from tdckpt._read.object_storage import ObjectStorage
 from tdckpt._remote import layout
 from tdckpt._remote.lease import DEFAULT_TTL_S, Lease
-from tdckpt._remote.shared import Protected, protected, remove_attempt
+from tdckpt._remote.shared import Protected, orphaned_objects, protected, remove_attempt
 from tdckpt._remote.store import Store, mtime, open_store, shorten
 from tdckpt._store.base import Attempt, Capabilities, StepRecord
 from tdckpt.errors import (
@@ -414,29 +414,12 @@ class ObjectStepStore:
         out: list[tuple[str, Protected, tuple[str, ...] | None]] = [
             (str(record.where), keep, None) for record in records
         ]
-        # An incremental step names objects of earlier attempts: once those steps were
-        # retired, these records may be the last to name some of them. Those objects go too
-        # (by name: no listing) - else they stayed until someone ran gc.
-        live = {layout.attempt_name(s, r.attempt) for s, r in remaining.items()}
-        own = {str(record.where)[len(self.store.url) + 1 :] for record in records}
-        earlier: dict[str, set[str]] = {}
-        for record in records:
-            for obj in getattr(record.handle, "objects", ()):
-                prefix = obj.prefix
-                if (
-                    prefix
-                    and prefix not in live
-                    and prefix not in own
-                    and layout.parse_attempt(prefix) is not None
-                ):
-                    earlier.setdefault(prefix, set()).add(obj.name)
-        named, mentioned = keep
-        for name, held in sorted(earlier.items()):
-            if mentioned is None or name in mentioned:
-                continue  # a record that cannot be read may name them: left for gc
-            orphaned = tuple(sorted(held - named.get(name, set())))
-            if orphaned:
-                out.append((self.store.show(name), keep, orphaned))
+        # An incremental step names objects of earlier attempts: these records may be the
+        # last to name some of them, which go too (by name) - else they stayed until gc.
+        own = [str(record.where)[len(self.store.url) + 1 :] for record in records]
+        handles = [record.handle for record in records]
+        for name, orphaned in orphaned_objects(handles, own, remaining, keep):
+            out.append((self.store.show(name), keep, orphaned))
         return out
 
     def remove(self, retired: list[Any], *, stacklevel: int) -> list[Path | str]:
