@@ -572,13 +572,12 @@ class CheckpointManager:
                 before the commit).
             LockError: another writer holds the root.
             tdckpt.errors.UnsupportedContentError: ``state`` holds what the format cannot
-                store (every such key is listed); nothing was staged or written.
+                store (every such key is listed); nothing was staged or written. In a
+                collective manager this and the next refusal of one rank's own state or
+                metadata come from every rank's ``result()`` instead (as from
+                :meth:`save`, through the protocol): a rank that skipped the save would
+                take the ranks' collectives out of step.
             MetadataError: ``metadata`` is not plain JSON data.
-
-            In a collective manager these two refusals of one rank's own state or metadata
-            come from every rank's ``result()`` instead (as from :meth:`save`, through the
-            protocol): a rank that skipped the save would take the ranks' collectives out
-            of step.
 
         Example:
             >>> import tempfile, torch
