@@ -7,8 +7,9 @@ JSON data (int vs str keys, tuples and non-finite floats kept), a pickle only fo
 is not data (listed in the manifest, loaded only when allowed), written beside its final
 name, synced and renamed into place (a crash never leaves half a checkpoint under the
 name). ``ModelCheckpoint``'s ``.ckpt`` names are kept: by default each is one ``.tdz``-format
-file (``archive=True``), which ``tdckpt inspect`` / ``verify`` / ``diff`` and plain
-tensordict (``TensorDict.load_memmap``) read; ``archive=False`` writes a folder instead.
+file (``archive=True``), which ``tdckpt inspect`` / ``validate`` / ``diff`` / ``export``
+and plain tensordict (``TensorDict.load_memmap``) read; ``archive=False`` writes a folder
+instead.
 
 Loading checks the whole checkpoint first (every file, shape and checksum of a folder's
 manifest... see :func:`tdckpt.load_memmap`) and gives back the dict Lightning saved, its

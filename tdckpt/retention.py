@@ -4,7 +4,9 @@ A policy is any object with ``select_to_keep(steps) -> set[int]`` (the
 :class:`RetentionPolicy` protocol). It sees every committed step, oldest first, and names the
 ones to keep; the manager deletes the others. Policies compose with :class:`AnyOf` or ``|``::
 
-    from tdckpt.retention import KeepBest, KeepEvery, KeepLast
+    from tdckpt.retention import (
+        KeepBest, KeepEvery, KeepEverySeconds, KeepLast, KeepYoungerThan,
+    )
     policy = KeepLast(3) | KeepEvery(10_000) | KeepBest(2, "val_loss")
     policy = KeepLast(3) | KeepEverySeconds(3600) | KeepYoungerThan(86400)
 

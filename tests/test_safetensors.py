@@ -140,8 +140,12 @@ def test_loaded_tensors_are_private_views_of_one_mapping(tmp_path: Path) -> None
 
 
 def test_what_safetensors_cannot_hold_is_refused_or_skipped(tmp_path: Path) -> None:
-    with pytest.raises(UnsupportedContentError, match=r"'a\.b'.*would not read back"):
-        tdckpt.export_safetensors({"a.b": torch.zeros(1)}, tmp_path / "x.safetensors")
+    with pytest.raises(UnsupportedContentError, match=r"'a\.b' is also the name"):
+        tdckpt.export_safetensors(
+            {"a.b": torch.zeros(1), "a": {"b": torch.ones(1)}}, tmp_path / "x.safetensors"
+        )
+    with pytest.raises(UnsupportedContentError, match=r"a key part is empty"):
+        tdckpt.export_safetensors({"": torch.zeros(1)}, tmp_path / "x.safetensors")
     nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged)
     with pytest.raises(UnsupportedContentError, match="dense tensors only"):
         tdckpt.export_safetensors({"n": nested}, tmp_path / "x.safetensors")
@@ -353,3 +357,16 @@ def test_an_export_to_a_missing_folder_or_over_a_folder_names_the_output(tmp_pat
     assert (tmp_path / "notes").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors", "notes"]
     assert not any((tmp_path / "d.safetensors").iterdir())
+
+
+def test_a_module_state_dict_exports_under_its_own_dotted_names(tmp_path: Path) -> None:
+    """A state_dict's keys hold dots ("0.weight"): exported as they are, the names Hugging
+    Face uses (the export refused every module's state_dict before); read back flat they
+    are the same names."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    report = tdckpt.export_safetensors(model.state_dict(), tmp_path / "m.safetensors")
+    assert sorted(report.tensors) == sorted(model.state_dict())
+    ref = load_file(tmp_path / "m.safetensors")
+    back = tdckpt.load_safetensors(tmp_path / "m.safetensors", nested=False)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(ref[name], tensor) and torch.equal(back[name], tensor)

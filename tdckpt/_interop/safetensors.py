@@ -9,9 +9,12 @@ files load with ``safetensors.torch.load_file``, and Hugging Face's sharded layo
 
 * :func:`export_safetensors`: a checkpoint prefix (any tensordict release), a TensorDict or
   a nested mapping of tensors to one file or a folder of shards. Nested keys are joined with
-  ``.``; a tensor that is the same tensor as an earlier one (tied weights) is written once
-  and recorded in the header's ``__metadata__`` (``tdckpt.tied``), which :func:`load_safetensors`
-  reads back as one tensor again. Files are written beside their final name, synced and
+  ``.`` and a key holding dots (a module's ``state_dict``: ``"0.weight"``) is written as it
+  is, as Hugging Face names weights (``load_safetensors(nested=False)`` gives those names
+  back; ``nested=True`` splits them at the dots); a tensor that is the same tensor as an
+  earlier one (tied weights) is written once and recorded in the header's ``__metadata__``
+  (``tdckpt.tied``), which :func:`load_safetensors` reads back as one tensor again. Files are
+  written beside their final name, synced and
   renamed into place, from the tensors' own memory (:mod:`~tdckpt._interop.safetensors_write`).
 * :func:`load_safetensors` (:mod:`~tdckpt._interop.safetensors_read`, re-exported here):
   one file or a folder (with or without an index) into a TensorDict (a nested dict without
@@ -109,9 +112,9 @@ def export_safetensors(
         fsync: make every file durable before it is renamed into place.
 
     Raises:
-        tdckpt.errors.UnsupportedContentError: a key holds a ``.`` (it would not read back
-            as the same key), a tensor is not on the CPU or not dense, or a dtype safetensors
-            does not have.
+        tdckpt.errors.UnsupportedContentError: two keys make one name (``{"a.b": x}``
+            beside ``{"a": {"b": y}}``, or ``1`` beside ``"1"``), a key part is empty, a
+            tensor is not on the CPU or not dense, or a dtype safetensors does not have.
         tdckpt.errors.CheckpointExistsError: a file exists and ``overwrite`` is False.
 
     Example:
@@ -228,11 +231,8 @@ def _flatten_source(source: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
     bad: list[str] = []
     named: set[str] = set()
     for key, value in _walk(source, ()):
-        if any("." in part or not part for part in key):
-            bad.append(
-                f"{key!r}: a key part holds '.' or is empty, so the dotted name "
-                f"{'.'.join(key)!r} would not read back as this key"
-            )
+        if not all(key):
+            bad.append(f"{key!r}: a key part is empty, so the name {'.'.join(key)!r} has no key")
             continue
         name = ".".join(key)
         if name in named:
