@@ -172,6 +172,21 @@ class LeafExtent(VFile):
     __hash__ = None  # type: ignore[assignment]  # as VFile's: mutable, compared by value
 
 
+def _error(
+    where: str, key: str, what: str, cls: type[MetadataError] = MetadataError
+) -> MetadataError:
+    """The error for ``what`` at ``key`` of the file ``where``: damage (MetadataError), or
+    content tdckpt does not restore (UnsupportedFormatError, whose ``what`` says what to do)."""
+    shown = f"{where} (key {key!r})" if key else where
+    tail = (
+        "A file written by tensordict's consolidate(filename=...) never holds this: it "
+        "is damaged, truncated or hostile. Re-create it from the original tensordict."
+        if cls is MetadataError
+        else "Nothing was restored."
+    )
+    return cls(f"{shown}: {what}. {tail}", path=where, key=key)
+
+
 def parse_consolidated(raw: Any, data_size: int, where: str) -> Parsed:
     """Check the parsed metadata ``raw`` of a file with ``data_size`` bytes of leaves.
 
@@ -191,23 +206,17 @@ class _Parser:
         self.leaf_columns: list[tuple[list[str], list[int], list[int]]] = []
         #: every level's leaf entries, checked as they come (byte ranges kept for the
         #: overlap check once every level is in)
-        self.entries = LeafEntries(data_size, self.fail)
+        # (a function of ``where``, not the bound ``self.fail``: a cycle between the two
+        # would keep the whole parse - every node - alive until the collector runs)
+        self.entries = LeafEntries(data_size, functools.partial(_error, where))
         self.count = 0
         #: whether the nodes built along the way are the whole validated tree
         self.simple = True
         self.runs: dict[int, Run] = {}
 
     def fail(self, key: str, what: str, cls: type[MetadataError] = MetadataError) -> MetadataError:
-        """The error for ``what`` at ``key``: damage (MetadataError), or content tdckpt does
-        not restore (UnsupportedFormatError, whose ``what`` says what to do)."""
-        shown = f"{self.where} (key {key!r})" if key else self.where
-        tail = (
-            "A file written by tensordict's consolidate(filename=...) never holds this: it "
-            "is damaged, truncated or hostile. Re-create it from the original tensordict."
-            if cls is MetadataError
-            else "Nothing was restored."
-        )
-        return cls(f"{shown}: {what}. {tail}", path=self.where, key=key)
+        """The error for ``what`` at ``key`` (:func:`_error`)."""
+        return _error(self.where, key, what, cls)
 
     def parse(self, raw: Any) -> Parsed:
         _type, root = self.level(raw, "", (), 0)
