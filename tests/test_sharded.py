@@ -431,3 +431,26 @@ def test_a_lazy_stack_along_dim_0_with_uneven_shards_is_refused_before_the_commi
     write_sharded(tmp_path / "even", 1, [lazy(0, 4), lazy(4, 8)])
     with CheckpointManager(tmp_path / "even", group=False) as mgr:
         assert mgr.restore(1)["x"][:, 0].tolist() == [float(i) for i in range(8)]
+
+
+def test_a_sharded_selective_restore_in_place_keeps_what_a_pattern_only_reaches_below(
+    tmp_path: Path,
+) -> None:
+    """keys='*.x' reaches below every top-level name: a target leaf it selects nothing under
+    was reported missing (a strict restore refused); it stays, as for a plain step."""
+    from _shard_local import write_sharded
+    from tensordict import TensorDict
+
+    def shard(a: int, b: int) -> Any:
+        rows = torch.arange(a, b, dtype=torch.float32)
+        return TensorDict(a=rows, m=TensorDict(x=rows, batch_size=[b - a]), batch_size=[b - a])
+
+    write_sharded(tmp_path / "root", 1, [shard(0, 3), shard(3, 5)])
+    target = TensorDict(
+        a=torch.full((5,), -1.0), m=TensorDict(x=torch.zeros(5), batch_size=[5]), batch_size=[5]
+    )
+    with CheckpointManager(tmp_path / "root", group=False) as mgr:
+        _, report = mgr.restore_into(target, keys="*.x", report=True)
+    assert report.missing == []
+    assert target["a"].tolist() == [-1.0] * 5
+    assert target["m", "x"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]

@@ -273,7 +273,7 @@ def prune(
     if pruned is None:  # nothing selected: an empty level of the same kind
         pruned = _emptied(root)
         if in_place and isinstance(pruned, TensorDictNode):
-            pruned = dataclasses.replace(pruned, keep=_keeper(selection, ()))
+            pruned = dataclasses.replace(pruned, keep=Keeper(selection, ()))
     return pruned, report
 
 
@@ -307,7 +307,7 @@ def _prune(
                 entries[name] = kept
         if not entries and not selection.selects(key) and key:
             return None
-        keep = _keeper(selection, key) if in_place else None
+        keep = Keeper(selection, key) if in_place else None
         return dataclasses.replace(node, entries=entries, keep=keep)
     if isinstance(node, LazyStackNode):
         kept_members = [_prune(m, key, selection, report, used, in_place) for m in node.members]
@@ -355,10 +355,6 @@ class Keeper:
 
     def child(self, name: str) -> Keeper:
         return Keeper(self.selection, (*self.key, name))
-
-
-def _keeper(selection: Selection, key: Key) -> Keeper:
-    return Keeper(selection, key)
 
 
 def _mark(key: Key, selection: Selection, used: set[Key]) -> None:

@@ -366,7 +366,7 @@ def _check_target(
     have, saved = _keys(td), _keys(part)
     missing, unexpected = sorted(have - saved), sorted(saved - have)
     if selection is not None:
-        missing = [k for k in missing if selection.touches(k)]
+        missing = [k for k in missing if selection.selects(k)]  # (as keys.selected_difference)
         if report is not None:
             report.missing = [*report.missing, *missing]
             report.unexpected = unexpected

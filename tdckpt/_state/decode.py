@@ -17,6 +17,7 @@ import torch
 
 from tdckpt._read.state_structure import structure_problem
 from tdckpt._state.encode import PICKLED, STRUCTURE_KEY
+from tdckpt._state.rng import MT_WORDS
 from tdckpt.errors import RestoreError
 from tdckpt.schema import StateRecord
 
@@ -182,15 +183,10 @@ class _Decoder:
         )
 
 
-#: Words of an MT19937 key, and the largest position in it (NumPy checks neither, and
-#: reads out of bounds past them).
-_MT_WORDS = 624
-
-
 def _mt19937_problem(key: Any, pos: Any) -> str | None:
     """What is wrong with an MT19937 state's key and position, as NumPy would use them."""
-    if type(pos) is not int or not 0 <= pos <= _MT_WORDS:
-        return f"position {pos!r:.40} (expected an int in 0..{_MT_WORDS})"
+    if type(pos) is not int or not 0 <= pos <= MT_WORDS:
+        return f"position {pos!r:.40} (expected an int in 0..{MT_WORDS})"
     size = getattr(key, "shape", None)
     length = (
         int(size[0])
@@ -199,8 +195,8 @@ def _mt19937_problem(key: Any, pos: Any) -> str | None:
         if isinstance(key, list)
         else None
     )
-    if length != _MT_WORDS:
-        return f"key of {length if length is not None else 'no'} words (expected {_MT_WORDS})"
+    if length != MT_WORDS:
+        return f"key of {length if length is not None else 'no'} words (expected {MT_WORDS})"
     return None
 
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["RandomState"]
+__all__ = ["MT_WORDS", "RandomState"]
 
 #: MT19937's state words (Python's and NumPy's generators).
-_MT_WORDS = 624
+MT_WORDS = 624
 
 
 def _numpy() -> Any:
@@ -164,7 +164,7 @@ def _python_problems(python: Any) -> list[str]:
     gauss = python.get("gauss")
     if gauss is not None and type(gauss) is not float:
         problems.append(f"'python.gauss' is {gauss!r:.40}, expected None or a float")
-    more, words = _words(python.get("state"), "python.state", _MT_WORDS + 1)
+    more, words = _words(python.get("state"), "python.state", MT_WORDS + 1)
     problems += more
     if words:
         bad = [i for i, w in enumerate(words[:-1]) if not 0 <= w < 2**32]
@@ -172,8 +172,8 @@ def _python_problems(python: Any) -> list[str]:
             problems.append(
                 f"'python.state' holds {len(bad)} words outside 0..2**32-1 (first at {bad[0]})"
             )
-        if not 0 <= words[-1] <= _MT_WORDS:
-            problems.append(f"'python.state' ends with index {words[-1]}, expected 0..{_MT_WORDS}")
+        if not 0 <= words[-1] <= MT_WORDS:
+            problems.append(f"'python.state' ends with index {words[-1]}, expected 0..{MT_WORDS}")
     if not problems:
         try:
             random.Random().setstate((version, tuple(words), gauss))
@@ -203,7 +203,7 @@ def _numpy_problems(numpy_state: Any) -> list[str]:
     problems = []
     if numpy_state.get("kind") != "MT19937":
         problems.append(f"'numpy.kind' is {numpy_state.get('kind')!r:.40}, expected 'MT19937'")
-    more, keys = _words(numpy_state.get("keys"), "numpy.keys", _MT_WORDS)
+    more, keys = _words(numpy_state.get("keys"), "numpy.keys", MT_WORDS)
     problems += more
     bad = [i for i, w in enumerate(keys) if not 0 <= w < 2**32]
     if bad:
@@ -211,8 +211,8 @@ def _numpy_problems(numpy_state: Any) -> list[str]:
             f"'numpy.keys' holds {len(bad)} values outside 0..2**32-1 (first at {bad[0]})"
         )
     pos: Any = numpy_state.get("pos")
-    if not _is_int(pos) or not 0 <= pos <= _MT_WORDS:
-        problems.append(f"'numpy.pos' is {pos!r:.40}, expected an int in 0..{_MT_WORDS}")
+    if not _is_int(pos) or not 0 <= pos <= MT_WORDS:
+        problems.append(f"'numpy.pos' is {pos!r:.40}, expected an int in 0..{MT_WORDS}")
     has_gauss = numpy_state.get("has_gauss")
     if not _is_int(has_gauss) or has_gauss not in (0, 1):
         problems.append(f"'numpy.has_gauss' is {has_gauss!r:.40}, expected 0 or 1")

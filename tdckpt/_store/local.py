@@ -120,7 +120,7 @@ class LocalStepStore:
 
     def records(self) -> dict[int, StepRecord]:
         """Committed steps: step-named entries holding a valid manifest (of a step that is
-        both a folder and an archive, the form this store writes: :func:`preferred`)."""
+        both a folder and an archive, the newer: :func:`_newest`)."""
         out = self._records_once()
         for _ in range(_EMPTY_RESCANS):
             if out or not self.root.is_dir():
@@ -132,18 +132,21 @@ class LocalStepStore:
         return out
 
     def _records_once(self) -> dict[int, StepRecord]:
-        out: dict[int, StepRecord] = {}
+        return {
+            step: _newest(valid, archive=self.archive)
+            for step, valid in self._committed_forms().items()
+        }
+
+    def _committed_forms(self) -> dict[int, dict[str, StepRecord]]:
+        """step -> kind -> record of every step-named entry holding a valid manifest."""
+        out: dict[int, dict[str, StepRecord]] = {}
         for step, forms in self.entries().items():
-            valid: dict[str, StepRecord] = {}
             for kind, path in forms.items():
                 try:
-                    valid[kind] = StepRecord(step, path, self._index.manifest(path, kind))
+                    record = StepRecord(step, path, self._index.manifest(path, kind))
                 except MetadataError:
                     continue
-            if len(valid) > 1:
-                out[step] = _newest(valid, archive=self.archive)
-            elif valid:
-                out[step] = next(iter(valid.values()))
+                out.setdefault(step, {})[kind] = record
         return out
 
     def resolve(self, step: int | None) -> StepRecord:
@@ -432,19 +435,15 @@ class LocalStepStore:
         form, interrupted before it removed the old one: every reader reads the newer)."""
         removed: list[Path | str] = []
         now = time.time()
-        older = []
-        for step, record in self._records_once().items():
-            for path in self.entries().get(step, {}).values():
-                if path != Path(record.where):
-                    older.append((step, path))
+        older = [
+            (step, Path(record.where))
+            for step, valid in self._committed_forms().items()
+            if len(valid) > 1
+            for record in valid.values()
+            if record is not _newest(valid, archive=self.archive)
+        ]  # (only valid forms: a form whose manifest cannot be read is never removed)
         if older:
-            for path, aside in self._retire_paths(older):
-                try:
-                    _atomic.remove_retired(aside)
-                except OSError as exc:
-                    _warn_not_removed(aside, exc, stacklevel=stacklevel + 1)
-                    continue
-                removed.append(path)
+            removed += self.remove(self._retire_paths(older), stacklevel=stacklevel + 1)
         for name in sorted(os.listdir(self.root)):
             if _atomic.is_tmp_name(name) and _older(self.root / name, now, grace_period):
                 try:
@@ -483,9 +482,12 @@ class LocalStepStore:
 
 
 def _newest(forms: dict[str, StepRecord], *, archive: bool) -> StepRecord:
-    """Of a step committed both as a folder and as an archive (an overwrite that changed the
-    form, interrupted before it removed the old one), the one saved last - the same for
-    every reader, whatever form its manager writes; the manager's own form on a tie."""
+    """The record of a step's valid forms to read: its only one, or, of a step committed
+    both as a folder and as an archive (an overwrite that changed the form, interrupted
+    before it removed the old one), the one saved last - the same for every reader,
+    whatever form its manager writes; the manager's own form on a tie."""
+    if len(forms) == 1:
+        return next(iter(forms.values()))
 
     def created(record: StepRecord) -> float:
         try:

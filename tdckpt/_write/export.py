@@ -304,29 +304,18 @@ def _holds_checkpoint_metadata(folder: Path) -> bool:
     old tensordict's ``meta.pt``, or a ``meta.json`` that is a tensordict level's (a file
     of that name holding anything else - a dataset's description - is not one)."""
     from tdckpt._read.detect import level_kind
-    from tdckpt._read.storage import MAX_JSON_BYTES, parse_json
+    from tdckpt._read.directory import DirectoryStorage
 
     for name in (MANIFEST_NAME, "meta.pt"):
         with contextlib.suppress(OSError):
             if stat.S_ISREG(os.lstat(folder / name).st_mode):
                 return True
-    try:
-        fd = os.open(
-            folder / "meta.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        )
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_JSON_BYTES:
+    # read as a restore reads it: no link followed, a regular file, bounded, parsed
+    with DirectoryStorage(folder) as storage:
+        try:
+            meta = storage.read_json("meta.json")
+        except (TdckptError, OSError):
             return False
-        data = os.read(fd, st.st_size + 1)
-    finally:
-        os.close(fd)
-    try:
-        meta = parse_json(data, where=str(folder / "meta.json"))
-    except TdckptError:
-        return False
     return isinstance(meta, dict) and level_kind(meta) != "unknown"
 
 
