@@ -710,7 +710,7 @@ MUTANTS: list[tuple[str, str, str, str, str]] = [
     (
         "G01",
         "tdckpt/_state/rng.py",
-        "if not _is_int(pos) or not 0 <= pos <= _MT_WORDS:",
+        "if not _is_int(pos) or not 0 <= pos <= MT_WORDS:",
         "if not _is_int(pos):",
         "NumPy pos range unchecked (out-of-bounds reads)",
     ),
