@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tdckpt._write.checksum import DIGEST_HEX_LENGTHS
+from tdckpt.errors import MetadataError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -63,6 +64,30 @@ FORMAT_VERSION = 1
 MANIFEST_SCHEMA_VERSION = 1
 #: The manifest's file name at the root of a prefix (tensordict ignores unlisted files).
 MANIFEST_NAME = "tdckpt.manifest.json"
+#: The most bytes a manifest (or an object-storage commit record) may have: readers refuse a
+#: larger one unread, so writers refuse to write one (:func:`manifest_bytes`).
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+
+def manifest_bytes(doc: Any, where: str, *, indent: int | None = 1) -> bytes:
+    """``doc`` as the JSON text of a manifest (or commit record) - refused when larger than a
+    reader accepts (:data:`MAX_MANIFEST_BYTES`), so that no step is committed that no reader
+    could list.
+
+    Raises:
+        MetadataError: naming ``where`` and the size, before anything is committed.
+    """
+    data = (json.dumps(doc, indent=indent, allow_nan=False) + "\n").encode("utf-8")
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise MetadataError(
+            f"{where}: the step's manifest would be {len(data)} bytes, more than the "
+            f"{MAX_MANIFEST_BYTES} a reader accepts, so nothing was committed (a step already "
+            "saved there is kept). Its metadata is most of it when it holds large values: "
+            "save those as tensors of the step instead.",
+            path=where,
+        )
+    return data
+
 
 #: Upper bound for one dimension: shapes are int64 in torch.
 _MAX_DIM = 2**62

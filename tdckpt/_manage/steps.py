@@ -25,12 +25,12 @@ from pydantic import ValidationError
 
 from tdckpt._shard.manifest import parse_step_manifest
 from tdckpt.errors import MetadataError
-from tdckpt.schema import MANIFEST_NAME, Manifest, explain
+from tdckpt.schema import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, explain
 
 __all__ = ["StepIndex", "StepStatus", "preferred"]
 
-#: Manifests larger than this are refused (bounded parsing).
-_MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+#: Manifests larger than this are refused (bounded parsing; writers never write one).
+_MAX_MANIFEST_BYTES = MAX_MANIFEST_BYTES
 
 #: What zipfile raises on a damaged or hostile archive besides BadZipFile: an encrypted
 #: entry (RuntimeError), an unknown method (NotImplementedError), bad compressed data

@@ -27,7 +27,7 @@ from tdckpt._report import ProblemKind, VerifyProblem
 from tdckpt._write import atomic as _atomic
 from tdckpt._write.checksum import CHUNK_BYTES, new_hasher
 from tdckpt._write.incremental import note_verified
-from tdckpt.schema import MANIFEST_NAME, LeafChecksumRecord, Manifest
+from tdckpt.schema import MANIFEST_NAME, MAX_MANIFEST_BYTES, LeafChecksumRecord, Manifest
 
 __all__ = [
     "Progress",
@@ -326,7 +326,7 @@ def _verify_dir(
 
 
 #: The most bytes of a shard's manifest read to name its changed leaves.
-_MAX_SHARD_MANIFEST = 256 << 20
+_MAX_SHARD_MANIFEST = MAX_MANIFEST_BYTES
 
 
 def _changed_shard_leaves(path: Path, rel: str) -> list[VerifyProblem]:

@@ -55,6 +55,7 @@ from tdckpt.errors import (
     UnsafePathError,
 )
 from tdckpt.schema import MANIFEST_NAME
+from tdckpt.schema import MAX_MANIFEST_BYTES as _MAX_MANIFEST
 
 if TYPE_CHECKING:
     from tdckpt._remote.store import Store
@@ -70,7 +71,7 @@ BATCH_RANGES = 1024
 #: small files costs one request, not one per file); the bytes between are dropped.
 MERGE_GAP = 64 << 10
 #: Largest manifest read at a plain prefix (a commit record's own cap).
-MAX_MANIFEST_BYTES = 256 << 20
+MAX_MANIFEST_BYTES = _MAX_MANIFEST
 
 
 @dataclass(frozen=True)

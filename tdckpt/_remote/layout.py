@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tdckpt.errors import MetadataError
-from tdckpt.schema import MANIFEST_NAME, Manifest
+from tdckpt.schema import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, manifest_bytes
 
 __all__ = [
     "COMMIT_SUFFIX",
@@ -52,7 +52,7 @@ PACK_FILE_MAX = 1 << 20
 #: A pack object is closed once it reaches this size.
 PACK_TARGET = 16 << 20
 #: Largest commit record read (it holds the manifest: ~200 bytes per file).
-MAX_RECORD_BYTES = 256 << 20
+MAX_RECORD_BYTES = MAX_MANIFEST_BYTES
 
 _COMMIT = re.compile(r"^(0|[1-9][0-9]{0,3999})" + re.escape(COMMIT_SUFFIX) + r"$")
 _ATTEMPT = re.compile(r"^(0|[1-9][0-9]{0,3999})\.attempt-([0-9a-f]{32})$")
@@ -156,12 +156,14 @@ class CommitRecord(_Model):
             raise ValueError(f"the manifest is step {self.manifest.step}, the record {self.step}")
         return self
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, where: str) -> bytes:
+        """The record's JSON text; MetadataError naming ``where`` (its URL) when larger than a
+        reader accepts (:func:`tdckpt.schema.manifest_bytes`)."""
         raw = self.model_dump(mode="json")
         for obj in raw["objects"]:  # version 1 records carry no "prefix": readable by all
             if obj.get("prefix") is None:
                 obj.pop("prefix", None)
-        return (json.dumps(raw, allow_nan=False) + "\n").encode()
+        return manifest_bytes(raw, where, indent=None)
 
     def object_path(self, index: int) -> str:
         """Where object ``index`` lies, relative to the root: ``<attempt prefix>/data-N``."""

@@ -7,12 +7,12 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from tdckpt.schema import MANIFEST_NAME, ShardedManifest
+from tdckpt.schema import MANIFEST_NAME, MAX_MANIFEST_BYTES, ShardedManifest
 
 __all__ = ["describe_sharded", "shard_summary"]
 
 #: Step manifests larger than this are not inspected here (the step index caps them too).
-_MAX_BYTES = 256 * 1024 * 1024
+_MAX_BYTES = MAX_MANIFEST_BYTES
 
 
 def describe_sharded(prefix: str | os.PathLike[str]) -> dict[str, Any] | None:

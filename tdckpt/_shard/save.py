@@ -29,7 +29,6 @@ the manager.
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from collections.abc import Callable, Iterable
@@ -50,7 +49,7 @@ from tdckpt.errors import (
     TdckptError,
     UnsupportedContentError,
 )
-from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest
+from tdckpt.schema import MANIFEST_NAME, Manifest, ShardedManifest, manifest_bytes
 
 __all__ = ["collective_save", "fault_point", "split_shard"]
 
@@ -298,9 +297,9 @@ def shard_bases(steps: ShardSteps) -> dict[str, Any]:
 
 def write_step_manifest(staging: Path, manifest: ShardedManifest, *, fsync: bool) -> None:
     """Write the step manifest into ``staging``: a temporary file, fsync, ``os.replace``."""
-    text = json.dumps(step_document(manifest), indent=1, allow_nan=False) + "\n"
+    data = manifest_bytes(step_document(manifest), str(staging / MANIFEST_NAME))
     tmp = staging / f".{MANIFEST_NAME}.{uuid.uuid4().hex}.tmp"
-    write_small(tmp, text.encode("utf-8"), fsync=fsync)
+    write_small(tmp, data, fsync=fsync)
     os.replace(tmp, staging / MANIFEST_NAME)
     if fsync:
         _atomic.fsync_dir(staging)

@@ -371,9 +371,14 @@ class ObjectStepStore:
         assert isinstance(record, layout.CommitRecord), "commit() before write()"
         commit = layout.commit_name(step)
         check_uploaded(self.store, prefix, record.objects, attempt.listed)
+        try:
+            data = record.to_bytes(self.store.show(commit))
+        except MetadataError:  # larger than a reader accepts: never committed
+            self.abort(attempt)
+            raise
         self.lock()  # LockError if another writer took the root meanwhile
         try:
-            self.store.create(commit, record.to_bytes())
+            self.store.create(commit, data)
         except FileExistsError:
             self.abort(attempt)
             raise CommitConflictError(

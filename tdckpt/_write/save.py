@@ -53,9 +53,11 @@ from tdckpt.schema import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     MANIFEST_SCHEMA_VERSION,
+    MAX_MANIFEST_BYTES,
     Manifest,
     StateRecord,
     WriterVersions,
+    manifest_bytes,
 )
 
 __all__ = [
@@ -146,6 +148,16 @@ def check_json_data(value: Any, *, where: str = "metadata") -> None:
                 f"(dict with str keys, list, str, int, finite float, bool, None): {hint}.",
                 path=path,
             )
+    # A manifest holds the value (as ASCII JSON, at least this long): one larger than any
+    # reader accepts would make a step saved but never listed.
+    size = len(json.dumps(value, allow_nan=False))
+    if size > MAX_MANIFEST_BYTES:
+        raise MetadataError(
+            f"{where}: {size} bytes as JSON, more than the {MAX_MANIFEST_BYTES} a step's "
+            "manifest may hold (readers refuse a larger one). Keep large values out of "
+            "metadata: save them as tensors of the step.",
+            path=where,
+        )
 
 
 def _check_text(text: str, path: str, what: str) -> None:
@@ -380,9 +392,9 @@ def write_checkpoint(
 def write_manifest_last(dest: Path, manifest: Manifest, *, fsync: bool) -> None:
     """Write ``manifest`` into ``dest`` as its last file - its presence means every other
     file is complete - then make the folder's entries durable."""
-    text = json.dumps(manifest.model_dump(mode="json"), indent=1, allow_nan=False) + "\n"
+    data = manifest_bytes(manifest.model_dump(mode="json"), str(dest / MANIFEST_NAME))
     # through the module: the crash tests make this write fail
-    _writer.write_small(dest / MANIFEST_NAME, text.encode("utf-8"), fsync=fsync)
+    _writer.write_small(dest / MANIFEST_NAME, data, fsync=fsync)
     if fsync:
         from tdckpt._write.atomic import fsync_dir
 
