@@ -20,8 +20,9 @@ from _remote_fixtures import _timeout, moto_s3  # noqa: F401
 from tensordict import TensorDict
 
 import tdckpt
+import tdckpt.schema
 from tdckpt import CheckpointManager, KeepLast
-from tdckpt.errors import CheckpointNotFoundError, RestoreError
+from tdckpt.errors import CheckpointNotFoundError, MetadataError, RestoreError
 from tdckpt.warnings import TdckptDeprecationWarning
 
 
@@ -193,3 +194,68 @@ def test_the_seam_adds_no_request_to_object_storage() -> None:
             before = mgr.store.calls
             call()
             assert mgr.store.calls - before <= most[name], (name, mgr.store.calls - before)
+
+
+# -- parity found by a red-team review: nothing a reader refuses is committed; copies --
+
+
+def _local(kind: dict[str, Any]) -> bool:
+    return "archive" in kind  # the fixture's local roots (folders of steps or archives)
+
+
+def _replacing(kind: dict[str, Any]) -> dict[str, Any]:
+    """``overwrite=True`` where the store can replace a step (a local root); object storage
+    refuses it (no atomic swap), so there the same step number is saved afresh."""
+    return {"overwrite": True} if _local(kind) else {}
+
+
+def test_metadata_larger_than_a_manifest_is_refused_before_anything_is_written(
+    root: dict[str, Any],
+) -> None:
+    # 257 MiB of metadata: the step would be saved but never listed (every reader refuses
+    # a manifest that large); with overwrite=True it replaced the good step.
+    with CheckpointManager(**root) as mgr:
+        mgr.save(1, _td(1.0))
+        step = 1 if _local(root) else 2
+        with pytest.raises(MetadataError, match="more than the 268435456 a step's manifest"):
+            mgr.save(step, _td(2.0), metadata={"s": "x" * (257 << 20)}, **_replacing(root))
+        assert mgr.steps() == [1]
+        assert torch.equal(mgr.restore(1)["model", "w"], torch.full((3,), 1.0))
+
+
+def test_a_manifest_over_the_cap_is_never_committed(
+    root: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Metadata small enough on its own, a manifest (or commit record) that is not: the
+    # writer refuses before the commit, and the step it would have replaced stays.
+    with CheckpointManager(**root) as mgr:
+        mgr.save(1, _td(1.0))
+        monkeypatch.setattr(tdckpt.schema, "MAX_MANIFEST_BYTES", 3000)
+        if _local(root):
+            with pytest.raises(MetadataError, match=r"would be [0-9]+ bytes, more than the 3000"):
+                mgr.save(1, _td(2.0), metadata={"pad": "y" * 3000}, overwrite=True)
+        with pytest.raises(MetadataError, match=r"would be [0-9]+ bytes, .*nothing was committed"):
+            mgr.save(2, _td(2.0), metadata={"pad": "y" * 3000})
+        with pytest.raises(MetadataError, match="nothing was committed"):
+            mgr.save_async(3, _td(3.0), metadata={"pad": "y" * 3000}).result()
+        monkeypatch.undo()
+        assert mgr.steps() == [1]
+        assert mgr.list_steps()[0].status == "committed"
+        assert torch.equal(mgr.restore(1)["model", "w"], torch.full((3,), 1.0))
+        assert mgr.gc(grace_period=0) == []  # the refused attempts left nothing behind
+
+
+def test_list_steps_metadata_is_the_callers_own(root: dict[str, Any]) -> None:
+    # On local roots list_steps() handed out the manager's cached nested values: editing
+    # them changed what metadata() and best_step() answered for the rest of its life.
+    with CheckpointManager(**root) as mgr:
+        saved = [{"loss": 1.0, "m": {"acc": 0.5}}, {"loss": 2.0, "m": {"acc": 0.7}}]
+        for step, metadata in enumerate(saved, 1):
+            mgr.save(step, _td(step), metadata=metadata)
+        mgr.list_steps()[0].metadata["m"]["acc"] = 9.0
+        mgr.list_steps()[1].metadata["loss"] = 0.1
+        mgr.metadata(2)["m"]["acc"] = 0.1
+        assert [mgr.metadata(1), mgr.metadata(2)] == saved
+        assert mgr.best_step("loss") == 1
+        assert [s.metadata for s in mgr.list_steps()] == saved

@@ -12,6 +12,7 @@ a step an interrupted overwrite had set aside. Exclusive writing: the root's flo
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 import time
@@ -224,7 +225,7 @@ class LocalStepStore:
                         format_version=manifest.format_version,
                         key_encoding=manifest.key_encoding,
                         created=manifest.created,
-                        metadata=dict(manifest.user_metadata),
+                        metadata=copy.deepcopy(manifest.user_metadata),
                         detail=shard_summary(manifest)
                         if isinstance(manifest, ShardedManifest)
                         else None,
