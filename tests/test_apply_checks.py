@@ -24,6 +24,7 @@ from tensordict import (
     NonTensorData,
     TensorDict,
     TensorDictBase,
+    TensorDictParams,
     is_tensorclass,
 )
 from tensordict.tensorclass import MetaData, NonTensorDataBase
@@ -312,3 +313,79 @@ def test_strict_restore_into_a_stack_whose_members_hold_different_keys(tmp_path:
         mgr.restore_into(other)
     assert info.value.missing == [("s", "1", "w")] and info.value.unexpected == [("s", "1", "y")]
     assert state(other) == before
+
+
+def test_a_nested_lazy_stack_along_another_dim_is_replaced(tmp_path: Path) -> None:
+    # As one of another length: the target's stack cannot take the saved one (it was
+    # refused with a message naming no fix, while another length was replaced).
+    members = [TensorDict(x=torch.full((2, 2), 1.0), batch_size=[2, 2]) for _ in range(2)]
+    prefix = _saved(
+        tmp_path, TensorDict(s=LazyStackedTensorDict(*members, stack_dim=2), batch_size=[2])
+    )
+    mine = LazyStackedTensorDict(
+        *[TensorDict(x=torch.zeros(2, 2), batch_size=[2, 2]) for _ in range(2)], stack_dim=1
+    )
+    target = TensorDict(s=mine, batch_size=[2])
+    tdckpt.load_memmap_(target, prefix)
+    assert target["s"] is not mine and target["s"].stack_dim == 2
+    assert target["s"]["x"].tolist() == torch.ones(2, 2, 2).tolist()
+
+
+# -- found by a red-team review: what tensordict's own load_memmap_ gives (or refuses) ------
+
+
+def test_a_level_new_to_a_named_target_takes_its_names(tmp_path: Path) -> None:
+    saved = TensorDict(
+        a=torch.ones(3, 2),
+        n=TensorDict(x=torch.ones(3, 2, 5), batch_size=[3, 2]),
+        batch_size=[3, 2],
+    )
+    prefix = _saved(tmp_path, saved)
+    target = TensorDict(a=torch.zeros(3, 2), batch_size=[3, 2], names=["time", "env"])
+    tdckpt.load_memmap_(target, prefix)
+    assert target["n"].names == ["time", "env"] and target[0]["n"].names == ["env"]
+
+
+def test_a_level_whose_saved_names_disagree_is_refused(tmp_path: Path) -> None:
+    child = TensorDict(x=torch.ones(3, 2, 5), batch_size=[3, 2, 5], names=["p", "q", "r"])
+    prefix = tmp_path / "ckpt"  # tdckpt.save records names (tensordict 0.14's memmap does not)
+    tdckpt.save(TensorDict(a=torch.ones(3, 2), n=child, batch_size=[3, 2]), prefix)
+    target = TensorDict(a=torch.zeros(3, 2), batch_size=[3, 2], names=["time", "env"])
+    _refused(target, prefix, r"names dim 0 'p', the target names it 'time'.*td.rename_")
+
+
+def test_a_level_locked_on_its_own_is_refused(tmp_path: Path) -> None:
+    # td["n"].memmap_() locks "n" only: the commit (which unlocks a locked root) wrote
+    # through its lock, leaving a locked level holding an unlocked new child.
+    saved = TensorDict(
+        n=TensorDict(
+            b=torch.ones(3), m=TensorDict(q=torch.ones(3), batch_size=[3]), batch_size=[3]
+        ),
+        batch_size=[3],
+    )
+    prefix = _saved(tmp_path, saved)
+    target = TensorDict(n=TensorDict(b=torch.zeros(3), batch_size=[3]), batch_size=[3])
+    target["n"].memmap_(tmp_path / "own-n")
+    _refused(target, prefix, r"at 'n' is locked \(memory-mapped on its own\).*unlock_")
+    target["n"].unlock_()
+    tdckpt.load_memmap_(target, prefix)
+    assert target["n", "m", "q"].tolist() == [1.0] * 3
+
+
+def test_a_wrapper_target_is_refused_with_the_way_to_copy_in(tmp_path: Path) -> None:
+    prefix = _saved(tmp_path, TensorDict(a=torch.ones(2), batch_size=[2]))
+    params = TensorDictParams(TensorDict(a=torch.zeros(2), batch_size=[2]))
+    before = params["a"]
+    with pytest.raises(RestoreError, match=r"TensorDictParams.*params.data.update_\(tdckpt"):
+        tdckpt.load_memmap_(params, prefix)
+    assert params["a"] is before and before.tolist() == [0.0, 0.0]
+    params.data.update_(tdckpt.load_memmap(prefix))  # the fix the message gives works
+    assert params["a"].tolist() == [1.0, 1.0] and isinstance(params["a"], torch.nn.Parameter)
+
+
+def test_non_tensor_data_new_to_the_target_takes_the_saved_level_device(tmp_path: Path) -> None:
+    prefix = _saved(tmp_path, TensorDict(s=NonTensorData("hi", batch_size=[3]), batch_size=[3]))
+    expected = TensorDict.load_memmap(prefix).get("s").device
+    for target in (TensorDict(batch_size=[3]), TensorDict(s=torch.zeros(3), batch_size=[3])):
+        tdckpt.load_memmap_(target, prefix)
+        assert target.get("s").device == expected == torch.device("cpu")

@@ -82,6 +82,9 @@ class Preparer:
         #: object reached twice (two keys holding the same sub-tensordict, a lazy stack
         #: holding one member twice, a level that contains itself) is refused.
         self.claimed: dict[int, tuple[str, ...]] = {}
+        #: whether the target's root is locked (then a memory-mapped one, which the commit
+        #: unlocks and locks again with every level below it)
+        self.root_locked = False
 
     def where(self, node: Node) -> str:
         return self.opened.storage.display(node.path)
@@ -154,13 +157,17 @@ class Preparer:
             if len(members) != len(node.members):
                 raise RestoreError(
                     f"{self.where(node)}: cannot load {len(node.members)} stacked tensordicts "
-                    f"into a stack of {len(members)}.",
+                    f"into a stack of {len(members)} (tensordict refuses it too); nothing was "
+                    f"changed. Restore into a stack of {len(node.members)}, or use "
+                    "tdckpt.load_memmap to get a new one.",
                     key=node.key,
                 )
             if target.stack_dim != node.stack_dim:
                 raise RestoreError(
-                    f"{self.where(node)}: saved stack_dim {node.stack_dim}, target stack_dim "
-                    f"{target.stack_dim}.",
+                    f"{self.where(node)}: the checkpoint stacks its {len(node.members)} "
+                    f"tensordicts along dim {node.stack_dim}, the target's lazy stack along dim "
+                    f"{target.stack_dim}; nothing was changed. Restore into a stack along dim "
+                    f"{node.stack_dim}, or use tdckpt.load_memmap to get a new one.",
                     key=node.key,
                 )
             for member, sub in zip(members, node.members, strict=True):
@@ -398,15 +405,80 @@ class Preparer:
             found=list(shape),
         )
 
+    def _wrapper_refusal(self, target: Any, node: TensorDictNode) -> str:
+        """Why a tensordict that wraps another (TensorDictParams) cannot be restored into."""
+        fix = (
+            "its leaves are parameters, which a restore would replace by plain tensors. Load "
+            "the values and copy them in: `params.data.update_(tdckpt.load_memmap(prefix))`"
+            if type(target).__name__ == "TensorDictParams"
+            else "load it with tdckpt.load_memmap and copy the values in (`td.update_(...)`)"
+        )
+        return (
+            f"{self.where(node)}: the target is a {kind_name(target)}, a wrapper that holds no "
+            f"entries of its own, so nothing can be restored into it in place: {fix}. Nothing "
+            "was changed."
+        )
+
+    def _level_device(self, node: TensorDictNode) -> torch.device | None:
+        """The device a non-tensor new to a level takes: the target's (its leaves are moved
+        there), else the saved level's when it is the CPU's (tensordict's loader gives a
+        NonTensorData its tensordict's device)."""
+        if self.mapper.device is not None:
+            return self.mapper.device
+        saved = node.device
+        return torch.device("cpu") if saved is not None and saved.startswith("cpu") else None
+
+    def _name_new(self, value: Any, sub: Node, names: list[str | None]) -> None:
+        """Give a level new to a named target the target's names for the dims they share, as
+        tensordict's ``set`` does; refuse saved names that disagree (tensordict refuses
+        them too: a parent and a child naming one dim differently)."""
+        inner = value._tensordict if is_tensorclass(value) else value
+        if not is_td(inner) or is_lazy_stack(inner) or not hasattr(inner, "_tensordict"):
+            return
+        nb = len(names)
+        own = list(inner.names)
+        clash = [
+            i
+            for i in range(min(nb, len(own)))
+            if own[i] is not None and names[i] is not None and own[i] != names[i]
+        ]
+        if clash:
+            i = clash[0]
+            raise RestoreError(
+                f"{self.where(sub)}: the saved level {'.'.join(sub.key)!r} names dim {i} "
+                f"{own[i]!r}, the target names it {names[i]!r}; nothing was changed (tensordict "
+                "refuses it too). Rename the target's dims to the saved ones "
+                f"(`td.rename_(*{own[:nb]!r})`), or use tdckpt.load_memmap.",
+                key=sub.key,
+            )
+        merged = [n if n is not None else own[i] for i, n in enumerate(names)] + own[nb:]
+        if merged != own:
+            inner.names = merged
+
     def _into_td(self, target: Any, node: TensorDictNode) -> None:
+        if not hasattr(target, "_tensordict"):
+            raise RestoreError(self._wrapper_refusal(target, node), key=node.key)
         if target.is_locked and not target.is_memmap():
             raise RestoreError(
                 f"{self.where(node)}: the target tensordict is locked (and not memory-mapped), "
                 "so it cannot take new values. Call `td.unlock_()` first.",
                 key=node.key,
             )
+        if target.is_locked and not self.root_locked:
+            # Locked on its own (td["n"].memmap_() locks "n" only): tensordict refuses to
+            # load into it, and the commit, which unlocks and relocks a locked root, would
+            # write through its lock.
+            at = ".".join(node.key) or "<root>"
+            raise RestoreError(
+                f"{self.where(node)}: the target's tensordict at {at!r} is locked (memory-mapped "
+                "on its own) while the target's root is not, so it cannot take new values "
+                "(tensordict refuses it too); nothing was changed. Unlock it first "
+                f"(`td[{at!r}].unlock_()`), or memory-map the whole target (`td.memmap_()`).",
+                key=node.key,
+            )
         batch = tuple(target.batch_size)
         nb = len(batch)
+        names = list(target.names) if target._has_names() else None
         new: dict[str, Any] = {}
         # The common case, kept lean: a leaf's shape is checked from the metadata, and the
         # level's leaves are mapped in one call once the loop is done.
@@ -444,10 +516,13 @@ class Preparer:
                     and is_tensorclass(existing)
                     and str(type(existing)) == sub.type_str
                 )
+                # (a nested lazy stack of another count or stack dim cannot take the saved
+                # one: it is replaced, as a leaf of another shape is)
                 or (
                     isinstance(sub, LazyStackNode)
                     and is_lazy_stack(existing)
                     and len(existing.tensordicts) == len(sub.members)
+                    and existing.stack_dim == sub.stack_dim
                 )
             )
             if reuse:
@@ -483,9 +558,11 @@ class Preparer:
                 self.plan.fields.append((existing, new_fields))
                 value = existing
             else:
-                value = self.builder.build(sub, node.batch_size)
+                value = self.builder.build(sub, node.batch_size, self._level_device(node))
                 if not isinstance(sub, NonTensorNode):
                     self.plan.non_tensors.extend(_built_non_tensors(value, sub))
+                    if names is not None:
+                        self._name_new(value, sub, names)
             vb = value_batch(value) if not isinstance(sub, NonTensorNode) else tuple(sub.batch_size)
             if vb is not None and vb[:nb] != batch:
                 self._batch_error(sub, vb, batch)

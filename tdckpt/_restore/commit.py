@@ -82,6 +82,8 @@ def restore_into_target(
     mapper = Mapper(opened.storage, mode, device)
     builder = builder_factory(opened, mapper, unpickle)
     prep = Preparer(opened, mapper, builder, unpickle)
+    holder = view_storage(inner)
+    prep.root_locked = bool(is_td(holder) and holder.is_locked)
     try:
         prep.into(target, root)
     except (TdckptError, MemoryError) as exc:
