@@ -543,6 +543,10 @@ def cmd_substitution(mgr: Any, rank: int, world: int, args: dict[str, Any]) -> A
         call("metadata_missing", lambda: m.metadata(7))
         call("gc_negative", lambda: m.gc(grace_period=-1))
         call("save_existing", lambda: m.save(3, _sub_td(2, rows)))
+        # a bad step argument: ValueError on every rank, as in one process (rank 1 raised
+        # RestoreError for rank 0's refusal)
+        call("restore_bad_step", lambda: m.restore(-1))
+        call("restore_into_bad_step", lambda: m.restore_into(target, step=True))
         out["steps_after"] = m.steps()
     return out
 

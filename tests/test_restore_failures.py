@@ -340,7 +340,10 @@ def test_lazy_stack_dim_mismatch(tmp_path: Path) -> None:
         *[TensorDict(x=torch.zeros(2, 1), batch_size=[2]) for _ in range(2)], stack_dim=1
     )
     before = capture(target, prefix)
-    with pytest.raises(RestoreError, match=r"stacks its 2 tensordicts along dim 0, the target's lazy stack along dim 1"):
+    with pytest.raises(
+        RestoreError,
+        match=r"stacks its 2 tensordicts along dim 0, the target's lazy stack along dim 1",
+    ):
         tdckpt.load_memmap_(target, prefix)
     assert_unchanged(target, before, prefix)
 

@@ -164,6 +164,9 @@ def test_every_public_method_on_a_two_rank_group(tmp_path: Path) -> None:
         assert kind == "CheckpointNotFoundError" and "step 7" in message, out["restore_missing"]
         kind, message = out["save_existing"]
         assert kind == "CheckpointExistsError" and "step 3 already exists" in message
+        for name in ("restore_bad_step", "restore_into_bad_step"):
+            kind, message = out[name]
+            assert kind == "ValueError" and "a step must be a non-negative int" in message, out
         assert out["steps_after"] == [3, 4]
     # outside the group the sharded steps restore whole, like any other root's
     with CheckpointManager(tmp_path / "root" / "sub") as mgr:

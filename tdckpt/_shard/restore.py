@@ -29,6 +29,7 @@ from tdckpt._shard.rows import (
     row_range,
 )
 from tdckpt._shard.steps import ShardSteps
+from tdckpt._write.atomic import check_step
 from tdckpt.errors import MetadataError, RestoreError
 from tdckpt.schema import Manifest, ShardedManifest
 
@@ -57,6 +58,10 @@ def _agreed_step(mgr: ShardSteps, step: int | None, agreed: int | str | None) ->
     group = mgr.group
     if group is None:
         return step
+    if step is not None:
+        # every rank refuses a bad step argument alike, with the class a single process
+        # raises (ValueError); after the agreement, so no rank is left waiting
+        check_step(step)
     if isinstance(agreed, str):
         if group.rank == 0:
             mgr.resolve(step)  # raise the real error here
